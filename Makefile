@@ -1,0 +1,52 @@
+# Two commands on a fresh machine (see README.md):
+#   make demo   - create .venv, install, train the demo job on a local Ray cluster
+#   make test   - create .venv, install, run every test tier that runs on this machine
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: venv demo test test-unit test-dist test-ray test-k8s lint docs-check bench clean
+
+venv: $(STAMP)
+
+# torch first, pinned: any looser spec pulls several GB of CUDA wheels on this kind of machine.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e ".[dev,k8s]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/rayzero demo
+
+lint: $(STAMP)
+	$(BIN)/lint-imports
+
+docs-check: $(STAMP)
+	$(BIN)/python -m rayzero.config.docs --check docs/config.md
+
+test: $(STAMP)
+	$(MAKE) lint docs-check
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test-unit: $(STAMP)
+	$(BIN)/python -m pytest -m unit $(PYTEST_ARGS)
+
+test-dist: $(STAMP)
+	$(BIN)/python -m pytest -m dist $(PYTEST_ARGS)
+
+test-ray: $(STAMP)
+	$(BIN)/python -m pytest -m ray $(PYTEST_ARGS)
+
+test-k8s: $(STAMP)
+	$(BIN)/python -m pytest -m k8s $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	DS_BUILD_OPS=0 $(BIN)/pip install -q -e ".[bench]"
+	$(BIN)/python bench/engine.py --quick --json bench/engine-quick.json
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,1 @@
+"""The RayZeroJob operator: reconciles RayZeroJob custom resources into KubeRay RayJobs."""

@@ -1,0 +1,48 @@
+"""rayzero: ZeRO stages 0-3 with CPU/NVMe offload on Ray, fault tolerant, on Kubernetes.
+
+The public names are imported lazily so that `import rayzero` stays cheap (no torch, no ray)
+for the CLI's config commands and for the operator.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it
+_LAZY = {
+    # configuration (rayzero.config)
+    "RayZeroConfig": "rayzero.config",
+    "ConfigError": "rayzero.config",
+    # the training-loop API, DeepSpeed's shapes (rayzero.engine)
+    "initialize": "rayzero.engine",
+    "init_distributed": "rayzero.engine",
+    "ZeroEngine": "rayzero.engine",
+    # the driver API, Ray Train's shapes (rayzero.driver)
+    "fit": "rayzero.driver",
+    "ScalingConfig": "rayzero.driver",
+    "RunConfig": "rayzero.driver",
+    "FailureConfig": "rayzero.driver",
+    "Result": "rayzero.driver",
+    "TrainingFailedError": "rayzero.driver",
+    # inside a train loop run by rayzero.fit (rayzero.workers)
+    "get_context": "rayzero.workers",
+    "report": "rayzero.workers",
+    "get_dataset_shard": "rayzero.workers",
+}
+# sub-modules reachable as attributes, e.g. rayzero.zero.GatheredParameters
+_SUBMODULES = {"zero": "rayzero.zero"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(_SUBMODULES[name])
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'rayzero' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + list(_LAZY) + list(_SUBMODULES))

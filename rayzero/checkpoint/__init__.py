@@ -1,0 +1,1 @@
+"""rayzero.checkpoint"""
