@@ -1,0 +1,224 @@
+"""Resolving "auto" values (as the HF Trainer DeepSpeed integration does) and deriving batch keys.
+
+Facts come from three places: the model's hidden size (bucket and persistence sizes), the world
+size (batch keys), and trainer arguments in HF `TrainingArguments` names (learning rate, batch size,
+precision, ...). Every value filled in leaves a note saying where it came from; an "auto" nothing
+resolves is a problem naming the key and the fact that would resolve it.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping, Optional
+
+from pydantic import Field, ValidationError
+
+from rayzero.config.base import AUTO, AutoBool, Bool, ConfigModel, Float, Int
+from rayzero.config.convert import to_problem
+from rayzero.config.errors import Problem
+from rayzero.config.model import RayZeroConfig
+
+
+class TrainerFacts(ConfigModel):
+    """Trainer arguments "auto" values are taken from (HF `TrainingArguments` names)."""
+
+    per_device_train_batch_size: Optional[Int] = Field(None, ge=1)
+    """Fills `train_micro_batch_size_per_gpu`."""
+    gradient_accumulation_steps: Optional[Int] = Field(None, ge=1)
+    """Fills `gradient_accumulation_steps`."""
+    max_grad_norm: Optional[Float] = Field(None, ge=0)
+    """Fills `gradient_clipping`."""
+    learning_rate: Optional[Float] = Field(None, ge=0)
+    """Fills `optimizer.params.lr` and `scheduler.params.warmup_max_lr`."""
+    adam_beta1: Optional[Float] = None
+    """Fills `optimizer.params.betas[0]`."""
+    adam_beta2: Optional[Float] = None
+    """Fills `optimizer.params.betas[1]`."""
+    adam_epsilon: Optional[Float] = None
+    """Fills `optimizer.params.eps`."""
+    weight_decay: Optional[Float] = None
+    """Fills `optimizer.params.weight_decay`."""
+    warmup_steps: Optional[Int] = Field(None, ge=0)
+    """Fills `scheduler.params.warmup_num_steps`."""
+    warmup_ratio: Optional[Float] = Field(None, ge=0, le=1)
+    """With `max_steps`, fills `scheduler.params.warmup_num_steps` when `warmup_steps` is not given."""
+    max_steps: Optional[Int] = Field(None, ge=1)
+    """Fills `scheduler.params.total_num_steps`."""
+    fp16: Optional[Bool] = None
+    """Fills `fp16.enabled` (and `amp.enabled` with the apex backend)."""
+    bf16: Optional[Bool] = None
+    """Fills `bf16.enabled`."""
+    fp16_opt_level: Optional[str] = None
+    """Fills `amp.opt_level`."""
+    half_precision_backend: Optional[str] = None
+    """`apex` makes `amp.enabled: auto` follow `fp16` (and then refused); anything else means fp16."""
+
+
+# key path -> what would resolve it (for the error when nothing does)
+_PROVIDERS = {
+    "reduce_bucket_size": "the model's hidden size (hidden_size=..., `--hidden-size H`)",
+    "stage3_prefetch_bucket_size": "the model's hidden size (hidden_size=..., `--hidden-size H`)",
+    "stage3_param_persistence_threshold": "the model's hidden size (hidden_size=..., `--hidden-size H`)",
+    "allgather_bucket_size": "the model's hidden size (hidden_size=..., `--hidden-size H`)",
+    "train_batch_size": "world_size (`--world-size N`) with the micro batch and accumulation steps",
+    "train_micro_batch_size_per_gpu": "trainer per_device_train_batch_size, or train_batch_size with world_size",
+    "gradient_accumulation_steps": "trainer gradient_accumulation_steps, or the other batch keys with world_size",
+}
+
+
+class _Resolver:
+    def __init__(self, notes: list[str]) -> None:
+        self.notes = notes
+
+    def fill(self, owner: Any, attr: str, path: str, value: Any, source: str) -> None:
+        """Set `owner.attr` to `value` if it is "auto" (owner is a model or a params dict)."""
+        if value is None:
+            return
+        current = owner.get(attr) if isinstance(owner, dict) else getattr(owner, attr)
+        if not (isinstance(current, str) and current == AUTO):
+            return
+        if isinstance(owner, dict):
+            owner[attr] = value
+        else:
+            setattr(owner, attr, value)
+        self.notes.append(f"auto: {path} = {value!r} from {source}")
+
+
+def resolve(
+    config: RayZeroConfig,
+    *,
+    world_size: int | None,
+    hidden_size: int | None,
+    trainer: Mapping[str, Any] | None,
+    allow_unresolved: bool,
+    notes: list[str],
+    problems: list[Problem],
+) -> None:
+    """Fill every "auto" the facts allow, derive the batch keys, and report the rest."""
+    facts = TrainerFacts()
+    if trainer is not None:
+        try:
+            facts = TrainerFacts.model_validate(dict(trainer))
+        except ValidationError as error:
+            problems.extend(to_problem(e, TrainerFacts, ("trainer",)) for e in error.errors(include_url=False))
+    if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1):
+        problems.append(Problem("world_size", world_size, "must be a positive integer", "pass the number of ranks"))
+        world_size = None
+    if hidden_size is not None and (isinstance(hidden_size, bool) or not isinstance(hidden_size, int) or hidden_size < 1):
+        problems.append(Problem("hidden_size", hidden_size, "must be a positive integer", "pass the model's hidden size"))
+        hidden_size = None
+    fill = _Resolver(notes).fill
+    zero = config.zero_optimization
+    if hidden_size is not None:
+        h = hidden_size
+        src = f"hidden_size={h}"
+        fill(zero, "reduce_bucket_size", "zero_optimization.reduce_bucket_size", h * h, f"{src} (h²)")
+        fill(zero, "allgather_bucket_size", "zero_optimization.allgather_bucket_size", h * h, f"{src} (h²)")
+        fill(zero, "prefetch_bucket_size", "zero_optimization.stage3_prefetch_bucket_size",
+             int(0.9 * h * h), f"{src} (0.9·h²)")
+        fill(zero, "param_persistence_threshold", "zero_optimization.stage3_param_persistence_threshold",
+             10 * h, f"{src} (10·h)")
+    _from_trainer(config, facts, fill)
+    if world_size is not None:
+        _derive_batch(config, world_size, notes, problems)
+    for path in config.unresolved_autos():
+        provider = _provider(path)
+        if allow_unresolved:
+            notes.append(f"auto: {path} is still \"auto\"; it needs {provider}")
+        else:
+            problems.append(Problem(path, AUTO, "\"auto\" cannot be resolved from the facts given",
+                                    f"give {provider}, or write a value"))
+
+
+def _provider(path: str) -> str:
+    key = path.rsplit(".", 1)[-1].split("[")[0]
+    if key in _PROVIDERS:
+        return _PROVIDERS[key]
+    if path == "optimizer.params.betas":
+        return "trainer arguments adam_beta1 and adam_beta2"
+    for name, field in TrainerFacts.model_fields.items():
+        if f"`{path}`" in (field.description or ""):
+            return f"trainer argument {name}"
+    return "a trainer argument for it (no rule resolves this key)"
+
+
+def _from_trainer(config: RayZeroConfig, facts: TrainerFacts, fill: Any) -> None:
+    trainer = "trainer "
+    fill(config, "train_micro_batch_size_per_gpu", "train_micro_batch_size_per_gpu",
+         facts.per_device_train_batch_size, trainer + "per_device_train_batch_size")
+    fill(config, "gradient_accumulation_steps", "gradient_accumulation_steps",
+         facts.gradient_accumulation_steps, trainer + "gradient_accumulation_steps")
+    fill(config, "gradient_clipping", "gradient_clipping", facts.max_grad_norm, trainer + "max_grad_norm")
+    if config.optimizer is not None:
+        params = config.optimizer.params
+        fill(params, "lr", "optimizer.params.lr", facts.learning_rate, trainer + "learning_rate")
+        if facts.adam_beta1 is not None and facts.adam_beta2 is not None:
+            fill(params, "betas", "optimizer.params.betas", [facts.adam_beta1, facts.adam_beta2],
+                 trainer + "adam_beta1, adam_beta2")
+        fill(params, "eps", "optimizer.params.eps", facts.adam_epsilon, trainer + "adam_epsilon")
+        fill(params, "weight_decay", "optimizer.params.weight_decay", facts.weight_decay, trainer + "weight_decay")
+    if config.scheduler is not None:
+        params = config.scheduler.params
+        # HF fills warmup_min_lr with 0 unconditionally: warm-up starts from zero.
+        fill(params, "warmup_min_lr", "scheduler.params.warmup_min_lr", 0, "the HF convention (warm up from 0)")
+        fill(params, "warmup_max_lr", "scheduler.params.warmup_max_lr", facts.learning_rate,
+             trainer + "learning_rate")
+        warmup = facts.warmup_steps
+        source = trainer + "warmup_steps"
+        if warmup is None and facts.warmup_ratio is not None and facts.max_steps is not None:
+            warmup, source = math.ceil(facts.warmup_ratio * facts.max_steps), trainer + "warmup_ratio × max_steps"
+        fill(params, "warmup_num_steps", "scheduler.params.warmup_num_steps", warmup, source)
+        fill(params, "total_num_steps", "scheduler.params.total_num_steps", facts.max_steps, trainer + "max_steps")
+    apex = (facts.half_precision_backend or "").lower() == "apex"
+    fill(config.fp16, "enabled", "fp16.enabled", None if facts.fp16 is None else facts.fp16 and not apex,
+         trainer + "fp16")
+    fill(config.bf16, "enabled", "bf16.enabled", facts.bf16, trainer + "bf16")
+    if config.amp is not None:
+        fill(config.amp, "enabled", "amp.enabled", None if facts.fp16 is None else facts.fp16 and apex,
+             trainer + "fp16 with half_precision_backend")
+        fill(config.amp, "opt_level", "amp.opt_level", facts.fp16_opt_level, trainer + "fp16_opt_level")
+
+
+def _derive_batch(config: RayZeroConfig, world: int, notes: list[str], problems: list[Problem]) -> None:
+    """DeepSpeed's rule: train_batch_size = micro × accumulation × world; derive the missing ones."""
+    names = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+    if any(getattr(config, name) == AUTO for name in names[1:]):
+        return  # an unresolved micro batch or accumulation is reported as an unresolved "auto"
+    total, micro, steps = (getattr(config, name) for name in names)
+    total = None if total == AUTO else total
+    src = f"world_size={world}"
+    if total is not None and micro is not None and steps is not None:
+        if total != micro * steps * world:
+            problems.append(Problem(
+                "train_batch_size", total,
+                f"must equal train_micro_batch_size_per_gpu × gradient_accumulation_steps × world size "
+                f"= {micro} × {steps} × {world} = {micro * steps * world}",
+                "fix one of the three, or drop train_batch_size and let rayzero derive it"))
+        return
+    if total is None and micro is None:
+        problems.append(Problem("train_batch_size", None,
+                                "either train_batch_size or train_micro_batch_size_per_gpu is required",
+                                "set train_micro_batch_size_per_gpu (samples per rank per forward)"))
+        return
+    if total is None:
+        steps = steps or 1
+        derived = {"train_batch_size": micro * steps * world, "gradient_accumulation_steps": steps}
+        rule = f"micro {micro} × gas {steps} × {src}"
+    else:
+        divisor = (micro or 1) * world if micro is not None else (steps or 1) * world
+        quotient, rest = divmod(total, divisor)
+        if rest or quotient < 1:
+            known = f"micro {micro}" if micro is not None else f"gas {steps or 1}"
+            problems.append(Problem(
+                "train_batch_size", total, f"is not a whole multiple of {known} × {src} = {divisor}",
+                f"make train_batch_size a multiple of {divisor}, or change the world size"))
+            return
+        if micro is None:
+            derived = {"train_micro_batch_size_per_gpu": quotient, "gradient_accumulation_steps": steps or 1}
+            rule = f"train_batch_size {total} ÷ (gas {steps or 1} × {src})"
+        else:
+            derived = {"gradient_accumulation_steps": quotient}
+            rule = f"train_batch_size {total} ÷ (micro {micro} × {src})"
+    for name, value in derived.items():
+        if getattr(config, name) in (None, AUTO):
+            setattr(config, name, value)
+            notes.append(f"derived: {name} = {value} from {rule}")

@@ -1,0 +1,61 @@
+"""Problems found in a configuration, and the one exception that carries all of them.
+
+A `ConfigError` is raised once per load with *every* problem found, so a user fixes a file in one
+pass instead of one error per run (DeepSpeed stops at the first one, or silently ignores it).
+"""
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with a configuration."""
+
+    path: str
+    """Dotted key path, e.g. `zero_optimization.offload_param.buffer_count`."""
+    value: Any
+    """The offending value as the user wrote it (or `None` when a key is missing)."""
+    rule: str
+    """What the value breaks, in words."""
+    fix: str = ""
+    """What to do about it; names the nearest valid key for a typo."""
+
+    def __str__(self) -> str:
+        where = self.path or "<top level>"
+        text = f"{where} = {self.value!r}: {self.rule}"
+        return f"{text}. Fix: {self.fix}" if self.fix else text
+
+
+class ConfigError(ValueError):
+    """A configuration was rejected; `problems` lists every reason found."""
+
+    def __init__(self, problems: Iterable[Problem], source: str = "config") -> None:
+        self.problems: list[Problem] = list(problems)
+        self.source = source
+        lines = [f"{len(self.problems)} problem(s) in {source}:"]
+        lines += [f"  - {problem}" for problem in self.problems]
+        super().__init__("\n".join(lines))
+
+    def __reduce__(self):  # survives pickling across Ray actors
+        return (type(self), (self.problems, self.source))
+
+
+def nearest(key: str, candidates: Iterable[str]) -> str | None:
+    """The closest valid key to a misspelled one, or None when nothing is close."""
+    matches = difflib.get_close_matches(key, list(candidates), n=1, cutoff=0.6)
+    return matches[0] if matches else None
+
+
+def unknown_key_problem(path: str, key: str, value: Any, candidates: Iterable[str]) -> Problem:
+    """A `Problem` for a key that is not part of the schema, with the nearest valid key."""
+    candidates = sorted(set(candidates))
+    guess = nearest(key, candidates)
+    full = f"{path}.{key}" if path else key
+    if guess is not None:
+        fix = f"did you mean `{f'{path}.{guess}' if path else guess}`?"
+    else:
+        fix = "remove it; valid keys here: " + ", ".join(candidates)
+    return Problem(full, value, "unknown key", fix)

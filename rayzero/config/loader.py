@@ -1,0 +1,115 @@
+"""`load_config`: JSON file / dict / model in, one validated `RayZeroConfig` out, or one
+`ConfigError` listing every problem.
+
+Pipeline: read -> migrate deprecated keys -> pydantic validation (unknown keys, types, ranges) ->
+cross-field rules -> "auto" resolution and batch-size derivation. Later stages still run when an
+earlier one found problems (on the config minus the offending keys), so one run reports everything.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any, Mapping, Union
+
+from pydantic import ValidationError
+
+from rayzero.config.auto import resolve
+from rayzero.config.convert import to_problem
+from rayzero.config.errors import ConfigError, Problem
+from rayzero.config.migrate import migrate
+from rayzero.config.model import RayZeroConfig
+from rayzero.config.rules import check_rules
+
+logger = logging.getLogger("rayzero.config")
+
+Source = Union[str, Path, Mapping[str, Any], RayZeroConfig]
+
+
+def load_config(
+    source: Source,
+    *,
+    world_size: int | None = None,
+    hidden_size: int | None = None,
+    trainer: Mapping[str, Any] | None = None,
+    allow_unresolved: bool = False,
+) -> RayZeroConfig:
+    """Validate a DeepSpeed config and resolve what the given facts allow.
+
+    `source` is a path to a JSON file, a dict, or a `RayZeroConfig` (re-checked, e.g. to resolve
+    "auto" once the model's hidden size is known). `trainer` holds HF-Trainer-style arguments
+    (`per_device_train_batch_size`, `learning_rate`, ...) that "auto" values are taken from.
+    `allow_unresolved=True` keeps an "auto" that nothing resolves (with a note) instead of raising:
+    for a driver that validates before the model exists. Raises `ConfigError` with every problem.
+    """
+    name = str(source) if isinstance(source, (str, Path)) else "config"
+    notes: list[str] = []
+    problems: list[Problem] = []
+    raw = _read(source, name)
+    raw = migrate(raw, notes, problems)
+    config = _validate(raw, problems)
+    check_rules(config, notes, problems)
+    resolve(config, world_size=world_size, hidden_size=hidden_size, trainer=trainer,
+            allow_unresolved=allow_unresolved, notes=notes, problems=problems)
+    if problems:
+        raise ConfigError(problems, name)
+    for note in notes:
+        # resolutions are information; everything else (ignored, deprecated, unimplemented) warns
+        level = logging.INFO if note.startswith(("auto:", "derived:")) else logging.WARNING
+        logger.log(level, note)
+    config._notes = notes
+    return config
+
+
+def _read(source: Source, name: str) -> dict[str, Any]:
+    if isinstance(source, RayZeroConfig):
+        return source.to_deepspeed_dict()
+    if isinstance(source, Mapping):
+        return dict(source)
+    if not isinstance(source, (str, Path)):
+        raise ConfigError([Problem("", type(source).__name__, "a config is a JSON path, a dict or a RayZeroConfig",
+                                   "pass one of those")], name)
+    path = Path(source)
+    try:
+        text = path.read_text()
+    except OSError as error:
+        raise ConfigError([Problem("", str(path), f"cannot read the file ({error.strerror})",
+                                   "check the path")], name) from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ConfigError([Problem("", str(path), f"not valid JSON: {error.msg} at line {error.lineno} "
+                                   f"column {error.colno}", "fix the JSON syntax there")], name) from None
+    if not isinstance(data, dict):
+        raise ConfigError([Problem("", type(data).__name__, "the top level must be a JSON object",
+                                   "wrap the settings in { ... }")], name)
+    return data
+
+
+def _validate(raw: dict[str, Any], problems: list[Problem]) -> RayZeroConfig:
+    """Validate, converting every pydantic error; on errors, drop the offending keys and retry so
+    the later stages still see a config to check."""
+    for _ in range(5):
+        try:
+            return RayZeroConfig.model_validate(raw)
+        except ValidationError as error:
+            for item in error.errors(include_url=False):
+                problems.append(to_problem(item, RayZeroConfig))
+                _drop(raw, item["loc"], item["type"] == "missing")
+    return RayZeroConfig()
+
+
+def _drop(raw: Any, loc: tuple, whole_section: bool) -> None:
+    """Remove the key at `loc` (or, for a missing key, the section that lacks it)."""
+    loc = loc[:-1] if whole_section else loc
+    node = raw
+    for part in loc[:-1]:
+        try:
+            node = node[part]
+        except (KeyError, IndexError, TypeError):
+            return
+    if loc and isinstance(node, (dict, list)):
+        try:
+            del node[loc[-1]]
+        except (KeyError, IndexError, TypeError):
+            pass

@@ -1,0 +1,76 @@
+"""Deprecated and renamed DeepSpeed keys, rewritten to their replacements before validation.
+
+Each rewrite leaves a note ("... is deprecated; use ... instead") so users can update the file; a
+file that sets both the old and the new key to different values is an error, not a silent pick.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from rayzero.config.errors import Problem
+
+_ZERO = "zero_optimization"
+
+
+def _move(section: dict, old: str, new: str, path: str, notes: list[str], problems: list[Problem]) -> None:
+    """Rename `old` to `new` in `section`, refusing conflicting values."""
+    if old not in section:
+        return
+    value = section.pop(old)
+    where = f"{path}." if path else ""
+    if new in section and section[new] != value:
+        problems.append(
+            Problem(
+                f"{where}{old}", value, f"conflicts with `{where}{new}` = {section[new]!r}",
+                f"`{old}` is the deprecated name of `{new}`; keep only `{new}`",
+            )
+        )
+        return
+    section[new] = value
+    notes.append(f"deprecated: `{where}{old}` is the old name of `{where}{new}`; rename it (migrated)")
+
+
+def migrate(raw: dict[str, Any], notes: list[str], problems: list[Problem]) -> dict[str, Any]:
+    """A copy of `raw` with deprecated keys replaced; notes and problems are appended to."""
+    raw = copy.deepcopy(raw)
+    _move(raw, "bfloat16", "bf16", "", notes, problems)
+    aio = raw.get("aio")
+    if isinstance(aio, dict):
+        _move(aio, "thread_count", "intra_op_parallelism", "aio", notes, problems)
+    zero = raw.get(_ZERO)
+    if isinstance(zero, bool):
+        # DeepSpeed < 0.3 accepted `"zero_optimization": true` meaning stage 1.
+        notes.append(f"deprecated: `{_ZERO}: {str(zero).lower()}`; write `{_ZERO}: {{\"stage\": N}}` (migrated)")
+        raw[_ZERO] = {"stage": 1 if zero else 0}
+        return raw
+    if not isinstance(zero, dict):
+        return raw
+    _move(zero, "stage3_gather_fp16_weights_on_model_save", "stage3_gather_16bit_weights_on_model_save",
+          _ZERO, notes, problems)
+    pin = zero.pop("cpu_offload_use_pin_memory", None)
+    if pin is not None:
+        notes.append(
+            f"deprecated: `{_ZERO}.cpu_offload_use_pin_memory`; set `pin_memory` inside "
+            f"`offload_optimizer` / `offload_param` (migrated into the offload sections it enables)"
+        )
+    for old, new in (("cpu_offload", "offload_optimizer"), ("cpu_offload_param", "offload_param")):
+        if old not in zero:
+            continue
+        enabled = zero.pop(old)
+        replacement = {"device": "cpu", "pin_memory": bool(pin)} if enabled in (True, "true") else None
+        if enabled not in (True, False, "true", "false"):
+            problems.append(Problem(f"{_ZERO}.{old}", enabled, "expected true or false",
+                                    f"replace it with `{_ZERO}.{new}: {{\"device\": \"cpu\"}}`"))
+            continue
+        if new in zero and replacement is not None:
+            problems.append(Problem(f"{_ZERO}.{old}", enabled, f"conflicts with `{_ZERO}.{new}`",
+                                    f"`{old}` is deprecated; keep only `{new}`"))
+            continue
+        if replacement is not None:
+            zero[new] = replacement
+        notes.append(
+            f"deprecated: `{_ZERO}.{old}: {str(enabled).lower()}`; use `{_ZERO}.{new}` "
+            f"{{\"device\": \"cpu\"}} instead (migrated)"
+        )
+    return raw

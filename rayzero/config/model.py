@@ -1,0 +1,120 @@
+"""`RayZeroConfig`: the whole DeepSpeed JSON config as one validated model.
+
+[Note: config attribute names]
+Attribute names are DeepSpeed's own pydantic attribute names (`zero_optimization.prefetch_bucket_size`),
+and DeepSpeed's JSON keys are aliases where they differ (`stage3_prefetch_bucket_size`). Input accepts
+both; `to_deepspeed_dict()` writes DeepSpeed's JSON keys, so its output feeds DeepSpeed unchanged.
+Other layers read attributes; build instances with `load_config` (it migrates, checks cross-field
+rules and resolves "auto") rather than the constructor.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal, Optional
+
+from pydantic import Field, PrivateAttr
+
+from rayzero.config.base import AUTO, AutoNonNegativeFloat, AutoPositive, Bool, Int
+from rayzero.config.extras import UnimplementedSections
+from rayzero.config.sections import (
+    ActivationCheckpointingConfig,
+    AioConfig,
+    AmpConfig,
+    BF16Config,
+    CheckpointConfig,
+    ElasticityConfig,
+    FP16Config,
+    OptimizerConfig,
+    SchedulerConfig,
+)
+from rayzero.config.zero import ZeroConfig
+
+
+class RayZeroConfig(UnimplementedSections):
+    """A DeepSpeed-compatible training configuration."""
+
+    train_batch_size: Optional[AutoPositive] = None
+    """Global batch per optimizer step = micro batch × gradient accumulation × world size.
+    "auto" = derived from the other two and the world size."""
+    train_micro_batch_size_per_gpu: Optional[AutoPositive] = None
+    """Samples per rank per forward/backward. "auto" = the trainer's `per_device_train_batch_size`."""
+    gradient_accumulation_steps: Optional[AutoPositive] = None
+    """Micro batches accumulated per optimizer step. "auto" = the trainer's `gradient_accumulation_steps`."""
+    gradient_clipping: AutoNonNegativeFloat = 1.0
+    """Clip the global gradient norm to this (0 = off). 1.0 matches DeepSpeed 0.19's default.
+    "auto" = the trainer's `max_grad_norm`."""
+    steps_per_print: Optional[Int] = Field(10, ge=1)
+    """Log progress every this many optimizer steps."""
+    wall_clock_breakdown: Bool = False
+    """Time forward, backward and step separately and log them."""
+    optimizer: Optional[OptimizerConfig] = None
+    """The optimizer to build; absent = the one passed to `rayzero.initialize`."""
+    scheduler: Optional[SchedulerConfig] = None
+    """The learning-rate scheduler to build; absent = the one passed in, or none."""
+    fp16: FP16Config = Field(default_factory=FP16Config)
+    """fp16 mixed precision and loss scaling."""
+    bf16: BF16Config = Field(default_factory=BF16Config)
+    """bf16 mixed precision (`bfloat16` is accepted as its older name)."""
+    amp: Optional[AmpConfig] = None
+    """NVIDIA apex AMP: recognised, refused when enabled."""
+    communication_data_type: Optional[Literal["fp32", "fp16", "bf16"]] = None
+    """dtype of gradient reductions; unset = the compute dtype."""
+    zero_allow_untested_optimizer: Bool = False
+    """Allow a client optimizer that ZeRO was not tested with."""
+    zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
+    """ZeRO partitioning and offload."""
+    aio: AioConfig = Field(default_factory=AioConfig)
+    """Async I/O for NVMe offload."""
+    activation_checkpointing: ActivationCheckpointingConfig = Field(
+        default_factory=ActivationCheckpointingConfig
+    )
+    """Activation checkpointing options."""
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    """Checkpoint writing options."""
+    elasticity: ElasticityConfig = Field(default_factory=ElasticityConfig)
+    """DeepSpeed elasticity (recognised)."""
+
+    # Warnings and "auto" resolutions from load_config, for the CLI and logs; not configuration,
+    # so they are neither serialised nor compared.
+    _notes: list[str] = PrivateAttr(default_factory=list)
+
+    @property
+    def notes(self) -> list[str]:
+        """Every warning and resolution produced while loading, in order."""
+        return self._notes
+
+    @property
+    def compute_dtype(self) -> str:
+        """`fp16`, `bf16` or `fp32`: the dtype of forward/backward."""
+        if self.fp16.enabled is True:
+            return "fp16"
+        if self.bf16.enabled is True:
+            return "bf16"
+        return "fp32"
+
+    def to_deepspeed_dict(self) -> dict[str, Any]:
+        """The normalised config with DeepSpeed's JSON keys; `load_config` of it gives this config back."""
+        return self.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+    def unresolved_autos(self) -> list[str]:
+        """Dotted paths of values still "auto"."""
+        found: list[str] = []
+
+        def walk(node: Any, path: str) -> None:
+            if isinstance(node, dict):
+                for key, value in node.items():
+                    walk(value, f"{path}.{key}" if path else key)
+            elif isinstance(node, list):
+                for index, value in enumerate(node):
+                    walk(value, f"{path}[{index}]")
+            elif node == AUTO:
+                found.append(path)
+
+        walk(self.to_deepspeed_dict(), "")
+        return found
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, RayZeroConfig):
+            return NotImplemented
+        return self.to_deepspeed_dict() == other.to_deepspeed_dict()
+
+    __hash__ = None  # type: ignore[assignment]  # mutable model

@@ -1,0 +1,141 @@
+"""Cross-field rules: what no single field can check on its own.
+
+Errors go to `problems` (the load fails), warnings to `notes` (the load succeeds and says what it
+ignored). Rules read the validated model, so values are already normalised.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+from pydantic import BaseModel, ValidationError
+from pydantic.fields import FieldInfo
+
+from rayzero.config.base import NOT_STAGE3, STAGE3_ONLY, UNIMPLEMENTED
+from rayzero.config.convert import to_problem
+from rayzero.config.errors import Problem, nearest
+from rayzero.config.model import RayZeroConfig
+from rayzero.config.params import OPTIMIZER_PARAMS, RECOGNISED_OPTIMIZERS, SCHEDULER_PARAMS
+
+_ZERO = "zero_optimization"
+
+
+def check_rules(config: RayZeroConfig, notes: list[str], problems: list[Problem]) -> None:
+    """Append every cross-field error to `problems` and every warning to `notes`."""
+    _precision(config, problems)
+    _offload(config, problems)
+    _flagged_fields(config, notes)
+    _optimizer(config, notes, problems)
+    _scheduler(config, problems)
+
+
+def _precision(config: RayZeroConfig, problems: list[Problem]) -> None:
+    if config.amp is not None and config.amp.enabled is True:
+        problems.append(Problem(
+            "amp.enabled", True, "NVIDIA apex AMP is not supported by rayzero",
+            'use "fp16": {"enabled": true} (same dynamic loss scaling) or "bf16": {"enabled": true}, '
+            "and remove the amp section"))
+    if config.fp16.enabled is True and config.bf16.enabled is True:
+        problems.append(Problem(
+            "fp16.enabled", True, "fp16 and bf16 cannot both be enabled (bf16.enabled is true too)",
+            "set one of fp16.enabled / bf16.enabled to false"))
+
+
+def _offload(config: RayZeroConfig, problems: list[Problem]) -> None:
+    zero = config.zero_optimization
+    if zero.offload_param_device != "none" and zero.stage != 3:
+        problems.append(Problem(
+            f"{_ZERO}.offload_param.device", zero.offload_param_device,
+            f"parameter offload needs ZeRO stage 3 (stage is {zero.stage}): only stage 3 partitions parameters",
+            f'set "{_ZERO}.stage": 3, or remove offload_param (offload_optimizer works at stages 1-3)'))
+    if zero.offload_optimizer is not None and zero.offload_optimizer.ratio < 1.0 and zero.stage != 3:
+        problems.append(Problem(
+            f"{_ZERO}.offload_optimizer.ratio", zero.offload_optimizer.ratio,
+            f"partial optimizer offload (ratio < 1) needs ZeRO stage 3 (stage is {zero.stage})",
+            f'set "{_ZERO}.stage": 3, or set ratio to 1.0'))
+    for name in ("offload_param", "offload_optimizer"):
+        section = getattr(zero, name)
+        if section is not None and section.device.value == "nvme" and not section.nvme_path:
+            problems.append(Problem(
+                f"{_ZERO}.{name}.nvme_path", None, 'device "nvme" needs a directory for the swap files',
+                f'add "nvme_path": "/local_nvme" (a directory on a fast local NVMe drive) to {_ZERO}.{name}'))
+
+
+def _walk(model: BaseModel, path: str) -> Iterator[tuple[str, FieldInfo, Any]]:
+    """(JSON key path, field info, value) for every field, depth first."""
+    for name, field in type(model).model_fields.items():
+        value = getattr(model, name)
+        key = f"{path}.{field.alias or name}" if path else (field.alias or name)
+        yield key, field, value
+        if isinstance(value, BaseModel):
+            yield from _walk(value, key)
+
+
+def _is_default(field: FieldInfo, value: Any) -> bool:
+    default = field.get_default(call_default_factory=True)
+    if isinstance(value, BaseModel) and isinstance(default, BaseModel):
+        return value == default
+    return value == default or (value is None and default is None)
+
+
+def _flagged_fields(config: RayZeroConfig, notes: list[str]) -> None:
+    stage = config.zero_optimization.stage
+    for key, field, value in _walk(config, ""):
+        extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+        if not extra or _is_default(field, value):
+            continue
+        if extra.get(UNIMPLEMENTED):
+            notes.append(f"recognised but not implemented: `{key}` = {_short(value)} is accepted and ignored")
+        # offload_param and ratio below stage 3 are errors (see _offload), not warnings.
+        if extra.get(STAGE3_ONLY) and stage < 3 and not key.endswith(("offload_param", ".ratio")):
+            notes.append(f"ignored: `{key}` = {_short(value)} only applies to ZeRO stage 3 (stage is {stage})")
+        if extra.get(NOT_STAGE3) and stage == 3:
+            notes.append(f"ignored: `{key}` = {_short(value)} does not apply to ZeRO stage 3 "
+                         "(stage 3 gathers parameters with stage3_prefetch_bucket_size)")
+
+
+def _short(value: Any) -> str:
+    text = repr(value.value if hasattr(value, "value") else value)
+    if isinstance(value, BaseModel):
+        text = str(value.model_dump(mode="json", by_alias=True, exclude_defaults=True))
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _check_params(section: Any, model: type[BaseModel], path: str, problems: list[Problem]) -> None:
+    """Validate `section.params` against `model`; on success store the normalised params."""
+    try:
+        parsed = model.model_validate(section.params)
+    except ValidationError as error:
+        problems.extend(to_problem(item, model, (path, "params")) for item in error.errors(include_url=False))
+        return
+    section.params = parsed.model_dump(mode="json", by_alias=True, exclude_unset=True)
+
+
+def _optimizer(config: RayZeroConfig, notes: list[str], problems: list[Problem]) -> None:
+    if config.optimizer is None:
+        return
+    name = config.optimizer.type
+    model = OPTIMIZER_PARAMS.get(name.lower())
+    if model is not None:
+        _check_params(config.optimizer, model, "optimizer", problems)
+    elif name.lower() in RECOGNISED_OPTIMIZERS:
+        notes.append(f"recognised but not implemented: `optimizer.type` = {name!r}; rayzero builds "
+                     f"Adam, AdamW and SGD itself. Pass your own optimizer to rayzero.initialize instead")
+    else:
+        known = ["Adam", "AdamW", "SGD", *sorted(RECOGNISED_OPTIMIZERS)]
+        guess = nearest(name.lower(), [k.lower() for k in known])
+        fix = (f"did you mean {next(k for k in known if k.lower() == guess)!r}?" if guess
+               else "use Adam, AdamW or SGD, or pass an optimizer object to rayzero.initialize")
+        problems.append(Problem("optimizer.type", name, "unknown optimizer", fix))
+
+
+def _scheduler(config: RayZeroConfig, problems: list[Problem]) -> None:
+    if config.scheduler is None:
+        return
+    name = config.scheduler.type
+    model = SCHEDULER_PARAMS.get(name)
+    if model is None:
+        guess = nearest(name, list(SCHEDULER_PARAMS))
+        fix = f"did you mean {guess!r}?" if guess else f"use one of: {', '.join(SCHEDULER_PARAMS)}"
+        problems.append(Problem("scheduler.type", name, "unknown scheduler", fix))
+        return
+    _check_params(config.scheduler, model, "scheduler", problems)

@@ -1,0 +1,179 @@
+"""Top-level sections other than `zero_optimization`: precision, optimizer, scheduler, aio,
+activation checkpointing, checkpoint and elasticity.
+
+Attribute names and defaults follow DeepSpeed (runtime/precision_config.py, swap_tensor/aio_config.py,
+activation_checkpointing/config.py, checkpoint_engine config, elasticity/config.py).
+"""
+from __future__ import annotations
+
+from enum import Enum
+from typing import Any, Optional
+
+from pydantic import BeforeValidator, ConfigDict, Field
+from typing_extensions import Annotated
+
+from rayzero.config.base import (
+    UNIMPLEMENTED,
+    AutoBool,
+    Bool,
+    ConfigModel,
+    Float,
+    Int,
+)
+
+_TODO = {UNIMPLEMENTED: True}
+
+
+class FP16Config(ConfigModel):
+    """fp16 mixed precision with a dynamic (or static) loss scale; fp32 master weights always."""
+
+    enabled: AutoBool = False
+    """Compute in fp16. "auto" = the trainer's `fp16` argument."""
+    auto_cast: Bool = Field(False, json_schema_extra=_TODO)
+    """Cast inputs of the forward to fp16 automatically; recognised, not implemented."""
+    loss_scale: Float = Field(0.0, ge=0.0)
+    """0 = dynamic loss scaling; a positive value = that static loss scale."""
+    initial_scale_power: Int = Field(16, ge=0)
+    """Dynamic scaling starts at 2**initial_scale_power."""
+    loss_scale_window: Int = Field(1000, ge=1)
+    """Steps without overflow before the dynamic loss scale is doubled."""
+    hysteresis: Int = Field(2, ge=1)
+    """Overflows tolerated before the dynamic loss scale is halved."""
+    consecutive_hysteresis: Bool = False
+    """Refill the hysteresis budget after every step without overflow."""
+    min_loss_scale: Float = Field(1.0, gt=0.0)
+    """The dynamic loss scale never drops below this."""
+    fp16_master_weights_and_grads: Bool = Field(False, json_schema_extra=_TODO)
+    """Keep master weights and gradients in fp16 (CPU offload only); recognised, not implemented."""
+
+
+class BF16Config(ConfigModel):
+    """bf16 mixed precision: no loss scale needed; fp32 master weights always."""
+
+    enabled: AutoBool = False
+    """Compute in bf16. "auto" = the trainer's `bf16` argument."""
+    immediate_grad_update: Bool = Field(False, json_schema_extra=_TODO)
+    """Apply gradients to fp32 accumulators as soon as they are produced; recognised, not implemented."""
+    check_grad_overflow: Bool = Field(False, json_schema_extra=_TODO)
+    """Check bf16 gradients for inf/nan; recognised, not implemented."""
+
+
+class AmpConfig(ConfigModel):
+    """NVIDIA apex AMP. Recognised but refused when enabled: use `fp16` or `bf16` instead."""
+
+    model_config = ConfigDict(extra="allow")  # the rest are apex.amp.initialize keyword arguments
+
+    enabled: AutoBool = False
+    """Use apex AMP. rayzero refuses `true`: apex is unmaintained; `fp16`/`bf16` cover it."""
+    opt_level: Optional[str] = None
+    """apex optimisation level (O0-O3). "auto" = the trainer's `fp16_opt_level`."""
+
+
+class OptimizerConfig(ConfigModel):
+    """The optimizer rayzero builds (DeepSpeed's `optimizer` block); its `params` are checked per type."""
+
+    type: str
+    """Optimizer name: Adam, AdamW, SGD (built in), or another DeepSpeed/torch.optim name (warned)."""
+    params: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of the optimizer; any may be "auto" (from the trainer's arguments)."""
+    legacy_fusion: Bool = Field(False, json_schema_extra=_TODO)
+    """DeepSpeed's legacy fused fp16 optimizer; recognised, not implemented."""
+
+
+class SchedulerConfig(ConfigModel):
+    """The learning-rate scheduler (DeepSpeed's `scheduler` block); its `params` are checked per type."""
+
+    type: str
+    """WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle or LRRangeTest (DeepSpeed's names)."""
+    params: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of the scheduler, DeepSpeed's names; any may be "auto"."""
+
+
+class AioConfig(ConfigModel):
+    """Asynchronous file I/O used by NVMe offload (thread-pooled reads and writes)."""
+
+    block_size: Int = Field(1_048_576, ge=1)
+    """Bytes per I/O request."""
+    queue_depth: Int = Field(8, ge=1)
+    """Requests in flight per thread."""
+    intra_op_parallelism: Int = Field(1, ge=1)
+    """I/O threads per read or write (`thread_count` in older DeepSpeed and Lightning)."""
+    single_submit: Bool = False
+    """Submit requests one at a time instead of in batches."""
+    overlap_events: Bool = True
+    """Submit new requests while earlier ones complete."""
+    use_gds: Bool = Field(False, json_schema_extra=_TODO)
+    """NVIDIA GPUDirect Storage; recognised, not implemented."""
+
+
+def _false_is_none(value: Any) -> Any:
+    # Several published configs write `"number_checkpoints": false` meaning "not set".
+    return None if value is False else value
+
+
+class ActivationCheckpointingConfig(ConfigModel):
+    """DeepSpeed's activation-checkpointing options (used by `rayzero.checkpointing` wrappers)."""
+
+    partition_activations: Bool = Field(False, json_schema_extra=_TODO)
+    """Shard checkpointed activations across model-parallel ranks; recognised, not implemented."""
+    contiguous_memory_optimization: Bool = Field(False, json_schema_extra=_TODO)
+    """Copy checkpointed activations into one contiguous buffer; recognised, not implemented."""
+    cpu_checkpointing: Bool = Field(False, json_schema_extra=_TODO)
+    """Keep checkpointed activations in CPU memory; recognised, not implemented."""
+    number_checkpoints: Annotated[Optional[Int], BeforeValidator(_false_is_none)] = None
+    """Number of checkpoints, to size the contiguous buffer."""
+    synchronize_checkpoint_boundary: Bool = Field(False, json_schema_extra=_TODO)
+    """Synchronise the device at each checkpoint boundary; recognised, not implemented."""
+    profile: Bool = Field(False, json_schema_extra=_TODO)
+    """Time the checkpointed forward and recompute; recognised, not implemented."""
+
+
+class TagValidation(str, Enum):
+    """What to do when ranks disagree on a checkpoint tag."""
+
+    Ignore = "Ignore"
+    Warn = "Warn"
+    Fail = "Fail"
+
+
+class CheckpointConfig(ConfigModel):
+    """Where and how checkpoints are written."""
+
+    tag_validation: TagValidation = TagValidation.Warn
+    """Check that every rank saves under the same tag: Ignore, Warn or Fail."""
+    load_universal: Bool = False
+    """Load a DeepSpeed universal checkpoint; rayzero checkpoints reshard on load anyway."""
+    use_node_local_storage: Bool = False
+    """Every node writes its ranks' shards to its own local disk (no shared filesystem needed)."""
+    parallel_write: Optional[dict[str, Any]] = Field(None, json_schema_extra=_TODO)
+    """Pipeline-stage parallel writes (`pipeline_stage`); recognised, not implemented."""
+    writer: Optional[dict[str, Any]] = Field(None, json_schema_extra=_TODO)
+    """DeepSpeed's FastPersist writer options; recognised, not implemented."""
+
+
+class ElasticityConfig(ConfigModel):
+    """DeepSpeed elasticity: batch sizes that stay valid as the GPU count changes."""
+
+    enabled: Bool = Field(False, json_schema_extra=_TODO)
+    """Use DeepSpeed's elastic batch computation; recognised, not implemented (rayzero resizes by
+    changing gradient accumulation, see the driver's ScalingConfig)."""
+    max_train_batch_size: Int = Field(2000, ge=1)
+    """Largest acceptable global batch."""
+    micro_batch_sizes: list[Int] = Field(default_factory=lambda: [2, 4, 6])
+    """Acceptable micro-batch sizes per GPU."""
+    min_gpus: Int = Field(1, ge=1)
+    """Fewest GPUs to plan for."""
+    max_gpus: Int = Field(10_000, ge=1)
+    """Most GPUs to plan for."""
+    min_time: Int = Field(0, ge=0)
+    """Minimum minutes between scaling decisions."""
+    version: Float = 0.2
+    """Elasticity algorithm version."""
+    ignore_non_elastic_batch_info: Bool = False
+    """Ignore the top-level batch keys when elasticity is enabled."""
+    prefer_larger_batch: Bool = True
+    """Prefer the larger of two equally valid global batches."""
+    num_gpus_per_node: Int = Field(1, ge=1)
+    """GPUs per node (version 0.2)."""
+    model_parallel_size: Int = Field(1, ge=1)
+    """Model-parallel degree (version 0.2)."""
