@@ -1,0 +1,85 @@
+"""The run's runtime settings, Ray Train's shapes: scaling, run (name/storage), failure handling.
+
+They live in the controller layer because the controller is built from them; `rayzero.driver`
+re-exports them as `rayzero.ScalingConfig`, `rayzero.RunConfig`, `rayzero.FailureConfig`.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Settings(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+
+class ScalingConfig(_Settings):
+    """How many workers, and what each one gets. One worker = one training process = one rank."""
+
+    num_workers: int = Field(1, ge=1)
+    """Number of training processes (ranks). With `use_gpu`, one GPU each by default."""
+    use_gpu: bool = False
+    """Give each worker a GPU and use the NCCL backend; otherwise CPU workers on gloo."""
+    resources_per_worker: dict[str, float] | None = None
+    """Ray resources of one worker's placement-group bundle, e.g. {"CPU": 4, "GPU": 1}.
+    Default: {"CPU": 1}, plus {"GPU": 1} when `use_gpu`."""
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    """Ray placement-group strategy: PACK fills few nodes (fast collectives), SPREAD one per node."""
+    placement_timeout_s: float = Field(120.0, gt=0)
+    """How long to wait for the cluster to fit every bundle before failing with the reason."""
+
+    @model_validator(mode="after")
+    def _gpu_resources_agree(self) -> "ScalingConfig":
+        resources = self.resources_per_worker or {}
+        gpus = resources.get("GPU", 0)
+        if gpus and not self.use_gpu:
+            raise ValueError(
+                f"resources_per_worker asks for GPU={gpus} but use_gpu is False; "
+                "set use_gpu=True (workers then use NCCL) or drop the GPU entry"
+            )
+        if self.use_gpu and "GPU" in resources and gpus <= 0:
+            raise ValueError("use_gpu=True needs resources_per_worker['GPU'] > 0 (or leave it out: 1)")
+        negative = {key: value for key, value in resources.items() if value < 0}
+        if negative:
+            raise ValueError(f"resources_per_worker has negative amounts {negative}; use amounts >= 0")
+        return self
+
+    def bundle(self) -> dict[str, float]:
+        """The placement-group bundle of one worker."""
+        bundle = dict(self.resources_per_worker or {"CPU": 1.0})
+        if self.use_gpu:
+            bundle.setdefault("GPU", 1.0)
+        return bundle
+
+
+class RunConfig(_Settings):
+    """Name and storage of a run: where metrics and checkpoints go, and where to resume from."""
+
+    name: str | None = None
+    """Run name; a directory of that name is made under `storage`. Default: rayzero-<date>-<time>."""
+    storage: str | None = None
+    """Root URI for runs, any pyarrow.fs URI (file:///..., s3://..., gs://...). Default:
+    `$RAYZERO_STORAGE_ROOT`, else file://<current directory>/runs. Must be reachable from every node."""
+    resume_from: str | None = None
+    """Checkpoint to resume from, passed to the loop as `rayzero.get_context().resume_from`.
+    Default: `$RAYZERO_RESUME_FROM` (set by the Kubernetes operator on a retried attempt)."""
+    progress_interval_s: float = Field(5.0, ge=0)
+    """Seconds between progress lines on the driver; 0 prints one per rank-0 report."""
+
+    @model_validator(mode="after")
+    def _name_is_a_directory_name(self) -> "RunConfig":
+        if self.name is not None and (not self.name or "/" in self.name or self.name in (".", "..")):
+            raise ValueError(f"RunConfig.name={self.name!r} must be a plain directory name (no '/')")
+        return self
+
+
+class FailureConfig(_Settings):
+    """What to do when a worker fails."""
+
+    max_failures: int = Field(0, ge=-1)
+    """Worker failures tolerated over the whole run before it fails; each one restarts the worker
+    group from the newest checkpoint. 0: fail at the first; -1: never give up."""
+    process_group_timeout_s: float = Field(600.0, gt=0)
+    """Timeout of the torch process group: forming it and every collective. A rank that hangs
+    makes the others fail after this long instead of blocking forever."""

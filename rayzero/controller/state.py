@@ -1,0 +1,84 @@
+"""The controller's states, the failures it sees, and the policy that decides what to do about them.
+
+[Note: decisions as data]
+Policies never act: `FailurePolicy.decide` is a pure function from (failure, failures so far) to a
+decision value (`Retry` or `Fail`), and only `Controller.step()` carries decisions out. A scaling
+policy (grow/shrink between min and max workers) will plug in the same way with a `Resize`
+decision; tests queue decisions and drive the controller one `step()` at a time.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class RunState(enum.Enum):
+    """Where the run is. Terminal states: FINISHED, ERRORED."""
+
+    INITIALIZING = "initializing"  # nothing started yet
+    SCHEDULING = "scheduling"  # waiting for the placement group, starting workers, forming the group
+    RUNNING = "running"  # the loops run; reports stream
+    RESTARTING = "restarting"  # a failure is being handled by tearing the group down to reschedule
+    FINISHED = "finished"  # every rank's loop returned
+    ERRORED = "errored"  # the policy gave up; `Controller.error` says why
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in (RunState.FINISHED, RunState.ERRORED)
+
+
+class FailureKind(enum.Enum):
+    LOOP_ERROR = "loop_error"  # the user's loop raised
+    WORKER_DIED = "worker_died"  # the actor process or its node went away
+    SETUP_ERROR = "setup_error"  # environment / process group could not be set up
+    SCHEDULING = "scheduling"  # not enough resources for the placement group
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Something that went wrong in the worker group, as data."""
+
+    kind: FailureKind
+    """What kind of failure it was; the policy decides on it."""
+    message: str
+    """One line for people."""
+    rank: int | None = None
+    """The rank that failed, when one did."""
+    traceback_text: str = ""
+    """The failing rank's traceback, when there is one."""
+
+
+@dataclass(frozen=True)
+class Retry:
+    """Tear the worker group down and schedule it again (resuming from the newest checkpoint)."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Fail:
+    """Stop the run with this failure."""
+
+    failure: Failure
+
+
+Decision = Retry | Fail
+
+
+@dataclass(frozen=True)
+class FailurePolicy:
+    """Retry worker failures up to `max_failures` times in total; never retry what cannot improve."""
+
+    max_failures: int = 0
+    """Failures tolerated over the whole run (one budget, not per rank); -1 means unlimited."""
+
+    def decide(self, failure: Failure, failures_so_far: int) -> Decision:
+        # A placement group that did not fit will not fit better by trying again at once.
+        if failure.kind is FailureKind.SCHEDULING:
+            return Fail(failure)
+        if self.max_failures < 0 or failures_so_far < self.max_failures:
+            return Retry(f"failure {failures_so_far + 1} of {self._budget()}: {failure.message}")
+        return Fail(failure)
+
+    def _budget(self) -> str:
+        return "unlimited" if self.max_failures < 0 else str(self.max_failures)

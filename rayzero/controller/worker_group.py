@@ -1,0 +1,273 @@
+"""The group of worker actors of one attempt: placement group, ranks, environment, streaming.
+
+`RayWorkerGroup` is the only part of the controller that talks to Ray about workers; the state
+machine in `controller.py` sees it through the `WorkerGroup` protocol, so tests can drive the state
+machine with a fake group.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from rayzero.controller.configs import ScalingConfig
+from rayzero.controller.errors import ResourcesUnavailableError
+from rayzero.controller.state import Failure, FailureKind
+from rayzero.workers.actor import NodeInfo, TrainWorker, WorkerOutcome
+from rayzero.workers.errors import WorkerSetupError
+from rayzero.workers.session import Report
+
+# How long one worker-side poll waits for a report; bounds how late the controller sees a finish.
+_WORKER_POLL_S = 1.0
+
+
+@dataclass
+class GroupPoll:
+    """What one poll of the group found."""
+
+    reports: list[Report] = field(default_factory=list)
+    failures: list[Failure] = field(default_factory=list)
+    finished: bool = False
+    """True once every rank's loop has returned normally."""
+
+
+class WorkerGroup(Protocol):
+    def start(self) -> dict[str, float]: ...  # returns phase timings (seconds)
+
+    def launch(self, train_loop: Callable[..., Any], loop_config: dict[str, Any] | None) -> None: ...
+
+    def poll(self, timeout_s: float) -> GroupPoll: ...
+
+    def shutdown(self) -> None: ...
+
+
+def assign_ranks(infos: list[NodeInfo]) -> list[tuple[int, int, int]]:
+    """(global rank, local rank, local world size) per actor index.
+
+    Ranks are contiguous per node, nodes in the order their first worker appears, and within a node
+    ordered by GPU id, so `cuda:LOCAL_RANK` indexes the node's GPUs as torchrun would.
+    """
+    node_order: list[str] = []
+    for info in infos:
+        if info.node_id not in node_order:
+            node_order.append(info.node_id)
+    order = sorted(
+        range(len(infos)),
+        key=lambda i: (node_order.index(infos[i].node_id), [_gpu_key(g) for g in infos[i].gpu_ids], i),
+    )
+    per_node = {node: sum(1 for info in infos if info.node_id == node) for node in node_order}
+    seen: dict[str, int] = {}
+    out: list[tuple[int, int, int]] = [(0, 0, 0)] * len(infos)
+    for rank, index in enumerate(order):
+        node = infos[index].node_id
+        out[index] = (rank, seen.get(node, 0), per_node[node])
+        seen[node] = seen.get(node, 0) + 1
+    return out
+
+
+def _gpu_key(gpu_id: str) -> tuple[int, str]:
+    return (int(gpu_id), gpu_id) if gpu_id.isdigit() else (1 << 30, gpu_id)
+
+
+class RayWorkerGroup:
+    """One placement group with one worker actor per bundle, forming one torch process group."""
+
+    def __init__(
+        self,
+        scaling: ScalingConfig,
+        run_env: dict[str, str],
+        process_group_timeout_s: float,
+        datasets: dict[str, Any] | None = None,
+        node_local_root: str = "/tmp/rayzero/node-local",
+    ) -> None:
+        self._scaling = scaling
+        self._run_env = dict(run_env)  # RAYZERO_* variables shared by every rank
+        self._timeout_s = process_group_timeout_s
+        self._datasets = dict(datasets or {})
+        self._node_local_root = node_local_root
+        self._pg = None
+        self._workers: list[Any] = []  # actor handles, index = rank once started
+        self._poll_refs: dict[Any, int] = {}  # outstanding poll() call -> rank
+        self._run_refs: dict[Any, int] = {}  # outstanding run() call -> rank
+        self._done: set[int] = set()
+
+    def start(self) -> dict[str, float]:
+        timings: dict[str, float] = {}
+        started = time.monotonic()
+        bundle = self._scaling.bundle()
+        bundles = [dict(bundle) for _ in range(self._scaling.num_workers)]
+        self._pg = placement_group(bundles, strategy=self._scaling.placement_strategy, name="")
+        ready, _ = ray.wait([self._pg.ready()], timeout=self._scaling.placement_timeout_s)
+        if not ready:
+            self.shutdown()
+            raise ResourcesUnavailableError(_unschedulable_message(self._scaling, bundle))
+        timings["placement_group_s"] = time.monotonic() - started
+
+        started = time.monotonic()
+        actor_class = ray.remote(TrainWorker)
+        gpus = bundle.get("GPU", 0.0)
+        extra = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU", "memory")}
+        actors = [
+            actor_class.options(
+                num_cpus=bundle.get("CPU", 0.0),
+                num_gpus=gpus,
+                resources=extra or None,
+                max_concurrency=2,  # run() and poll() at the same time
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=i),
+            ).remote()
+            for i in range(self._scaling.num_workers)
+        ]
+        infos: list[NodeInfo] = ray.get([actor.node_info.remote() for actor in actors])
+        ranks = assign_ranks(infos)
+        self._workers = [None] * len(actors)
+        for index, (rank, _, _) in enumerate(ranks):
+            self._workers[rank] = actors[index]
+        timings["worker_start_s"] = time.monotonic() - started
+
+        started = time.monotonic()
+        rank0_index = next(i for i, (rank, _, _) in enumerate(ranks) if rank == 0)
+        master_addr = infos[rank0_index].node_ip
+        master_port = ray.get(actors[rank0_index].free_port.remote())
+        shards = self._split_datasets()
+        backend = "nccl" if self._scaling.use_gpu else "gloo"
+        setups = []
+        for index, (rank, local_rank, local_world) in enumerate(ranks):
+            env = dict(self._run_env)
+            env.update(
+                RANK=str(rank),
+                LOCAL_RANK=str(local_rank),
+                WORLD_SIZE=str(len(actors)),
+                LOCAL_WORLD_SIZE=str(local_world),
+                MASTER_ADDR=master_addr,
+                MASTER_PORT=str(master_port),
+                RAYZERO_NODE_ID=infos[index].node_id,
+                RAYZERO_NODE_LOCAL_DIR=f"{self._node_local_root}/{infos[index].node_id}",
+            )
+            if self._scaling.use_gpu:
+                node_gpus = sorted(
+                    {g for info in infos if info.node_id == infos[index].node_id for g in info.gpu_ids},
+                    key=_gpu_key,
+                )
+                env["CUDA_VISIBLE_DEVICES"] = ",".join(node_gpus)
+            rank_shards = {name: split[rank] for name, split in shards.items()}
+            setups.append(actors[index].setup.remote(rank, env, backend, self._timeout_s, rank_shards))
+        ray.get(setups, timeout=self._timeout_s + 60)
+        timings["process_group_s"] = time.monotonic() - started
+        return timings
+
+    def _split_datasets(self) -> dict[str, list[Any]]:
+        # equal=True gives every rank the same number of rows, so no rank runs out of batches first
+        # and blocks the others in a collective.
+        return {
+            name: dataset.streaming_split(len(self._workers), equal=True)
+            for name, dataset in self._datasets.items()
+        }
+
+    def launch(self, train_loop: Callable[..., Any], loop_config: dict[str, Any] | None) -> None:
+        loop_ref = ray.put(train_loop)  # one copy in the object store, not one per rank
+        for rank, worker in enumerate(self._workers):
+            self._run_refs[worker.run.remote(loop_ref, loop_config)] = rank
+            self._poll_refs[worker.poll.remote(_WORKER_POLL_S)] = rank
+
+    def poll(self, timeout_s: float) -> GroupPoll:
+        result = GroupPoll()
+        pending = list(self._poll_refs) + list(self._run_refs)
+        if not pending:
+            result.finished = len(self._done) == len(self._workers)
+            return result
+        ready, _ = ray.wait(pending, num_returns=1, timeout=timeout_s)
+        if ready:  # take everything else that is ready too, in one pass
+            ready, _ = ray.wait(pending, num_returns=len(pending), timeout=0)
+        ready_set = set(ready)
+        for ref in [r for r in self._poll_refs if r in ready_set]:  # reports before outcomes
+            rank = self._poll_refs.pop(ref)
+            if not self._take_reports(ref, rank, result):
+                continue
+            if not any(r == rank for r in self._run_refs.values()) or rank in self._done:
+                continue
+            self._poll_refs[self._workers[rank].poll.remote(_WORKER_POLL_S)] = rank
+        for ref in [r for r in self._run_refs if r in ready_set]:
+            rank = self._run_refs.pop(ref)
+            self._finish_rank(ref, rank, result)
+        result.finished = not result.failures and len(self._done) == len(self._workers)
+        return result
+
+    def _take_reports(self, ref: Any, rank: int, result: GroupPoll) -> bool:
+        try:
+            result.reports.extend(ray.get(ref))
+            return True
+        except ray.exceptions.RayActorError as error:
+            result.failures.append(_died(rank, error))
+            return False
+
+    def _finish_rank(self, run_ref: Any, rank: int, result: GroupPoll) -> None:
+        try:
+            outcome: WorkerOutcome = ray.get(run_ref)
+        except ray.exceptions.RayActorError as error:
+            result.failures.append(_died(rank, error))
+            return
+        # Collect what the loop reported after the last poll: the outstanding poll, then a last one.
+        for ref in [r for r, r_rank in self._poll_refs.items() if r_rank == rank]:
+            del self._poll_refs[ref]
+            self._take_reports(ref, rank, result)
+        self._take_reports(self._workers[rank].poll.remote(0.0), rank, result)
+        if outcome.error is None:
+            self._done.add(rank)
+        else:
+            result.failures.append(
+                Failure(
+                    FailureKind.LOOP_ERROR,
+                    f"rank {rank} raised {outcome.error}",
+                    rank,
+                    outcome.traceback_text,
+                )
+            )
+
+    def shutdown(self) -> None:
+        if self._workers and all(w is not None for w in self._workers):
+            try:  # leave the process group cleanly when the loops ended; bounded
+                ray.get([w.shutdown.remote() for w in self._workers], timeout=10)
+            except Exception:
+                pass
+        for worker in self._workers:
+            if worker is not None:
+                ray.kill(worker)
+        self._workers, self._poll_refs, self._run_refs = [], {}, {}
+        if self._pg is not None:
+            remove_placement_group(self._pg)
+            self._pg = None
+
+
+def setup_failure(error: BaseException) -> Failure:
+    """A `Failure` for an exception raised while starting the group."""
+    if isinstance(error, ResourcesUnavailableError):
+        return Failure(FailureKind.SCHEDULING, str(error))
+    if isinstance(error, WorkerSetupError):
+        return Failure(FailureKind.SETUP_ERROR, error.message, error.rank, error.traceback_text)
+    if isinstance(error, ray.exceptions.RayActorError):
+        return Failure(FailureKind.WORKER_DIED, f"a worker died while starting: {error}")
+    return Failure(FailureKind.SETUP_ERROR, f"{type(error).__name__}: {error}")
+
+
+def _died(rank: int, error: BaseException) -> Failure:
+    return Failure(FailureKind.WORKER_DIED, f"rank {rank}'s worker died: {error}", rank)
+
+
+def _unschedulable_message(scaling: ScalingConfig, bundle: dict[str, float]) -> str:
+    try:
+        total = {k: v for k, v in ray.cluster_resources().items() if not k.startswith("node:")}
+        free = {k: v for k, v in ray.available_resources().items() if not k.startswith("node:")}
+    except Exception:  # the message matters more than the numbers
+        total, free = {}, {}
+    needed = {key: value * scaling.num_workers for key, value in bundle.items()}
+    return (
+        f"could not place {scaling.num_workers} worker(s) of {bundle} each (in all {needed}, strategy "
+        f"{scaling.placement_strategy}) within placement_timeout_s={scaling.placement_timeout_s:g}s. "
+        f"The cluster has {total} in total, {free} free now. Fix: lower ScalingConfig.num_workers or "
+        "resources_per_worker (--workers / --gpus-per-worker), add nodes, or raise placement_timeout_s "
+        "if an autoscaler is adding them."
+    )

@@ -1,0 +1,189 @@
+"""`rayzero.fit`: validate, connect to Ray, start the controller, stream reports, return a Result."""
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import secrets
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import pyarrow.fs as pafs
+
+from rayzero.controller.configs import FailureConfig, RunConfig, ScalingConfig
+from rayzero.controller.controller import Controller, ControllerActor
+from rayzero.controller.errors import TrainingFailedError
+from rayzero.controller.state import FailurePolicy, RunState
+from rayzero.controller.worker_group import RayWorkerGroup
+from rayzero.driver.metrics_log import MetricsLog
+from rayzero.driver.progress import Progress
+from rayzero.workers.session import Report
+
+logger = logging.getLogger("rayzero.driver")
+
+
+@dataclass
+class Result:
+    """What a finished run leaves behind."""
+
+    metrics_history: list[dict[str, Any]]
+    """Every dict rank 0 passed to `rayzero.report`, in order."""
+    metrics: dict[str, Any] | None
+    """The last of them (None if rank 0 never reported)."""
+    checkpoint: str | None
+    """The newest checkpoint: the last one reported, else the run's checkpoint dir if it has one."""
+    path: str
+    """URI of the run's storage directory (metrics.parquet, checkpoints/)."""
+    timings: dict[str, float] = field(default_factory=dict)
+    """Start-up phases and throughput in seconds / per second, e.g. `fit_to_first_report_s`."""
+    metrics_path: str | None = None
+    """URI of the Parquet metrics log (every rank's reports)."""
+
+
+def _validated_config(config: Any, world_size: int) -> dict[str, Any] | None:
+    """The DeepSpeed config as a plain dict, or a ConfigError listing every problem (no worker started)."""
+    if config is None:
+        return None
+    from rayzero.config import load_config
+
+    # allow_unresolved: "auto" values that need the model (hidden size) are resolved in the engine.
+    return load_config(config, world_size=world_size, allow_unresolved=True).to_deepspeed_dict()
+
+
+def _run_locations(run: RunConfig) -> tuple[str, str, str]:
+    """(run name, run URI, checkpoint dir: a local path for file://, else a URI)."""
+    name = run.name or (
+        f"rayzero-{datetime.datetime.now():%Y%m%d-%H%M%S}-{secrets.token_hex(2)}"
+    )
+    root = run.storage or os.environ.get("RAYZERO_STORAGE_ROOT") or Path.cwd().joinpath("runs").as_uri()
+    if "://" not in root:  # a plain path is a local directory
+        root = Path(root).resolve().as_uri()
+    run_uri = f"{root.rstrip('/')}/{name}"
+    filesystem, path = pafs.FileSystem.from_uri(run_uri)
+    filesystem.create_dir(path, recursive=True)
+    checkpoint_dir = f"{path}/checkpoints" if run_uri.startswith("file://") else f"{run_uri}/checkpoints"
+    return name, run_uri, checkpoint_dir
+
+
+def connect_ray() -> bool:
+    """Connect to RAYZERO_ADDRESS / RAY_ADDRESS, or start a local Ray. True if this call started it."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    address = os.environ.get("RAYZERO_ADDRESS") or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, logging_level=logging.WARNING)
+        return False
+    ray.init(include_dashboard=False, logging_level=logging.WARNING)
+    return True
+
+
+def fit(
+    train_loop: Callable[..., Any],
+    config: Any = None,
+    *,
+    scaling: ScalingConfig | None = None,
+    run: RunConfig | None = None,
+    failure: FailureConfig | None = None,
+    train_loop_config: dict[str, Any] | None = None,
+    datasets: Mapping[str, Any] | None = None,
+) -> Result:
+    """Run `train_loop(train_loop_config)` on `scaling.num_workers` Ray actors forming one process group.
+
+    `config` is the run's DeepSpeed config (JSON path, dict or RayZeroConfig); it is validated here,
+    before any worker starts, and `rayzero.initialize(model=...)` without `config=` uses it.
+    Raises `TrainingFailedError` (naming the failing rank, with its traceback) if the run fails.
+    """
+    import ray
+
+    fit_started_wall, fit_started = time.time(), time.monotonic()
+    scaling, run, failure = scaling or ScalingConfig(), run or RunConfig(), failure or FailureConfig()
+    ds_config = _validated_config(config, scaling.num_workers)
+    name, run_uri, checkpoint_dir = _run_locations(run)
+    resume_from = run.resume_from or os.environ.get("RAYZERO_RESUME_FROM") or None
+
+    connect_ray()
+    timings = {"connect_s": time.monotonic() - fit_started}
+    run_env = {
+        "RAYZERO_RUN_NAME": name,
+        "RAYZERO_STORAGE": run_uri,
+        "RAYZERO_CHECKPOINT_DIR": checkpoint_dir,
+    }
+    if ds_config is not None:
+        run_env["RAYZERO_CONFIG"] = json.dumps(ds_config)
+    datasets = dict(datasets or {})
+    local_checkpoint_dir = checkpoint_dir if run_uri.startswith("file://") else None
+
+    def make_controller() -> Controller:  # runs inside the controller actor
+        def make_group(attempt: int, resume: str | None) -> RayWorkerGroup:
+            env = dict(run_env, RAYZERO_ATTEMPT=str(attempt))
+            if resume:
+                env["RAYZERO_RESUME_FROM"] = resume
+            return RayWorkerGroup(scaling, env, failure.process_group_timeout_s, datasets)
+
+        return Controller(
+            make_group, train_loop, train_loop_config, FailurePolicy(failure.max_failures),
+            resume_from=resume_from, checkpoint_dir=local_checkpoint_dir,
+        )
+
+    # num_cpus=0: the controller only waits; it must not take a CPU a worker bundle needs.
+    controller = ray.remote(ControllerActor).options(num_cpus=0, max_concurrency=4).remote(make_controller)
+    wall_clock_breakdown = bool((ds_config or {}).get("wall_clock_breakdown"))
+    progress = Progress(
+        (ds_config or {}).get("train_batch_size"), run.progress_interval_s, wall_clock_breakdown
+    )
+    metrics_log = MetricsLog(run_uri)
+    history: list[dict[str, Any]] = []
+    last_checkpoint: str | None = None
+    error: TrainingFailedError | None = None
+    print(f"[rayzero] run {name}: {scaling.num_workers} worker(s), storage {run_uri}", flush=True)
+    try:
+        ray.get(controller.start.remote())
+        while True:
+            update = ray.get(controller.poll.remote(1.0))
+            for line in update.events:
+                print(f"[rayzero] {line}", flush=True)
+            for item in update.reports:
+                if "fit_to_first_report_s" not in timings:
+                    timings["fit_to_first_report_s"] = max(0.0, item.time - fit_started_wall)
+                _take(item, history, progress, metrics_log)
+                last_checkpoint = item.checkpoint or last_checkpoint
+            if update.state.is_terminal:
+                timings.update(update.timings)
+                error = update.error if update.state is RunState.ERRORED else None
+                break
+    except ray.exceptions.RayActorError as died:
+        error = TrainingFailedError(f"the rayzero controller actor died: {died}")
+    finally:
+        ray.kill(controller)  # its workers and placement group go with it (fate sharing)
+        metrics_log.flush()
+    timings["total_s"] = time.monotonic() - fit_started
+    timings.update(progress.rates())
+    if wall_clock_breakdown:
+        print("[rayzero] wall clock breakdown: "
+              + ", ".join(f"{key} {value:.2f}" for key, value in timings.items()), flush=True)
+    if error is not None:
+        raise error
+    if history:
+        print(progress.line(), flush=True)
+    if last_checkpoint is None and local_checkpoint_dir and Path(local_checkpoint_dir, "latest").exists():
+        last_checkpoint = local_checkpoint_dir
+    return Result(
+        metrics_history=history,
+        metrics=history[-1] if history else None,
+        checkpoint=last_checkpoint,
+        path=run_uri,
+        timings=timings,
+        metrics_path=metrics_log.uri,
+    )
+
+
+def _take(item: Report, history: list[dict[str, Any]], progress: Progress, metrics_log: MetricsLog) -> None:
+    if item.rank == 0:
+        history.append(item.metrics)
+    progress.observe(item)
+    metrics_log.add(item)

@@ -1,0 +1,77 @@
+"""The run's metrics log: every rank's reports as one Parquet table under the run's storage URI.
+
+Written through `pyarrow.fs`, so file://, s3://, gs://, hdfs:// all work. Parquet files cannot be
+appended to, so the whole table is rewritten (to a temporary name, then moved) on each flush; the
+driver flushes every `flush_interval_s` and at the end, so a crashed driver loses at most that much.
+"""
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+from rayzero.workers.session import Report, as_row
+
+METRICS_FILE = "metrics.parquet"
+
+
+def _scalar(value: Any) -> Any:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if hasattr(value, "item") and callable(value.item):  # numpy / torch scalars
+        try:
+            return value.item()
+        except (ValueError, RuntimeError):
+            pass
+    return json.dumps(value, default=str)
+
+
+def rows_to_table(rows: list[dict[str, Any]]) -> pa.Table:
+    """A table with one column per key; a column whose values mix types is stored as text."""
+    columns: dict[str, list[Any]] = {}
+    for index, row in enumerate(rows):
+        for key in row:
+            columns.setdefault(key, [None] * index)
+        for key, values in columns.items():
+            values.append(_scalar(row.get(key)))
+    arrays = {}
+    for key, values in columns.items():
+        try:
+            arrays[key] = pa.array(values)
+        except (pa.ArrowInvalid, pa.ArrowTypeError):
+            arrays[key] = pa.array([None if v is None else str(v) for v in values], type=pa.string())
+    return pa.table(arrays)
+
+
+class MetricsLog:
+    """Collects reports and writes `<run uri>/metrics.parquet`."""
+
+    def __init__(self, run_uri: str, flush_interval_s: float = 30.0) -> None:
+        self._filesystem, self._dir = pafs.FileSystem.from_uri(run_uri)
+        self.uri = run_uri.rstrip("/") + "/" + METRICS_FILE
+        self._rows: list[dict[str, Any]] = []
+        self._flush_interval_s = flush_interval_s
+        self._flushed_at = time.monotonic()
+        self._dirty = False
+
+    def add(self, item: Report) -> None:
+        self._rows.append(as_row(item))
+        self._dirty = True
+        if time.monotonic() - self._flushed_at >= self._flush_interval_s:
+            self.flush()
+
+    def flush(self) -> None:
+        self._flushed_at = time.monotonic()
+        if not self._dirty or not self._rows:
+            return
+        self._filesystem.create_dir(self._dir, recursive=True)
+        final = f"{self._dir}/{METRICS_FILE}"
+        temporary = f"{final}.tmp"
+        with self._filesystem.open_output_stream(temporary) as stream:
+            pq.write_table(rows_to_table(self._rows), stream)
+        self._filesystem.move(temporary, final)
+        self._dirty = False

@@ -1,0 +1,104 @@
+"""The driver's periodic progress line: step, loss, samples/s, tokens/s, memory per rank.
+
+Rates come from rank 0's reports: `samples` / `tokens` (cumulative over all ranks) when the loop
+reports them, else `step` times the config's `train_batch_size` for samples. Memory is each rank's
+peak (GPU max allocated on GPU, else peak RSS), stamped by the worker on every report.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+from rayzero.workers.session import Report
+
+
+def _human_bytes(count: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if count < 1024 or unit == "GiB":
+            return f"{count:.0f}{unit}" if unit in ("B", "KiB", "MiB") else f"{count:.1f}{unit}"
+        count /= 1024
+    return f"{count:.1f}GiB"
+
+
+def _human_rate(value: float) -> str:
+    return f"{value / 1000:.1f}k" if value >= 10_000 else f"{value:.1f}"
+
+
+class Progress:
+    """Turns reports into progress lines and the summary's throughput figures."""
+
+    def __init__(
+        self,
+        train_batch_size: int | None,
+        interval_s: float,
+        phase_keys: bool,
+        emit: Callable[[str], None] = print,
+    ) -> None:
+        self._batch = train_batch_size  # samples per optimizer step over all ranks, if known
+        self._interval_s = interval_s
+        self._phase_keys = phase_keys  # wall_clock_breakdown: show *_ms metrics on the line
+        self._emit = emit
+        self._memory: dict[int, int] = {}  # rank -> newest peak memory
+        self._first: Report | None = None  # rank 0's first report: rates are measured from it
+        self._last: Report | None = None
+        self._printed_at = 0.0
+
+    def observe(self, item: Report) -> None:
+        self._memory[item.rank] = item.peak_memory_bytes
+        if item.rank != 0:
+            return
+        if self._first is None:
+            self._first = item
+        self._last = item
+        now = time.monotonic()
+        if now - self._printed_at >= self._interval_s:
+            self._printed_at = now
+            self._emit(self.line())
+
+    def _counts(self, item: Report) -> tuple[float | None, float | None]:
+        metrics = item.metrics
+        samples = metrics.get("samples")
+        if samples is None and self._batch and isinstance(metrics.get("step"), (int, float)):
+            samples = metrics["step"] * self._batch
+        tokens = metrics.get("tokens")
+        return (
+            float(samples) if isinstance(samples, (int, float)) else None,
+            float(tokens) if isinstance(tokens, (int, float)) else None,
+        )
+
+    def rates(self) -> dict[str, float]:
+        """samples/s and tokens/s between rank 0's first and newest report (what could be measured)."""
+        if self._first is None or self._last is None or self._last.time <= self._first.time:
+            return {}
+        elapsed = self._last.time - self._first.time
+        first_samples, first_tokens = self._counts(self._first)
+        last_samples, last_tokens = self._counts(self._last)
+        out = {}
+        if first_samples is not None and last_samples is not None:
+            out["samples_per_s"] = (last_samples - first_samples) / elapsed
+        if first_tokens is not None and last_tokens is not None:
+            out["tokens_per_s"] = (last_tokens - first_tokens) / elapsed
+        return out
+
+    def line(self) -> str:
+        if self._last is None:
+            return "[rayzero] waiting for the first report"
+        metrics = self._last.metrics
+        parts = [f"step {metrics.get('step', self._last.seq)}"]
+        loss = metrics.get("loss")
+        if isinstance(loss, (int, float)):
+            parts.append(f"loss {loss:.4f}")
+        rates = self.rates()
+        if "samples_per_s" in rates:
+            parts.append(f"{_human_rate(rates['samples_per_s'])} samples/s")
+        if "tokens_per_s" in rates:
+            parts.append(f"{_human_rate(rates['tokens_per_s'])} tokens/s")
+        if self._phase_keys:
+            phases = [f"{k[:-3]} {v:.1f}ms" for k, v in metrics.items() if k.endswith("_ms")]
+            parts.extend(phases)
+        memory = " ".join(f"r{rank} {_human_bytes(self._memory[rank])}" for rank in sorted(self._memory))
+        parts.append(f"mem {memory}")
+        return "[rayzero] " + " | ".join(parts)
+
+    def peak_memory(self) -> dict[int, int]:
+        return dict(self._memory)

@@ -1,0 +1,141 @@
+"""The worker actor: environment -> process group -> the user's loop -> reports. Deliberately thin.
+
+The controller creates one `TrainWorker` per placement-group bundle (see
+`rayzero.controller.worker_group`). It is a *threaded* actor with two slots: `run` blocks in one
+thread for the whole loop while `poll` is served in the other, so reports stream out while the loop
+runs without the loop ever waiting on the controller.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import threading
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from rayzero.workers import session as session_module
+from rayzero.workers.errors import WorkerSetupError
+from rayzero.workers.session import Report, WorkerSession
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """Where a worker landed, used to assign ranks and the rendezvous address."""
+
+    node_id: str
+    """Ray node id."""
+    node_ip: str
+    """IP address of the node (MASTER_ADDR when this worker becomes rank 0)."""
+    gpu_ids: tuple[str, ...]
+    """GPUs Ray assigned to this actor (empty on CPU)."""
+    pid: int
+    """Process id, for messages that point at a process."""
+
+
+@dataclass(frozen=True)
+class WorkerOutcome:
+    """How a worker's loop ended. `error` is None when it returned normally."""
+
+    rank: int
+    """Global rank of the worker."""
+    error: str | None = None
+    """`Type: message` of the exception that ended the loop, or None."""
+    traceback_text: str = ""
+    """The formatted traceback of that exception, as the worker saw it."""
+
+
+class TrainWorker:
+    """One training process of a run (a Ray actor; created by the controller's worker group)."""
+
+    def __init__(self) -> None:
+        # Filled by setup(); the loop's report()/get_dataset_shard() reach it via session.activate.
+        self._session: WorkerSession | None = None
+        # Set when run() returns so a poll waiting on an empty queue returns at once.
+        self._finished = threading.Event()
+
+    def node_info(self) -> NodeInfo:
+        import ray
+
+        runtime = ray.get_runtime_context()
+        gpu_ids = tuple(str(g) for g in runtime.get_accelerator_ids().get("GPU", []))
+        return NodeInfo(runtime.get_node_id(), ray.util.get_node_ip_address(), gpu_ids, os.getpid())
+
+    def free_port(self) -> int:
+        """A TCP port free on this node, for MASTER_PORT when this worker is rank 0."""
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("", 0))
+            return int(sock.getsockname()[1])
+
+    def setup(
+        self,
+        rank: int,
+        env: dict[str, str],
+        backend: str,
+        timeout_s: float,
+        dataset_shards: dict[str, Any],
+    ) -> None:
+        """Set the environment and join the process group (blocks until every rank joined)."""
+        try:
+            os.environ.update(env)
+            node_local_dir = env.get("RAYZERO_NODE_LOCAL_DIR")
+            if node_local_dir:
+                os.makedirs(node_local_dir, exist_ok=True)
+            self._session = WorkerSession(rank=rank, dataset_shards=dict(dataset_shards))
+            import torch
+            import torch.distributed as dist
+
+            if backend == "nccl":
+                # The worker group set CUDA_VISIBLE_DEVICES to every GPU of this node's workers, in
+                # local-rank order, so `cuda:LOCAL_RANK` is this worker's own GPU (as under torchrun).
+                torch.cuda.set_device(int(env["LOCAL_RANK"]))
+            dist.init_process_group(
+                backend=backend,
+                init_method="env://",
+                rank=rank,
+                world_size=int(env["WORLD_SIZE"]),
+                timeout=datetime.timedelta(seconds=timeout_s),
+            )
+        except Exception as error:  # the controller reports it with this rank and traceback
+            raise WorkerSetupError(
+                f"rank {rank} could not join the process group ({backend}, "
+                f"{env.get('MASTER_ADDR')}:{env.get('MASTER_PORT')}): {type(error).__name__}: {error}",
+                rank,
+                traceback.format_exc(),
+            ) from None
+
+    def run(self, train_loop: Callable[..., Any], loop_config: dict[str, Any] | None) -> WorkerOutcome:
+        """Run the loop to its end; an exception is returned as data, not raised, with its traceback."""
+        assert self._session is not None, "setup() must run before run()"
+        rank = self._session.rank
+        session_module.activate(self._session)
+        try:
+            if loop_config is None:
+                train_loop()
+            else:
+                train_loop(loop_config)
+            return WorkerOutcome(rank)
+        except BaseException as error:  # SystemExit from an argparse loop is a failure too
+            return WorkerOutcome(rank, f"{type(error).__name__}: {error}", traceback.format_exc())
+        finally:
+            session_module.activate(None)
+            self._finished.set()
+            self._session.reports.put(None)  # wake a poll blocked on an empty queue
+
+    def poll(self, timeout_s: float) -> list[Report]:
+        """Reports made since the last poll, waiting up to `timeout_s` for the first one."""
+        if self._session is None:
+            return []
+        wait = 0.0 if self._finished.is_set() else timeout_s
+        return self._session.drain(wait)
+
+    def shutdown(self) -> None:
+        """Leave the process group so a restarted group in this process could form a new one."""
+        try:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:  # best effort: the actor is killed right after
+            pass

@@ -1,0 +1,209 @@
+"""What a training loop sees of the runtime: its context, `report`, and its dataset shards.
+
+[Note: the worker session]
+`rayzero.fit` runs the user's loop inside a Ray actor. The loop talks to the runtime through three
+free functions (`get_context`, `report`, `get_dataset_shard`) rather than through an argument, so
+the same loop file runs unchanged under `rayzero.fit`, `rayzero run` and plain `torchrun`. They find
+the runtime through one process-wide slot, `_ACTIVE`, that the worker actor fills before calling the
+loop and empties after. Outside a worker (torchrun, a notebook) the slot is empty: the context is
+read from the environment variables torchrun sets, `report` keeps the metrics in this process
+(`local_reports()`), and `get_dataset_shard` says how to pass datasets.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import queue
+import resource
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+
+@dataclass(frozen=True)
+class TrainContext:
+    """Where this training process sits in the run. Built from the environment the worker sets."""
+
+    rank: int
+    """Global rank in the process group (0 .. world_size-1)."""
+    local_rank: int
+    """Rank among the workers on this node; the GPU index to use when `use_gpu`."""
+    world_size: int
+    """Number of training processes in the run."""
+    local_world_size: int
+    """Number of training processes on this node."""
+    node_id: str
+    """Ray node id of this worker ('' outside Ray)."""
+    run_name: str
+    """`RunConfig.name` of the run ('' outside rayzero.fit)."""
+    storage: str
+    """URI of this run's storage directory, `<RunConfig.storage>/<name>` ('' outside rayzero.fit)."""
+    checkpoint_dir: str
+    """Where `engine.save_checkpoint()` writes without a `save_dir` (a local path for file://)."""
+    node_local_dir: str
+    """A directory on this node's local disk for node-local checkpoint tiers."""
+    resume_from: str | None
+    """Checkpoint to resume from (`--resume-from`, or the newest committed one on a restart)."""
+    attempt: int = 0
+    """0 for the first attempt, incremented each time the controller restarts the worker group."""
+
+    @property
+    def config(self) -> dict[str, Any] | None:
+        """The run's validated DeepSpeed config (what `rayzero.initialize` uses without `config=`)."""
+        text = os.environ.get("RAYZERO_CONFIG")
+        return json.loads(text) if text else None
+
+
+def context_from_environment(environ: Mapping[str, str] | None = None) -> TrainContext:
+    """Read the context from the variables set by the worker actor (or by torchrun)."""
+    env = os.environ if environ is None else environ
+    world_size = int(env.get("WORLD_SIZE", "1"))
+    return TrainContext(
+        rank=int(env.get("RANK", "0")),
+        local_rank=int(env.get("LOCAL_RANK", "0")),
+        world_size=world_size,
+        local_world_size=int(env.get("LOCAL_WORLD_SIZE", str(world_size))),
+        node_id=env.get("RAYZERO_NODE_ID", ""),
+        run_name=env.get("RAYZERO_RUN_NAME", ""),
+        storage=env.get("RAYZERO_STORAGE", ""),
+        checkpoint_dir=env.get("RAYZERO_CHECKPOINT_DIR", ""),
+        node_local_dir=env.get("RAYZERO_NODE_LOCAL_DIR", ""),
+        resume_from=env.get("RAYZERO_RESUME_FROM") or None,
+        attempt=int(env.get("RAYZERO_ATTEMPT", "0")),
+    )
+
+
+@dataclass(frozen=True)
+class Report:
+    """One `rayzero.report(...)` call, as it travels from a worker to the driver."""
+
+    rank: int
+    """Rank that reported."""
+    seq: int
+    """0, 1, 2, ... per rank: the order of this rank's reports."""
+    time: float
+    """Unix time of the call on the worker."""
+    metrics: dict[str, Any]
+    """The dict the loop passed, unchanged."""
+    checkpoint: str | None = None
+    """Checkpoint location the loop attached (`report(metrics, checkpoint=...)`), if any."""
+    peak_memory_bytes: int = 0
+    """Peak memory of the worker so far: GPU max allocated when on a GPU, else peak RSS."""
+
+
+def _peak_memory_bytes() -> int:
+    try:
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            return int(torch.cuda.max_memory_allocated())
+    except ImportError:  # a loop that does not use torch still reports
+        pass
+    # ru_maxrss is in KiB on Linux.
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+@dataclass
+class WorkerSession:
+    """The runtime side of one worker process while its loop runs (see [Note: the worker session])."""
+
+    rank: int
+    """This worker's global rank; stamped on every report."""
+    dataset_shards: dict[str, Any] = field(default_factory=dict)
+    """Ray Data iterators for this rank, by dataset name."""
+    reports: "queue.Queue[Report | None]" = field(default_factory=queue.Queue)
+    """Reports not yet collected by the controller; `None` wakes a waiting poll at the end."""
+    _seq: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def report(self, metrics: Mapping[str, Any], checkpoint: str | None = None) -> None:
+        with self._lock:  # a loop may report from several threads; keep seq and queue order equal
+            item = Report(self.rank, self._seq, time.time(), dict(metrics), checkpoint, _peak_memory_bytes())
+            self._seq += 1
+            self.reports.put(item)
+
+    def drain(self, timeout_s: float) -> list[Report]:
+        """Wait up to `timeout_s` for a first report, then take every report already queued."""
+        out: list[Report] = []
+        try:
+            first = self.reports.get(timeout=timeout_s) if timeout_s > 0 else self.reports.get_nowait()
+        except queue.Empty:
+            return out
+        if first is not None:
+            out.append(first)
+        while True:
+            try:
+                item = self.reports.get_nowait()
+            except queue.Empty:
+                return out
+            if item is not None:
+                out.append(item)
+
+
+# The one process-wide slot; see [Note: the worker session].
+_ACTIVE: WorkerSession | None = None
+_LOCAL_REPORTS: list[Report] = []
+
+
+def activate(session: WorkerSession | None) -> None:
+    """Install (or with None, remove) the session the free functions below talk to."""
+    global _ACTIVE
+    _ACTIVE = session
+
+
+def get_context() -> TrainContext:
+    """Where this process sits in the run: rank, world size, node, run name, storage, resume point."""
+    return context_from_environment()
+
+
+def report(metrics: Mapping[str, Any], checkpoint: str | None = None) -> None:
+    """Send `metrics` (a dict of numbers/strings) to the driver, in order.
+
+    Keys the driver's progress line understands: `step`, `loss`, `samples` and `tokens` (cumulative
+    counts over all ranks, turned into samples/s and tokens/s). Rank 0's reports form
+    `Result.metrics_history`; every rank's reports go to the Parquet metrics log.
+    `checkpoint` records where a checkpoint was saved; the last one becomes `Result.checkpoint`.
+    """
+    if not isinstance(metrics, Mapping):
+        raise TypeError(f"rayzero.report(metrics) takes a dict, got {type(metrics).__name__}")
+    if _ACTIVE is not None:
+        _ACTIVE.report(metrics, checkpoint)
+        return
+    rank = context_from_environment().rank
+    _LOCAL_REPORTS.append(
+        Report(rank, len(_LOCAL_REPORTS), time.time(), dict(metrics), checkpoint, _peak_memory_bytes())
+    )
+
+
+def local_reports() -> list[Report]:
+    """Reports made in this process outside a rayzero worker (e.g. under torchrun)."""
+    return list(_LOCAL_REPORTS)
+
+
+def get_dataset_shard(name: str = "train") -> Any:
+    """This rank's share of the Ray Data dataset passed as `rayzero.fit(datasets={name: ...})`.
+
+    Returns a `ray.data.DataIterator`; iterate it with `.iter_batches()` / `.iter_torch_batches()`.
+    """
+    if _ACTIVE is None:
+        raise RuntimeError(
+            "rayzero.get_dataset_shard() works only inside a loop started by rayzero.fit(datasets=...); "
+            "outside it, read your data directly."
+        )
+    shards = _ACTIVE.dataset_shards
+    if name not in shards:
+        known = ", ".join(sorted(shards)) or "none"
+        raise KeyError(
+            f"no dataset named {name!r} was passed to rayzero.fit(datasets=...); datasets passed: {known}"
+        )
+    return shards[name]
+
+
+def as_row(report_item: Report) -> dict[str, Any]:
+    """A flat dict for the metrics log: rank, seq, time, peak memory, then the metrics."""
+    row = {f.name: getattr(report_item, f.name) for f in dataclasses.fields(report_item) if f.name != "metrics"}
+    for key, value in report_item.metrics.items():
+        row[key if key not in row else f"metric_{key}"] = value
+    return row
