@@ -9,12 +9,15 @@ import copy
 from typing import Any
 
 from rayzero.config.errors import Problem
+from rayzero.config.zero import ZeroConfig
 
 _ZERO = "zero_optimization"
 
 
-def _move(section: dict, old: str, new: str, path: str, notes: list[str], problems: list[Problem]) -> None:
-    """Rename `old` to `new` in `section`, refusing conflicting values."""
+def _move(section: dict, old: str, new: str, path: str, notes: list[str], problems: list[Problem],
+          quiet: bool = False) -> None:
+    """Rename `old` to `new` in `section`, refusing conflicting values; `quiet` for legacy aliases
+    DeepSpeed itself still accepts without a warning."""
     if old not in section:
         return
     value = section.pop(old)
@@ -28,7 +31,8 @@ def _move(section: dict, old: str, new: str, path: str, notes: list[str], proble
         )
         return
     section[new] = value
-    notes.append(f"deprecated: `{where}{old}` is the old name of `{where}{new}`; rename it (migrated)")
+    if not quiet:
+        notes.append(f"deprecated: `{where}{old}` is the old name of `{where}{new}`; rename it (migrated)")
 
 
 def migrate(raw: dict[str, Any], notes: list[str], problems: list[Problem]) -> dict[str, Any]:
@@ -37,7 +41,7 @@ def migrate(raw: dict[str, Any], notes: list[str], problems: list[Problem]) -> d
     _move(raw, "bfloat16", "bf16", "", notes, problems)
     aio = raw.get("aio")
     if isinstance(aio, dict):
-        _move(aio, "thread_count", "intra_op_parallelism", "aio", notes, problems)
+        _move(aio, "thread_count", "intra_op_parallelism", "aio", notes, problems, quiet=True)
     zero = raw.get(_ZERO)
     if isinstance(zero, bool):
         # DeepSpeed < 0.3 accepted `"zero_optimization": true` meaning stage 1.
@@ -46,6 +50,12 @@ def migrate(raw: dict[str, Any], notes: list[str], problems: list[Problem]) -> d
         return raw
     if not isinstance(zero, dict):
         return raw
+    for name, field in ZeroConfig.model_fields.items():
+        if field.alias and name in zero and field.alias in zero:
+            problems.append(Problem(
+                f"{_ZERO}.{name}", zero[name], f"given twice: also as `{_ZERO}.{field.alias}` = {zero[field.alias]!r}",
+                f"`{field.alias}` (DeepSpeed's JSON key) and `{name}` are the same setting; keep one"))
+            zero.pop(name)
     _move(zero, "stage3_gather_fp16_weights_on_model_save", "stage3_gather_16bit_weights_on_model_save",
           _ZERO, notes, problems)
     pin = zero.pop("cpu_offload_use_pin_memory", None)

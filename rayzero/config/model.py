@@ -91,6 +91,16 @@ class RayZeroConfig(UnimplementedSections):
             return "bf16"
         return "fp32"
 
+    @classmethod
+    def from_lightning(cls, world_size: int | None = None, hidden_size: int | None = None,
+                       **kwargs: Any) -> "RayZeroConfig":
+        """Build from Lightning `DeepSpeedStrategy(...)` keywords (every `__init__` parameter, with
+        Lightning's defaults) plus the Trainer's `precision`, `accumulate_grad_batches` and
+        `gradient_clip_val`; gives the same config as the DeepSpeed JSON Lightning would generate."""
+        from rayzero.config.lightning import from_lightning
+
+        return from_lightning(world_size=world_size, hidden_size=hidden_size, **kwargs)
+
     def to_deepspeed_dict(self) -> dict[str, Any]:
         """The normalised config with DeepSpeed's JSON keys; `load_config` of it gives this config back."""
         return self.model_dump(mode="json", by_alias=True, exclude_none=True)

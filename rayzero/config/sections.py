@@ -92,12 +92,17 @@ class SchedulerConfig(ConfigModel):
 class AioConfig(ConfigModel):
     """Asynchronous file I/O used by NVMe offload (thread-pooled reads and writes)."""
 
+    io_backend: str = Field(
+        "async_io", pattern="^(async_io|aio|async|deepnvme|posix|sync|simple)$"
+    )
+    """DeepSpeed's I/O backend name (`async_io` or `posix`, with aliases). rayzero always uses a
+    thread pool of positional reads/writes; both names are accepted."""
     block_size: Int = Field(1_048_576, ge=1)
     """Bytes per I/O request."""
     queue_depth: Int = Field(8, ge=1)
     """Requests in flight per thread."""
     intra_op_parallelism: Int = Field(1, ge=1)
-    """I/O threads per read or write (`thread_count` in older DeepSpeed and Lightning)."""
+    """I/O threads per read or write (`thread_count`, DeepSpeed's legacy name, is accepted)."""
     single_submit: Bool = False
     """Submit requests one at a time instead of in batches."""
     overlap_events: Bool = True

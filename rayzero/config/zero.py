@@ -54,7 +54,9 @@ class ZeroConfig(ConfigModel):
     """Stage 3: offload parameter shards to CPU or NVMe."""
     offload_optimizer: Optional[OffloadOptimizerConfig] = None
     """Offload optimizer state and the optimizer step to CPU or NVMe (stages 1-3)."""
-    sub_group_size: Int = Field(1_000_000_000, ge=1, json_schema_extra=_S3)
+    zenflow: Optional[dict[str, Any]] = Field(None, json_schema_extra=_TODO)
+    """ZenFlow stall-free offload options; recognised, not implemented."""
+    sub_group_size: Int = Field(1_000_000_000, ge=0, json_schema_extra=_S3)
     """Stage 3: elements per optimizer sub-group (the tile size of an offloaded optimizer step)."""
     prefetch_bucket_size: AutoCount = Field(
         50_000_000, alias="stage3_prefetch_bucket_size", json_schema_extra=_S3
@@ -88,13 +90,21 @@ class ZeroConfig(ConfigModel):
         False, alias="stage3_use_all_reduce_for_fetch_params", json_schema_extra={**_S3, **_TODO}
     )
     """Stage 3: gather parameters with all-reduce instead of all-gather; recognised, not implemented."""
+    allgather_sequential: Bool = Field(
+        False, alias="stage3_allgather_sequential", json_schema_extra={**_S3, **_TODO}
+    )
+    """Stage 3: all-gather parameters one at a time instead of bucketed; recognised, not implemented."""
+    partition_stream_chunk_size: Int = Field(
+        0, ge=0, alias="stage3_partition_stream_chunk_size", json_schema_extra={**_S3, **_TODO}
+    )
+    """Stage 3: partition huge parameters through chunks of this size at init; recognised, not implemented."""
     ignore_unused_parameters: Bool = True
     """Stage 2-3: tolerate parameters that get no gradient in a step instead of failing."""
     legacy_stage1: Bool = Field(False, json_schema_extra=_TODO)
     """DeepSpeed's pre-0.3 stage 1 implementation; recognised, not implemented."""
     round_robin_gradients: Bool = False
     """Stage 1-2 with offload: spread gradient copies to CPU across ranks in turn."""
-    zero_hpz_partition_size: Int = Field(1, ge=1, json_schema_extra={**_S3, **_TODO})
+    zero_hpz_partition_size: Int = Field(1, ge=0, json_schema_extra={**_S3, **_TODO})
     """ZeRO++ hierarchical partitioning: ranks per secondary weight partition; recognised, not implemented."""
     zero_quantized_weights: Bool = Field(False, json_schema_extra={**_S3, **_TODO})
     """ZeRO++: quantize weights for all-gather; recognised, not implemented."""
@@ -116,6 +126,12 @@ class ZeroConfig(ConfigModel):
     """Stage 3: gather parameters inside `module.apply`; recognised, not implemented."""
     log_trace_cache_warnings: Bool = Field(False, json_schema_extra=_TODO)
     """Stage 3: log when the recorded module trace is invalidated; recognised, not implemented."""
+    enable_sanity_checks: Bool = Field(False, json_schema_extra=_TODO)
+    """DeepSpeed's internal debugging checks; recognised, not implemented."""
+    save_muon_momentum_buffer_in_memory: Bool = Field(False, json_schema_extra=_TODO)
+    """Muon with NVMe offload: keep the momentum buffer in memory; recognised, not implemented."""
+    leaf_module: Optional[dict[str, Any]] = Field(None, json_schema_extra=_TODO)
+    """Stage 3: modules fetched as one unit (`classes`, `names`, ...); recognised, not implemented."""
 
     @model_validator(mode="after")
     def _default_overlap_comm(self) -> "ZeroConfig":
