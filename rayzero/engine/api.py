@@ -1,0 +1,66 @@
+"""`rayzero.initialize`: DeepSpeed's entry point, building a `ZeroEngine` from a model and config."""
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from rayzero.engine import builders
+from rayzero.engine.comm import Communicator
+from rayzero.engine.distributed import compute_device, init_distributed
+from rayzero.engine.engine import StepPolicy, ZeroEngine
+from rayzero.engine.loss_scaler import build_loss_scaler
+from rayzero.engine.offload import build_offload_backend
+from rayzero.engine.policies import MixedPrecisionPolicy, ReducePolicy
+from rayzero.engine.schedulers import build_scheduler
+from rayzero.engine.strategy import StrategyContext, build_strategy
+
+
+def initialize(model: Optional[torch.nn.Module] = None, config: Any = None,
+               model_parameters: Any = None, optimizer: Optional[torch.optim.Optimizer] = None,
+               lr_scheduler: Any = None, training_data: Any = None, collate_fn: Any = None,
+               process_group: Optional[dist.ProcessGroup] = None,
+               ) -> tuple[ZeroEngine, torch.optim.Optimizer, Any, Any]:
+    """Wrap `model` for ZeRO training: returns `(engine, optimizer, dataloader, lr_scheduler)`.
+
+    `config` is a path, JSON text, dict or `RayZeroConfig`; None reads $RAYZERO_CONFIG (a path or
+    JSON text). Uses the default process group, initialising it from RANK/WORLD_SIZE/MASTER_ADDR/
+    MASTER_PORT when those are set; with neither, trains as a world of one. `optimizer` (a torch
+    optimizer over the model's parameters) and `lr_scheduler` (a scheduler or a callable taking the
+    optimizer) replace the config's `optimizer` / `scheduler` sections.
+    """
+    if model is None:
+        raise ValueError("rayzero.initialize needs model=: the torch.nn.Module to train")
+    if not dist.is_initialized() and "WORLD_SIZE" in os.environ:
+        init_distributed()
+    comm = Communicator(process_group)
+    cfg = builders.resolve_config(config, comm.world_size, model)
+    zero = cfg.zero_optimization
+    device = compute_device()
+    if not any(p.device.type == "meta" for p in model.parameters()):
+        model.to(device)  # a model built partitioned (stage 3 zero_init) places itself
+    precision = MixedPrecisionPolicy.from_config(cfg)
+    offload = build_offload_backend(zero.offload_optimizer_device, device)
+    groups = builders.trainable_param_groups(model, model_parameters, optimizer)
+    builders.broadcast_module_state(model, comm)
+    ctx = StrategyContext(
+        module=model, param_groups=groups, param_names=builders.named_parameter_ids(model), comm=comm,
+        precision=precision, reduce=ReducePolicy.from_config(zero), offload=offload, zero_config=zero,
+        build_optimizer=builders.optimizer_factory(cfg, optimizer, offload), device=device)
+    strategy = build_strategy(zero.stage, ctx)
+    if lr_scheduler is None:
+        scheduler = build_scheduler(cfg.scheduler, strategy.optimizer)
+    elif callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
+        scheduler = lr_scheduler(strategy.optimizer)
+    else:
+        scheduler = lr_scheduler
+    step_policy = StepPolicy(gradient_accumulation_steps=int(cfg.gradient_accumulation_steps or 1),
+                             gradient_clipping=float(cfg.gradient_clipping or 0.0),
+                             micro_batch_size=cfg.train_micro_batch_size_per_gpu)
+    engine = ZeroEngine(model, strategy, comm, precision, step_policy, build_loss_scaler(cfg.fp16),
+                        scheduler, cfg)
+    loader = builders.build_dataloader(training_data, step_policy.micro_batch_size, comm, collate_fn)
+    comm.discard_current()  # initial broadcasts belong to no step
+    return engine, strategy.optimizer, loader, scheduler

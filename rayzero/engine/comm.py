@@ -1,0 +1,152 @@
+"""The one place the engine calls collectives: works on gloo and NCCL, counts every element sent.
+
+[Note: communication accounting]
+Each call records, under its kind, the number of calls, the elements of the *full* tensor the
+collective is about and the bytes of those elements, plus `volume_elements` in the ZeRO paper's
+unit (what one rank sends per element of the full tensor, times the full tensor's size):
+  - reduce_scatter of Ψ elements (input)      -> Ψ
+  - all_gather producing Ψ elements (output)  -> Ψ
+  - all_reduce of Ψ elements                  -> 2Ψ (it is a reduce-scatter plus an all-gather)
+  - broadcast of Ψ elements                   -> Ψ
+so a ZeRO stage 0-2 step totals 2Ψ and stage 3 totals 3Ψ, Ψ = trainable elements (+ padding of at
+most world_size - 1 per bucket). One-element syncs (overflow flag, gradient norm) are counted under
+`control` so they never blur that comparison. `begin_step()` closes the current step's counters;
+`last_step()` is what `engine.comm_stats()` returns.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+# Volume multiplier per kind, see [Note: communication accounting].
+_VOLUME = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "broadcast": 1, "control": 2}
+
+
+@dataclass
+class KindStats:
+    calls: int = 0
+    elements: int = 0
+    bytes: int = 0
+    volume_elements: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {"calls": self.calls, "elements": self.elements, "bytes": self.bytes,
+                "volume_elements": self.volume_elements}
+
+
+class _Done:
+    """Stands in for a Work handle when no collective ran (world size 1)."""
+
+    def wait(self) -> bool:
+        return True
+
+
+class Communicator:
+    """Collectives over one process group, counted per kind.
+
+    With world size 1 (or no process group) every collective is the identity and is still counted,
+    so single-process runs report the same traffic figures as the math predicts... minus the
+    network. That keeps the engine free of `if world_size == 1` branches.
+    """
+
+    def __init__(self, group: Optional[dist.ProcessGroup] = None) -> None:
+        initialized = dist.is_available() and dist.is_initialized()
+        # Without a process group the engine runs as a world of one (unit tests, notebooks).
+        self.group = group if initialized else None
+        self.world_size = dist.get_world_size(group) if initialized else 1
+        self.rank = dist.get_rank(group) if initialized else 0
+        self._current: dict[str, KindStats] = defaultdict(KindStats)
+        self._last: dict[str, KindStats] = {}
+
+    # ---- accounting -------------------------------------------------------------------------
+    def _count(self, kind: str, tensor: torch.Tensor) -> None:
+        stats = self._current[kind]
+        stats.calls += 1
+        stats.elements += tensor.numel()
+        stats.bytes += tensor.numel() * tensor.element_size()
+        stats.volume_elements += _VOLUME[kind] * tensor.numel()
+
+    def begin_step(self) -> None:
+        """Close the counters of the step that just ended; start counting the next one."""
+        self._last = dict(self._current)
+        self._current = defaultdict(KindStats)
+
+    def discard_current(self) -> None:
+        """Forget traffic that belongs to no training step (initial broadcasts, checkpoint loads)."""
+        self._current = defaultdict(KindStats)
+
+    def last_step(self) -> dict[str, dict[str, int]]:
+        """Per kind, plus `total` over the data-moving kinds (control excluded)."""
+        out = {kind: stats.as_dict() for kind, stats in sorted(self._last.items())}
+        total = KindStats()
+        for kind, stats in self._last.items():
+            if kind == "control":
+                continue
+            total.calls += stats.calls
+            total.elements += stats.elements
+            total.bytes += stats.bytes
+            total.volume_elements += stats.volume_elements
+        out["total"] = total.as_dict()
+        return out
+
+    # ---- collectives ------------------------------------------------------------------------
+    @property
+    def distributed(self) -> bool:
+        return self.group is not None and self.world_size > 1
+
+    def all_reduce(self, tensor: torch.Tensor, async_op: bool = False):
+        """Sum `tensor` in place across ranks."""
+        self._count("all_reduce", tensor)
+        if not self.distributed:
+            return _Done() if async_op else None
+        return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
+        """Sum `input` across ranks; rank r receives the r-th equal slice into `output`."""
+        assert input.numel() == output.numel() * self.world_size, "reduce_scatter needs equal splits"
+        self._count("reduce_scatter", input)
+        if not self.distributed:
+            output.copy_(input)
+            return _Done() if async_op else None
+        return dist.reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=self.group,
+                                          async_op=async_op)
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
+        """Concatenate every rank's `input` into `output` (rank order)."""
+        assert output.numel() == input.numel() * self.world_size, "all_gather needs equal splits"
+        self._count("all_gather", output)
+        if not self.distributed:
+            if input.data_ptr() != output.data_ptr():
+                output.copy_(input)
+            return _Done() if async_op else None
+        if _overlaps(input, output):
+            # `input` is this rank's slice of `output` (in-place gather). NCCL handles that; gloo
+            # copies input into output first, which is a self-copy — clone to keep it defined.
+            input = input.clone()
+        return dist.all_gather_into_tensor(output, input, group=self.group, async_op=async_op)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        self._count("broadcast", tensor)
+        if self.distributed:
+            dist.broadcast(tensor, src=dist.get_global_rank(self.group, src), group=self.group)
+
+    def all_reduce_control(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """A small synchronisation (overflow flag, norm): `op` is `sum` or `max`. A sync point."""
+        self._count("control", tensor)
+        if self.distributed:
+            reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
+            dist.all_reduce(tensor, op=reduce_op, group=self.group)
+        return tensor
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.device != b.device:
+        return False
+    a_start, b_start = a.data_ptr(), b.data_ptr()
+    a_end = a_start + a.numel() * a.element_size()
+    b_end = b_start + b.numel() * b.element_size()
+    return a_start < b_end and b_start < a_end

@@ -1,0 +1,230 @@
+"""`ZeroEngine`: the training-step driver users hold. Small on purpose — the stage logic lives in the
+strategy (strategy.py), numerics in the policies and the loss scaler.
+
+[Note: engine step]
+  engine(*inputs)      strategy.before_forward(); module(*inputs) (floating inputs cast to the
+                       compute dtype)
+  engine.backward(l)   strategy.before_backward(boundary); (scale · l / gas).backward() — the
+                       strategy's hooks reduce buckets as gradients appear; strategy.after_backward()
+  engine.step()        not at a boundary: count the micro step, nothing else. At a boundary:
+                       finish_gradients() -> norm (one control all-reduce, only when fp16 or
+                       clipping need it) -> overflow? skip, lower the scale : unscale+clip in one
+                       multiply, optimizer_step() (offload backend + publish weights), lr step ->
+                       zero_grad() -> global_steps += 1 (skipped steps count, as in DeepSpeed).
+"""
+from __future__ import annotations
+
+import enum
+import logging
+import math
+import resource
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+
+from rayzero.checkpoint.types import ShardedTensor, ShardSpec
+from rayzero.engine import optim_state
+from rayzero.engine.comm import Communicator
+from rayzero.engine.policies import MixedPrecisionPolicy, Precision
+from rayzero.engine.strategy import ZeroStrategy
+
+logger = logging.getLogger(__name__)
+
+
+class Phase(enum.Enum):
+    """Where the engine is inside one micro step (guards against calls out of order)."""
+
+    IDLE = "idle"
+    FORWARD = "forward"
+    BACKWARD = "backward"
+
+
+@dataclass(frozen=True)
+class StepPolicy:
+    """The per-step numbers from the config."""
+
+    gradient_accumulation_steps: int
+    gradient_clipping: float
+    """Global norm cap, 0 = off."""
+    micro_batch_size: Optional[int]
+
+
+class ZeroEngine:
+    """Runs forward, backward and the optimizer step of one rank (see [Note: engine step])."""
+
+    def __init__(self, module: torch.nn.Module, strategy: ZeroStrategy, comm: Communicator,
+                 precision: MixedPrecisionPolicy, step_policy: StepPolicy, loss_scaler: Any,
+                 lr_scheduler: Any, config: Any) -> None:
+        self.module = module
+        self.strategy = strategy
+        self.comm = comm
+        self.precision = precision
+        self.step_policy = step_policy
+        self.loss_scaler = loss_scaler  # static 1.0 unless fp16
+        self.lr_scheduler = lr_scheduler
+        self.config = config  # the resolved RayZeroConfig, for the checkpoint layer and logs
+        self.global_steps = 0  # optimizer steps, skipped ones included (DeepSpeed's count)
+        self.micro_steps = 0  # backward passes completed by step()
+        self.skipped_steps = 0  # fp16 overflows
+        self.last_step_overflowed = False
+        self.last_grad_norm: Optional[float] = None  # unscaled, before clipping; None when not computed
+        self.phase = Phase.IDLE
+
+    # ---- DeepSpeed-shaped API ---------------------------------------------------------------
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.strategy.optimizer
+
+    @property
+    def device(self) -> torch.device:
+        return next(iter(self.module.parameters())).device
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.step_policy.gradient_accumulation_steps
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.step_policy.gradient_accumulation_steps == 0
+
+    def get_lr(self) -> list[float]:
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def train(self, mode: bool = True) -> "ZeroEngine":
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> "ZeroEngine":
+        return self.train(False)
+
+    def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
+        return self.forward(*inputs, **kwargs)
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        self.strategy.before_forward()
+        if self.precision.precision is not Precision.FP32:
+            inputs = tuple(self._cast(x) for x in inputs)
+            kwargs = {k: self._cast(v) for k, v in kwargs.items()}
+        self.phase = Phase.FORWARD
+        return self.module(*inputs, **kwargs)
+
+    def _cast(self, value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            return value.to(self.precision.param_dtype)
+        return value
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of `loss` averaged over the accumulation window, reducing gradients on the way."""
+        if not torch.is_grad_enabled() or not loss.requires_grad:
+            raise ValueError("engine.backward(loss) needs a loss that requires grad: call it on the output "
+                             "of engine(...) outside torch.no_grad()")
+        self.strategy.before_backward(self.is_gradient_accumulation_boundary())
+        gas = self.step_policy.gradient_accumulation_steps
+        scaled = loss.float() / gas if gas > 1 else loss.float()
+        self.loss_scaler.scale_loss(scaled).backward()
+        self.strategy.after_backward()
+        self.phase = Phase.BACKWARD
+
+    def step(self) -> None:
+        """Optimizer step at an accumulation boundary; otherwise only counts the micro step."""
+        if self.phase is not Phase.BACKWARD:
+            raise RuntimeError("engine.step() called without engine.backward(loss) since the last step")
+        self.phase = Phase.IDLE
+        if not self.is_gradient_accumulation_boundary():
+            self.micro_steps += 1
+            return
+        self.strategy.finish_gradients()
+        self.last_step_overflowed = self._apply_update()
+        self.strategy.zero_grad()
+        self.micro_steps += 1
+        self.global_steps += 1
+        self.comm.begin_step()
+
+    def _apply_update(self) -> bool:
+        """Unscale, clip, step; returns True when the step was skipped for overflow."""
+        fp16 = self.precision.precision is Precision.FP16
+        clip = self.step_policy.gradient_clipping
+        scale = float(self.loss_scaler.loss_scale)
+        self.last_grad_norm = None
+        factor = 1.0 / scale
+        if fp16 or clip > 0:
+            norm = self.strategy.grad_norm(self.comm) / scale
+            if fp16 and not math.isfinite(norm):
+                self.loss_scaler.update_scale(True)
+                self.skipped_steps += 1
+                logger.warning("rank %d: fp16 gradients overflowed at step %d, step skipped; loss scale "
+                               "now %s", self.comm.rank, self.global_steps, self.loss_scaler.loss_scale)
+                return True
+            self.last_grad_norm = norm
+            if clip > 0:
+                coefficient = clip / (norm + 1e-6)  # torch.nn.utils.clip_grad_norm_'s formula
+                if coefficient < 1.0:
+                    factor *= coefficient
+        self.strategy.scale_gradients(factor)
+        self.strategy.optimizer_step()
+        if fp16:
+            self.loss_scaler.update_scale(False)
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        return False
+
+    # ---- instrumentation --------------------------------------------------------------------
+    def comm_stats(self) -> dict[str, dict[str, int]]:
+        """Per collective kind, for the last optimizer step ([Note: communication accounting])."""
+        return self.comm.last_step()
+
+    def memory_stats(self) -> dict[str, int]:
+        """Bytes this rank holds, by kind, plus `model_state` (their sum) and peak process memory."""
+        stats = dict(self.strategy.memory_stats())
+        stats["model_state"] = sum(stats.get(k, 0) for k in ("params", "grads", "master_weights",
+                                                            "optimizer_state"))
+        stats["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+        if torch.cuda.is_available():
+            stats["peak_device_allocated"] = int(torch.cuda.max_memory_allocated())
+        return stats
+
+    # ---- checkpoint seam (rayzero/checkpoint/types.py) -------------------------------------
+    def state_shards(self) -> list[ShardedTensor]:
+        return self.strategy.state_shards()
+
+    def load_state_shards(self, read: Callable[[ShardSpec], torch.Tensor]) -> None:
+        self.strategy.load_state_shards(read)
+
+    def extra_state(self) -> dict[str, Any]:
+        """JSON-able state that is not a tensor shard."""
+        return {
+            "global_steps": self.global_steps,
+            "micro_steps": self.micro_steps,
+            "skipped_steps": self.skipped_steps,
+            "loss_scaler": self.loss_scaler.state_dict(),
+            "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
+            "optimizer": {"param_groups": optim_state.hyperparameters(self.optimizer),
+                          "scalar_state": optim_state.scalar_state(self.optimizer)},
+            "stage": self.strategy.stage,
+            "world_size": self.comm.world_size,
+        }
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        self.global_steps = int(state["global_steps"])
+        self.micro_steps = int(state["micro_steps"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+        self.loss_scaler.load_state_dict(state["loss_scaler"])
+        optimizer_state = state.get("optimizer") or {}
+        for group, saved in zip(self.optimizer.param_groups, optimizer_state.get("param_groups", [])):
+            for key, value in saved.items():
+                if key in group:
+                    group[key] = tuple(value) if isinstance(group[key], tuple) else value
+        if optimizer_state.get("scalar_state") is not None:
+            optim_state.load_scalar_state(self.optimizer, optimizer_state["scalar_state"])
+        if self.lr_scheduler is not None and state.get("lr_scheduler") is not None:
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+
+    def save_checkpoint(self, *args: Any, **kwargs: Any) -> Any:
+        from rayzero.engine import checkpointing  # the checkpoint helper's module
+        return checkpointing.save_checkpoint(self, *args, **kwargs)
+
+    def load_checkpoint(self, *args: Any, **kwargs: Any) -> Any:
+        from rayzero.engine import checkpointing
+        return checkpointing.load_checkpoint(self, *args, **kwargs)
+
+    def close(self) -> None:
+        self.strategy.close()

@@ -1,0 +1,273 @@
+"""What stages 0, 1 and 2 share: parameters in padded flat bucket buffers, fp32 master tensors per
+bucket, gradient hooks that launch one collective per bucket as soon as it is complete.
+
+The stage classes (stage0.py, stage1.py, stage2.py) only decide how a bucket's gradients are reduced
+and how updated weights return to the module; see [Note: bucket partitioning] in partition.py for
+the layout and [Note: gradient hooks] below for the backward-time protocol.
+
+[Note: gradient hooks]
+Every trainable parameter gets a post-accumulate-grad hook, which fires once per backward after its
+gradient is summed into `param.grad` (a tied weight fires once, with both uses summed). A bucket
+whose last parameter fired is *complete*; complete buckets are launched strictly in bucket order,
+so every rank issues the same collectives in the same order even if hooks fire in a different
+order (NCCL requires that). A parameter that gets no gradient (unused in this forward) never fires:
+`after_backward` launches the buckets still waiting, treating that gradient as zero, or raises when
+`ignore_unused_parameters` is false. With `overlap_comm` the collectives run asynchronously while
+backward continues; they are waited for before the step or before the next backward.
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Callable, ClassVar, Optional
+
+import torch
+
+from rayzero.checkpoint.types import ShardedTensor, ShardSpec
+from rayzero.engine import flat_checkpoint
+from rayzero.engine.offload import StateKind
+from rayzero.engine.partition import BucketLayout, plan_buckets
+from rayzero.engine.strategy import StrategyContext, ZeroStrategy
+
+Finish = Callable[[], None]
+
+
+@dataclass(eq=False)
+class Bucket:
+    """Runtime state of one bucket (layout: partition.BucketLayout)."""
+
+    layout: BucketLayout
+    """Slots and the reduce-scatter split across the real world size."""
+    master_layout: BucketLayout
+    """How the master is cut: `layout` when optimizer state is partitioned, one piece for stage 0."""
+    group: int
+    params: list[torch.nn.Parameter]
+    """The bucket's parameters, by slot."""
+    param_buffer: torch.Tensor
+    """Compute-dtype flat buffer (padded) that the module's parameters are views of."""
+    master: torch.Tensor
+    """This rank's fp32 master piece of the bucket (a view of param_buffer when fp32 on-device)."""
+    master_grad: Optional[torch.Tensor] = None
+    grad_buffer: Optional[torch.Tensor] = None
+    """Stages 0-1: compute-dtype flat gradients that `param.grad` are views of."""
+    grad_views: list[torch.Tensor] = field(default_factory=list)
+    fired: list[bool] = field(default_factory=list)
+    remaining: int = 0
+    master_range: tuple[int, int] = (0, 0)
+    """[start, end) of `master` inside the bucket's flat buffer."""
+
+
+class BucketedStrategy(ZeroStrategy):
+    """Base of stages 0-2 (see module docstring)."""
+
+    partitions_optimizer_state: ClassVar[bool]
+    """Stages 1-2: each rank keeps masters and optimizer state only for its slice of each bucket."""
+    reduces_every_micro_step: ClassVar[bool] = False
+    """Stage 2 reduces each micro-batch's gradients (nothing full-size is kept between them)."""
+    keeps_full_gradients: ClassVar[bool] = True
+    """Stages 0-1 accumulate into full flat gradient buffers that `param.grad` views."""
+
+    def __init__(self, ctx: StrategyContext) -> None:
+        self.comm = ctx.comm
+        self.module = ctx.module
+        self.param_names = ctx.param_names  # checkpoint keys
+        self.precision = ctx.precision
+        self.policy = ctx.reduce
+        self.offload = ctx.offload
+        self.device = ctx.device
+        world = ctx.comm.world_size
+        self.master_rank = ctx.comm.rank if self.partitions_optimizer_state else 0
+        # fp32 compute on the device where masters live: the master *is* the parameter (no copy).
+        self.aliased = (ctx.precision.param_dtype == torch.float32
+                        and ctx.offload.device == torch.device(ctx.device))
+        self.buckets: list[Bucket] = []
+        optimizer_groups = []
+        for group_index, group in enumerate(ctx.param_groups):
+            ordered = list(reversed(group["params"]))  # backward order, see [Note: bucket partitioning]
+            layout = plan_buckets([p.numel() for p in ordered], ctx.reduce.reduce_bucket_size, world)
+            masters = []
+            for bucket_layout in layout.buckets:
+                bucket = self._build_bucket(group_index, bucket_layout, ordered)
+                self.buckets.append(bucket)
+                masters.append(bucket.master)
+            hyper = {k: v for k, v in group.items() if k != "params"}
+            optimizer_groups.append({**hyper, "params": masters})
+        self._cast_untracked_state(ctx)
+        for bucket in self.buckets:
+            self._init_gradient_storage(bucket)
+        self.optimizer = ctx.build_optimizer(optimizer_groups)
+        self._reducing = False
+        self._next_bucket = 0
+        self._inflight: list[tuple[object, Finish]] = []
+        self._hooks = [
+            param.register_post_accumulate_grad_hook(self._make_hook(bucket, slot_index))
+            for bucket in self.buckets for slot_index, param in enumerate(bucket.params)]
+
+    # ---- construction -----------------------------------------------------------------------
+    def _build_bucket(self, group: int, layout: BucketLayout, ordered: list) -> Bucket:
+        dtype = self.precision.param_dtype
+        param_buffer = torch.zeros(layout.padded_numel, dtype=dtype, device=self.device)
+        master_layout = layout if self.partitions_optimizer_state else BucketLayout(layout.slots, 1)
+        start, end = master_layout.shard_range(self.master_rank)
+        if self.aliased:
+            master = param_buffer[start:end]
+        else:
+            master = self.offload.allocate(StateKind.MASTER, end - start, self.precision.master_dtype)
+        params = [ordered[slot.index] for slot in layout.slots]
+        for slot, param in zip(layout.slots, params):
+            flat = param.detach().reshape(-1)
+            param_buffer[slot.offset:slot.end].copy_(flat)
+            if not self.aliased:  # masters come from the fp32 values, before any downcast
+                piece = master_layout.piece(slot, self.master_rank)
+                master[piece.shard_offset:piece.shard_offset + piece.numel].copy_(
+                    flat[piece.param_start:piece.param_end])
+            param.data = param_buffer[slot.offset:slot.end].view_as(param)
+        return Bucket(layout, master_layout, group, params, param_buffer, master,
+                      fired=[False] * len(params), master_range=(start, end))
+
+    def _cast_untracked_state(self, ctx: StrategyContext) -> None:
+        """Frozen parameters and floating buffers compute in the compute dtype too."""
+        dtype = self.precision.param_dtype
+        tracked = {id(p) for bucket in self.buckets for p in bucket.params}
+        for param in self.module.parameters():
+            if id(param) not in tracked and param.is_floating_point():
+                param.data = param.data.to(dtype)
+        for buf_module in self.module.modules():
+            for name, buf in buf_module.named_buffers(recurse=False):
+                if buf is not None and buf.is_floating_point():
+                    setattr(buf_module, name, buf.to(dtype))
+
+    @abc.abstractmethod
+    def _init_gradient_storage(self, bucket: Bucket) -> None:
+        """Allocate bucket.grad_buffer / grad_views (stages 0-1) and bucket.master_grad."""
+
+    @abc.abstractmethod
+    def _reduce_bucket(self, bucket: Bucket, async_op: bool) -> tuple[object, Finish]:
+        """Launch the bucket's collective; return its Work (or None) and what to do once done."""
+
+    @abc.abstractmethod
+    def _publish(self) -> None:
+        """After the optimizer step: bring updated masters back into the parameter buffers."""
+
+    # ---- backward ([Note: gradient hooks]) ---------------------------------------------------
+    def _make_hook(self, bucket: Bucket, slot_index: int):
+        def hook(param: torch.Tensor) -> None:
+            self._grad_ready(bucket, slot_index, param)
+        return hook
+
+    def _grad_ready(self, bucket: Bucket, slot_index: int, param: torch.Tensor) -> None:
+        if self.keeps_full_gradients:
+            view = bucket.grad_views[slot_index]
+            if param.grad is not view:  # someone reset .grad (model.zero_grad()): adopt theirs
+                view.copy_(param.grad)
+                param.grad = view
+        if bucket.fired[slot_index]:
+            return
+        bucket.fired[slot_index] = True
+        if self._reducing:
+            bucket.remaining -= 1
+            self._launch_complete_buckets()
+
+    def _launch_complete_buckets(self) -> None:
+        while self._next_bucket < len(self.buckets) and self.buckets[self._next_bucket].remaining == 0:
+            bucket = self.buckets[self._next_bucket]
+            self._next_bucket += 1
+            work, finish = self._reduce_bucket(bucket, async_op=self.policy.overlap_comm)
+            if self.policy.overlap_comm:
+                self._inflight.append((work, finish))
+            else:
+                finish()
+
+    def _drain(self) -> None:
+        for work, finish in self._inflight:
+            if work is not None:
+                work.wait()
+            finish()
+        self._inflight.clear()
+
+    def before_backward(self, is_boundary: bool) -> None:
+        self._drain()
+        self._reducing = is_boundary or self.reduces_every_micro_step
+        self._next_bucket = 0
+        for bucket in self.buckets:
+            bucket.fired = [False] * len(bucket.params)
+            bucket.remaining = len(bucket.params)
+
+    def after_backward(self) -> None:
+        unused = [self.param_names.get(id(p), "?") for bucket in self.buckets
+                  for fired, p in zip(bucket.fired, bucket.params) if not fired]
+        if unused and not self.policy.ignore_unused_parameters:
+            raise ValueError(
+                f"parameters {unused[:8]} received no gradient in this backward pass; "
+                "set zero_optimization.ignore_unused_parameters=true to treat their gradient as zero, "
+                "or set requires_grad=False on parameters the model does not use")
+        if self._reducing:
+            for bucket in self.buckets:  # unused gradients count as zero ([Note: gradient hooks])
+                bucket.remaining = 0
+            self._launch_complete_buckets()
+
+    def finish_gradients(self) -> None:
+        self._drain()
+        for bucket in self.buckets:
+            bucket.master.grad = bucket.master_grad
+
+    def master_gradients(self) -> list[torch.Tensor]:
+        return [bucket.master_grad for bucket in self.buckets]
+
+    # ---- step --------------------------------------------------------------------------------
+    def optimizer_step(self) -> None:
+        self.offload.step(self.optimizer)
+        self._publish()
+
+    def zero_grad(self) -> None:
+        for bucket in self.buckets:
+            if bucket.grad_buffer is not None:
+                bucket.grad_buffer.zero_()
+            if bucket.master_grad is not None and not self._master_grad_aliases_buffer(bucket):
+                bucket.master_grad.zero_()
+            if not self.keeps_full_gradients:
+                for param in bucket.params:
+                    param.grad = None
+
+    def _master_grad_aliases_buffer(self, bucket: Bucket) -> bool:
+        return (bucket.grad_buffer is not None and bucket.master_grad is not None
+                and bucket.master_grad.untyped_storage().data_ptr()
+                == bucket.grad_buffer.untyped_storage().data_ptr())
+
+    @property
+    def inverse_world(self) -> float:
+        return 1.0 / self.comm.world_size
+
+    # ---- checkpoint and instrumentation ------------------------------------------------------
+    def state_shards(self) -> list[ShardedTensor]:
+        return flat_checkpoint.state_shards(self)
+
+    def load_state_shards(self, read: Callable[[ShardSpec], torch.Tensor]) -> None:
+        flat_checkpoint.load_state_shards(self, read)
+        self.comm.discard_current()
+
+    def memory_stats(self) -> dict[str, int]:
+        def nbytes(t: Optional[torch.Tensor]) -> int:
+            return 0 if t is None else t.numel() * t.element_size()
+
+        tracked = {id(p) for bucket in self.buckets for p in bucket.params}
+        params = sum(nbytes(b.param_buffer) for b in self.buckets) + sum(
+            nbytes(p) for p in self.module.parameters() if id(p) not in tracked)
+        grads = sum(nbytes(b.grad_buffer) for b in self.buckets)
+        grads += sum(nbytes(b.master_grad) for b in self.buckets if not self._master_grad_aliases_buffer(b))
+        masters = 0 if self.aliased else sum(nbytes(b.master) for b in self.buckets)
+        optim = sum(nbytes(v) for state in self.optimizer.state.values()
+                    for v in state.values() if isinstance(v, torch.Tensor))
+        buffers = sum(nbytes(b) for b in self.module.buffers())
+        return {"params": params, "grads": grads, "master_weights": masters,
+                "optimizer_state": optim, "buffers": buffers,
+                "bucket_buffers": self._bucket_buffer_bytes()}
+
+    def _bucket_buffer_bytes(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        self._drain()
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []

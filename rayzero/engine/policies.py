@@ -1,0 +1,74 @@
+"""Small frozen policies the engine is built from, each read once from the config."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+class Precision(enum.Enum):
+    FP32 = "fp32"
+    BF16 = "bf16"
+    FP16 = "fp16"
+
+
+_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16,
+           "float16": torch.float16, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """Which dtype computes, which reduces gradients, and that masters are always fp32."""
+
+    precision: Precision
+    param_dtype: torch.dtype
+    """dtype of the module's parameters and buffers during forward/backward."""
+    reduce_dtype: torch.dtype
+    """dtype gradients travel in (`communication_data_type`; default: param_dtype)."""
+    master_dtype: torch.dtype = torch.float32
+    """Master weights and optimizer state: fp32 always, as in DeepSpeed."""
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> "MixedPrecisionPolicy":
+        fp16 = bool(getattr(getattr(cfg, "fp16", None), "enabled", False))
+        bf16 = bool(getattr(getattr(cfg, "bf16", None), "enabled", False))
+        if fp16 and bf16:
+            raise ValueError("fp16.enabled and bf16.enabled are both true: enable at most one of them")
+        precision = Precision.FP16 if fp16 else Precision.BF16 if bf16 else Precision.FP32
+        param_dtype = _DTYPES[precision.value]
+        comm = getattr(cfg, "communication_data_type", None)
+        if comm is not None and not isinstance(comm, str):
+            comm = getattr(comm, "value", str(comm))
+        if comm is None:
+            reduce_dtype = param_dtype
+        elif comm in _DTYPES:
+            reduce_dtype = _DTYPES[comm]
+        else:
+            raise ValueError(f"communication_data_type={comm!r} is not supported: use fp32, fp16 or bf16")
+        return cls(precision, param_dtype, reduce_dtype)
+
+
+@dataclass(frozen=True)
+class ReducePolicy:
+    """How gradients are bucketed and reduced (`zero_optimization` keys, DeepSpeed's names)."""
+
+    reduce_bucket_size: int
+    overlap_comm: bool
+    contiguous_gradients: bool
+    reduce_scatter: bool
+    ignore_unused_parameters: bool
+
+    @classmethod
+    def from_config(cls, zero: Any) -> "ReducePolicy":
+        bucket = getattr(zero, "reduce_bucket_size", 500_000_000)
+        if not isinstance(bucket, int):
+            raise ValueError(
+                f"zero_optimization.reduce_bucket_size={bucket!r} was not resolved to an element count: "
+                "pass hidden_size to load_config or set a number")
+        overlap = getattr(zero, "overlap_comm", None)
+        return cls(int(bucket), bool(overlap) if overlap is not None else False,
+                   bool(getattr(zero, "contiguous_gradients", True)),
+                   bool(getattr(zero, "reduce_scatter", True)),
+                   bool(getattr(zero, "ignore_unused_parameters", True)))

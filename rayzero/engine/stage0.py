@@ -1,0 +1,50 @@
+"""ZeRO stage 0: plain data parallelism with bucketed all-reduce overlapped with backward.
+
+Every rank keeps full parameters, full gradients, full fp32 masters and full optimizer state;
+one all-reduce per bucket at the accumulation boundary (2Ψ per step, [Note: communication
+accounting]). Gradients accumulate locally between boundaries, like DDP's no_sync.
+"""
+from __future__ import annotations
+
+import torch
+
+from rayzero.engine.flat_strategy import Bucket, BucketedStrategy, Finish
+from rayzero.engine.offload import StateKind
+
+
+class Stage0Strategy(BucketedStrategy):
+    stage = 0
+    partitions_optimizer_state = False
+    gradients_partitioned = False  # every rank holds the same full gradients: no norm all-reduce
+
+    def _init_gradient_storage(self, bucket: Bucket) -> None:
+        bucket.grad_buffer = torch.zeros_like(bucket.param_buffer)
+        bucket.grad_views = [bucket.grad_buffer[s.offset:s.end].view_as(p)
+                             for s, p in zip(bucket.layout.slots, bucket.params)]
+        for param, view in zip(bucket.params, bucket.grad_views):
+            param.grad = view
+        numel = bucket.layout.numel
+        if self.aliased and self.precision.reduce_dtype == torch.float32:
+            bucket.master_grad = bucket.grad_buffer[:numel]
+        else:
+            bucket.master_grad = self.offload.allocate(StateKind.MASTER_GRAD, numel, torch.float32)
+
+    def _reduce_bucket(self, bucket: Bucket, async_op: bool) -> tuple[object, Finish]:
+        numel = bucket.layout.numel
+        grads = bucket.grad_buffer[:numel]
+        in_place = grads.dtype == self.precision.reduce_dtype
+        wire = grads if in_place else grads.to(self.precision.reduce_dtype)
+        work = self.comm.all_reduce(wire, async_op=async_op)
+
+        def finish() -> None:
+            if bucket.master_grad.data_ptr() == grads.data_ptr():
+                bucket.master_grad.mul_(self.inverse_world)
+            else:
+                bucket.master_grad.copy_(wire).mul_(self.inverse_world)
+        return work, finish
+
+    def _publish(self) -> None:
+        if self.aliased:
+            return  # the optimizer updated the parameters themselves
+        for bucket in self.buckets:
+            bucket.param_buffer[:bucket.layout.numel].copy_(bucket.master)

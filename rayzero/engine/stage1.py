@@ -1,0 +1,60 @@
+"""ZeRO stage 1: fp32 master weights and optimizer state partitioned across ranks.
+
+Gradients are still accumulated in full on every rank; at the accumulation boundary each bucket is
+reduce-scattered (Ψ) so a rank receives just the slice its optimizer updates, and after the step
+each bucket's updated slices are all-gathered back into the parameters (Ψ): 2Ψ per step.
+Memory per rank: params + full grads + (masters + optimizer state) / N.
+"""
+from __future__ import annotations
+
+import torch
+
+from rayzero.engine.flat_strategy import Bucket, BucketedStrategy, Finish
+from rayzero.engine.offload import StateKind
+
+
+class Stage1Strategy(BucketedStrategy):
+    stage = 1
+    partitions_optimizer_state = True
+
+    def _init_gradient_storage(self, bucket: Bucket) -> None:
+        bucket.grad_buffer = torch.zeros_like(bucket.param_buffer)
+        bucket.grad_views = [bucket.grad_buffer[s.offset:s.end].view_as(p)
+                             for s, p in zip(bucket.layout.slots, bucket.params)]
+        for param, view in zip(bucket.params, bucket.grad_views):
+            param.grad = view
+        start, end = bucket.master_range
+        if self.aliased and self.precision.reduce_dtype == torch.float32:
+            # The reduced slice lands in this rank's own part of the full gradient buffer.
+            bucket.master_grad = bucket.grad_buffer[start:end]
+        else:
+            bucket.master_grad = self.offload.allocate(StateKind.MASTER_GRAD, end - start, torch.float32)
+
+    def _reduce_bucket(self, bucket: Bucket, async_op: bool) -> tuple[object, Finish]:
+        reduce_dtype = self.precision.reduce_dtype
+        wire = bucket.grad_buffer if bucket.grad_buffer.dtype == reduce_dtype else \
+            bucket.grad_buffer.to(reduce_dtype)
+        # A separate output: gloo's reduce-scatter does not allow output inside input.
+        received = torch.empty(bucket.layout.shard_numel, dtype=reduce_dtype, device=wire.device)
+        work = self.comm.reduce_scatter(received, wire, async_op=async_op)
+
+        def finish() -> None:
+            bucket.master_grad.copy_(received).mul_(self.inverse_world)
+        return work, finish
+
+    def _publish(self) -> None:
+        publish_partitioned(self)
+
+
+def publish_partitioned(strategy: BucketedStrategy) -> None:
+    """Stages 1-2: write each rank's updated slice into its parameter buffer, all-gather buckets."""
+    works = []
+    for bucket in strategy.buckets:
+        start, end = bucket.master_range
+        own = bucket.param_buffer[start:end]
+        if not strategy.aliased:
+            own.copy_(bucket.master)
+        works.append(strategy.comm.all_gather(bucket.param_buffer, own, async_op=True))
+    for work in works:
+        if work is not None:
+            work.wait()
