@@ -43,14 +43,24 @@ class Result:
     """URI of the Parquet metrics log (every rank's reports)."""
 
 
-def _validated_config(config: Any, world_size: int) -> dict[str, Any] | None:
-    """The DeepSpeed config as a plain dict, or a ConfigError listing every problem (no worker started)."""
+def _validated_config(config: Any, world_size: int) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+    """(the config for the workers, the validated one) or a ConfigError listing every problem.
+
+    Validation happens here, before any worker starts. The workers get the config as the user wrote
+    it, not the normalised dump: the engine resolves it again knowing the model (hidden size), and a
+    dump carries every default as if the user had set it, which that resolution then rejects.
+    """
     if config is None:
-        return None
-    from rayzero.config import load_config
+        return None, {}
+    from rayzero.config import RayZeroConfig, load_config
 
     # allow_unresolved: "auto" values that need the model (hidden size) are resolved in the engine.
-    return load_config(config, world_size=world_size, allow_unresolved=True).to_deepspeed_dict()
+    validated = load_config(config, world_size=world_size, allow_unresolved=True).to_deepspeed_dict()
+    if isinstance(config, RayZeroConfig):
+        return config.to_deepspeed_dict(), validated
+    if isinstance(config, Mapping):
+        return json.loads(json.dumps(config)), validated
+    return json.loads(Path(config).read_text()), validated
 
 
 def _run_locations(run: RunConfig) -> tuple[str, str, str]:
@@ -102,7 +112,7 @@ def fit(
 
     fit_started_wall, fit_started = time.time(), time.monotonic()
     scaling, run, failure = scaling or ScalingConfig(), run or RunConfig(), failure or FailureConfig()
-    ds_config = _validated_config(config, scaling.num_workers)
+    ds_config, validated = _validated_config(config, scaling.num_workers)
     name, run_uri, checkpoint_dir = _run_locations(run)
     resume_from = run.resume_from or os.environ.get("RAYZERO_RESUME_FROM") or None
 
@@ -132,10 +142,9 @@ def fit(
 
     # num_cpus=0: the controller only waits; it must not take a CPU a worker bundle needs.
     controller = ray.remote(ControllerActor).options(num_cpus=0, max_concurrency=4).remote(make_controller)
-    wall_clock_breakdown = bool((ds_config or {}).get("wall_clock_breakdown"))
-    progress = Progress(
-        (ds_config or {}).get("train_batch_size"), run.progress_interval_s, wall_clock_breakdown
-    )
+    wall_clock_breakdown = bool(validated.get("wall_clock_breakdown"))
+    batch = validated.get("train_batch_size")
+    progress = Progress(batch if isinstance(batch, int) else None, run.progress_interval_s, wall_clock_breakdown)
     metrics_log = MetricsLog(run_uri)
     history: list[dict[str, Any]] = []
     last_checkpoint: str | None = None

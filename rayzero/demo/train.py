@@ -1,0 +1,107 @@
+"""The demo's training loop: user-level code on the public API only (`rayzero.initialize`,
+`rayzero.get_context`, `rayzero.report`). Runs under `rayzero.fit`, `rayzero run` and torchrun.
+
+Loop config keys (all optional): `steps` (default 200), `seed`, `max_chars` (corpus size),
+`n_layer`, `n_head`, `n_embd`, `block_size`, `save_checkpoint` (default True), `argv` (from
+`rayzero run ... -- --steps 50`).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import rayzero
+from rayzero.demo.data import VOCAB_SIZE, BatchSampler, encode, stdlib_text
+from rayzero.demo.model import CharGPT, GPTConfig
+
+# Used when the run has no DeepSpeed config (e.g. under torchrun); `rayzero demo` passes its own.
+DEFAULT_DS_CONFIG: dict[str, Any] = {
+    "train_micro_batch_size_per_gpu": 16,
+    "gradient_accumulation_steps": 1,
+    "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "betas": [0.9, 0.99], "weight_decay": 0.01}},
+    "gradient_clipping": 1.0,
+    "zero_optimization": {"stage": 3},
+}
+
+
+def _initialize(model: torch.nn.Module, config: dict[str, Any]) -> tuple:
+    import rayzero.engine
+
+    if hasattr(rayzero.engine, "initialize"):
+        return rayzero.initialize(model=model, config=config)
+    # The ZeRO engine is not in this build: train data-parallel with plain torch instead.
+    from rayzero.demo.fallback import torch_ddp_initialize
+
+    return torch_ddp_initialize(model, config)
+
+
+def _options(config: dict[str, Any] | None) -> dict[str, Any]:
+    options = dict(config or {})
+    if options.get("argv"):  # `rayzero run rayzero/demo/train.py:train_loop ... -- --steps 50`
+        parser = argparse.ArgumentParser(prog="demo loop")
+        parser.add_argument("--steps", type=int)
+        parser.add_argument("--seed", type=int)
+        parsed = parser.parse_args(options.pop("argv"))
+        options.update({k: v for k, v in vars(parsed).items() if v is not None})
+    return options
+
+
+def train_loop(config: dict[str, Any] | None = None) -> None:
+    options = _options(config)
+    context = rayzero.get_context()
+    if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        dist.init_process_group("gloo")  # torchrun; under rayzero the worker already did this
+    steps = int(options.get("steps", 200))
+    seed = int(options.get("seed", 1234))
+
+    ids = encode(stdlib_text(int(options.get("max_chars", 1_000_000)))[0])
+    gpt = GPTConfig(
+        vocab_size=VOCAB_SIZE,
+        block_size=int(options.get("block_size", 64)),
+        n_layer=int(options.get("n_layer", 2)),
+        n_head=int(options.get("n_head", 4)),
+        n_embd=int(options.get("n_embd", 128)),
+    )
+    torch.manual_seed(seed)  # every rank builds the same initial weights
+    ds_config = context.config or DEFAULT_DS_CONFIG
+    engine, _, _, _ = _initialize(model=CharGPT(gpt), config=ds_config)
+    micro_batch = int(ds_config.get("train_micro_batch_size_per_gpu", 16))
+    accumulation = int(ds_config.get("gradient_accumulation_steps", 1))
+    sampler = BatchSampler(ids, gpt.block_size, micro_batch, seed=seed + 1000 * context.rank)
+    start_step = 0
+    if context.resume_from:
+        _, client_state = engine.load_checkpoint(context.resume_from)
+        start_step = int((client_state or {}).get("step", 0))
+        if client_state and "sampler" in client_state:
+            sampler.load_state_dict(client_state["sampler"])
+
+    samples_per_step = micro_batch * accumulation * context.world_size
+    for step in range(start_step, steps):
+        started = time.perf_counter()
+        total = 0.0
+        for _ in range(accumulation):
+            inputs, targets = sampler.next()
+            loss = engine(inputs, targets)
+            engine.backward(loss)
+            engine.step()  # DeepSpeed semantics: steps the optimizer at the accumulation boundary
+            total += loss.item() / accumulation
+        elapsed_ms = (time.perf_counter() - started) * 1000
+        checkpoint = None
+        if step + 1 == steps and options.get("save_checkpoint", True) and context.checkpoint_dir:
+            engine.save_checkpoint(client_state={"step": steps, "sampler": sampler.state_dict()})
+            checkpoint = context.checkpoint_dir
+        rayzero.report(
+            {
+                "step": step + 1,
+                "loss": total,
+                "samples": (step + 1) * samples_per_step,
+                "tokens": (step + 1) * samples_per_step * gpt.block_size,
+                "step_ms": elapsed_ms,
+            },
+            checkpoint=checkpoint,
+        )
