@@ -66,21 +66,36 @@ _PROVIDERS = {
 
 
 class _Resolver:
-    def __init__(self, notes: list[str]) -> None:
-        self.notes = notes
+    """Fills "auto" values and, like the HF integration, refuses explicit values that disagree
+    with the trainer argument they mirror (a silent mismatch trains with the wrong setting)."""
 
-    def fill(self, owner: Any, attr: str, path: str, value: Any, source: str) -> None:
-        """Set `owner.attr` to `value` if it is "auto" (owner is a model or a params dict)."""
+    def __init__(self, notes: list[str], problems: list[Problem]) -> None:
+        self.notes = notes
+        self.problems = problems
+
+    @staticmethod
+    def _explicit(owner: Any, attr: str) -> bool:
+        # Only a value the user wrote can disagree; a default the trainer overrides is not a conflict.
+        return attr in owner if isinstance(owner, dict) else attr in owner.model_fields_set
+
+    def fill(self, owner: Any, attr: str, path: str, value: Any, source: str, *,
+             check: bool = True, fill_missing: bool = False) -> None:
+        """Set `owner.attr` (a model or a params dict) to `value` if it is "auto" (or absent, with
+        `fill_missing`); with `check`, an explicit different value is a problem."""
         if value is None:
             return
         current = owner.get(attr) if isinstance(owner, dict) else getattr(owner, attr)
-        if not (isinstance(current, str) and current == AUTO):
-            return
-        if isinstance(owner, dict):
-            owner[attr] = value
-        else:
-            setattr(owner, attr, value)
-        self.notes.append(f"auto: {path} = {value!r} from {source}")
+        if isinstance(current, str) and current == AUTO or (current is None and fill_missing):
+            if isinstance(owner, dict):
+                owner[attr] = value
+            else:
+                setattr(owner, attr, value)
+            label = "auto" if current is not None else "filled"
+            self.notes.append(f"{label}: {path} = {value!r} from {source}")
+        elif check and current is not None and current != value and self._explicit(owner, attr):
+            self.problems.append(Problem(
+                path, current, f"disagrees with {source} = {value!r}",
+                f'write "auto" to take the trainer\'s value, or make the two agree'))
 
 
 def resolve(
@@ -94,29 +109,25 @@ def resolve(
     problems: list[Problem],
 ) -> None:
     """Fill every "auto" the facts allow, derive the batch keys, and report the rest."""
-    facts = TrainerFacts()
-    if trainer is not None:
-        try:
-            facts = TrainerFacts.model_validate(dict(trainer))
-        except ValidationError as error:
-            problems.extend(to_problem(e, TrainerFacts, ("trainer",)) for e in error.errors(include_url=False))
+    facts = _trainer_facts(trainer, problems)
     if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1):
         problems.append(Problem("world_size", world_size, "must be a positive integer", "pass the number of ranks"))
         world_size = None
     if hidden_size is not None and (isinstance(hidden_size, bool) or not isinstance(hidden_size, int) or hidden_size < 1):
         problems.append(Problem("hidden_size", hidden_size, "must be a positive integer", "pass the model's hidden size"))
         hidden_size = None
-    fill = _Resolver(notes).fill
+    fill = _Resolver(notes, problems).fill
     zero = config.zero_optimization
     if hidden_size is not None:
         h = hidden_size
         src = f"hidden_size={h}"
-        fill(zero, "reduce_bucket_size", "zero_optimization.reduce_bucket_size", h * h, f"{src} (h²)")
-        fill(zero, "allgather_bucket_size", "zero_optimization.allgather_bucket_size", h * h, f"{src} (h²)")
+        # The hidden-size rules are recommendations for "auto", not facts a written value can contradict.
+        fill(zero, "reduce_bucket_size", "zero_optimization.reduce_bucket_size", h * h, f"{src} (h²)", check=False)
+        fill(zero, "allgather_bucket_size", "zero_optimization.allgather_bucket_size", h * h, f"{src} (h²)", check=False)
         fill(zero, "prefetch_bucket_size", "zero_optimization.stage3_prefetch_bucket_size",
-             int(0.9 * h * h), f"{src} (0.9·h²)")
+             int(0.9 * h * h), f"{src} (0.9·h²)", check=False)
         fill(zero, "param_persistence_threshold", "zero_optimization.stage3_param_persistence_threshold",
-             10 * h, f"{src} (10·h)")
+             10 * h, f"{src} (10·h)", check=False)
     _from_trainer(config, facts, fill)
     if world_size is not None:
         _derive_batch(config, world_size, notes, problems)
@@ -127,6 +138,18 @@ def resolve(
         else:
             problems.append(Problem(path, AUTO, "\"auto\" cannot be resolved from the facts given",
                                     f"give {provider}, or write a value"))
+
+
+def _trainer_facts(trainer: Mapping[str, Any] | None, problems: list[Problem]) -> TrainerFacts:
+    """Validated trainer arguments; bad ones are reported and left out, the rest still used."""
+    given = dict(trainer or {})
+    try:
+        return TrainerFacts.model_validate(given)
+    except ValidationError as error:
+        for item in error.errors(include_url=False):
+            problems.append(to_problem(item, TrainerFacts, ("trainer",)))
+            given.pop(item["loc"][0], None)
+    return TrainerFacts.model_validate(given)
 
 
 def _provider(path: str) -> str:
@@ -143,10 +166,11 @@ def _provider(path: str) -> str:
 
 def _from_trainer(config: RayZeroConfig, facts: TrainerFacts, fill: Any) -> None:
     trainer = "trainer "
+    # The trainer's batch arguments also fill absent keys: it is the trainer that feeds the data.
     fill(config, "train_micro_batch_size_per_gpu", "train_micro_batch_size_per_gpu",
-         facts.per_device_train_batch_size, trainer + "per_device_train_batch_size")
+         facts.per_device_train_batch_size, trainer + "per_device_train_batch_size", fill_missing=True)
     fill(config, "gradient_accumulation_steps", "gradient_accumulation_steps",
-         facts.gradient_accumulation_steps, trainer + "gradient_accumulation_steps")
+         facts.gradient_accumulation_steps, trainer + "gradient_accumulation_steps", fill_missing=True)
     fill(config, "gradient_clipping", "gradient_clipping", facts.max_grad_norm, trainer + "max_grad_norm")
     if config.optimizer is not None:
         params = config.optimizer.params
@@ -159,7 +183,8 @@ def _from_trainer(config: RayZeroConfig, facts: TrainerFacts, fill: Any) -> None
     if config.scheduler is not None:
         params = config.scheduler.params
         # HF fills warmup_min_lr with 0 unconditionally: warm-up starts from zero.
-        fill(params, "warmup_min_lr", "scheduler.params.warmup_min_lr", 0, "the HF convention (warm up from 0)")
+        fill(params, "warmup_min_lr", "scheduler.params.warmup_min_lr", 0, "the HF convention (warm up from 0)",
+             check=False)
         fill(params, "warmup_max_lr", "scheduler.params.warmup_max_lr", facts.learning_rate,
              trainer + "learning_rate")
         warmup = facts.warmup_steps

@@ -68,6 +68,19 @@ LIGHTNING_DEFAULTS: dict[str, Any] = {
     "process_group_backend": None,
     "timeout": None,
 }
+# Lightning's registered strategy names (`Trainer(strategy="deepspeed_stage_3_offload")`).
+LIGHTNING_PRESETS: dict[str, dict[str, Any]] = {
+    "deepspeed": {},
+    "deepspeed_stage_1": {"stage": 1},
+    "deepspeed_stage_2": {"stage": 2},
+    "deepspeed_stage_2_offload": {"stage": 2, "offload_optimizer": True},
+    "deepspeed_stage_3": {"stage": 3},
+    "deepspeed_stage_3_offload": {"stage": 3, "offload_optimizer": True, "offload_parameters": True},
+    "deepspeed_stage_3_offload_nvme": {
+        "stage": 3, "offload_optimizer": True, "offload_parameters": True, "remote_device": "nvme",
+        "offload_params_device": "nvme", "offload_optimizer_device": "nvme",
+    },
+}
 # Trainer arguments Lightning folds into the DeepSpeed config.
 TRAINER_DEFAULTS: dict[str, Any] = {"precision": "32-true", "accumulate_grad_batches": 1, "gradient_clip_val": None}
 
@@ -86,6 +99,13 @@ _NO_CONFIG_KEY = {
 
 def lightning_to_dict(kwargs: Mapping[str, Any], notes: list[str]) -> dict[str, Any]:
     """The DeepSpeed dict Lightning would hand to DeepSpeed for these keywords."""
+    kwargs = dict(kwargs)
+    preset = kwargs.pop("strategy", None)
+    if preset is not None:
+        if preset not in LIGHTNING_PRESETS:
+            raise ConfigError([unknown_key_problem("from_lightning.strategy", str(preset), preset,
+                                                   LIGHTNING_PRESETS)], "DeepSpeedStrategy keywords")
+        kwargs = {**LIGHTNING_PRESETS[preset], **kwargs}  # explicit keywords win over the preset
     known = {**LIGHTNING_DEFAULTS, **TRAINER_DEFAULTS}
     unknown = [key for key in kwargs if key not in known]
     if unknown:

@@ -55,7 +55,7 @@ def load_config(
         raise ConfigError(problems, name)
     for note in notes:
         # resolutions are information; everything else (ignored, deprecated, unimplemented) warns
-        level = logging.INFO if note.startswith(("auto:", "derived:")) else logging.WARNING
+        level = logging.INFO if note.startswith(("auto:", "derived:", "filled:")) else logging.WARNING
         logger.log(level, note)
     config._notes = notes
     return config

@@ -50,6 +50,15 @@ def migrate(raw: dict[str, Any], notes: list[str], problems: list[Problem]) -> d
         return raw
     if not isinstance(zero, dict):
         return raw
+    _nested_aio(raw, zero, notes, problems)
+    for section in ("offload_optimizer", "offload_param"):
+        if isinstance(zero.get(section), bool) or zero.get(section) in ("true", "false"):
+            # Early DeepSpeed/Lightning docs wrote `"offload_optimizer": true` meaning "to the CPU".
+            enabled = zero.pop(section) in (True, "true")
+            if enabled:
+                zero[section] = {"device": "cpu"}
+            notes.append(f"deprecated: `{_ZERO}.{section}: {str(enabled).lower()}`; write "
+                         f"`{_ZERO}.{section}: {{\"device\": \"{'cpu' if enabled else 'none'}\"}}` (migrated)")
     for name, field in ZeroConfig.model_fields.items():
         if field.alias and name in zero and field.alias in zero:
             problems.append(Problem(
@@ -84,3 +93,21 @@ def migrate(raw: dict[str, Any], notes: list[str], problems: list[Problem]) -> d
             f"{{\"device\": \"cpu\"}} instead (migrated)"
         )
     return raw
+
+
+def _nested_aio(raw: dict[str, Any], zero: dict[str, Any], notes: list[str], problems: list[Problem]) -> None:
+    """The HF guide's NVMe example puts `aio` inside `zero_optimization`; DeepSpeed reads it at the
+    top level only. Move it there (with a warning) rather than lose the user's I/O tuning."""
+    if "aio" not in zero:
+        return
+    nested = zero.pop("aio")
+    if "aio" in raw and raw["aio"] != nested:
+        problems.append(Problem(f"{_ZERO}.aio", nested, f"conflicts with the top-level `aio` = {raw['aio']!r}",
+                                "aio settings belong at the top level only; delete one of them"))
+        return
+    raw["aio"] = nested
+    notes.append(f"moved: `{_ZERO}.aio` belongs at the top level (`aio`), where DeepSpeed reads it; "
+                 "move it there (migrated)")
+    aio = raw["aio"]
+    if isinstance(aio, dict):
+        _move(aio, "thread_count", "intra_op_parallelism", "aio", notes, problems, quiet=True)

@@ -96,7 +96,8 @@ class RayZeroConfig(UnimplementedSections):
                        **kwargs: Any) -> "RayZeroConfig":
         """Build from Lightning `DeepSpeedStrategy(...)` keywords (every `__init__` parameter, with
         Lightning's defaults) plus the Trainer's `precision`, `accumulate_grad_batches` and
-        `gradient_clip_val`; gives the same config as the DeepSpeed JSON Lightning would generate."""
+        `gradient_clip_val`, and optionally `strategy="deepspeed_stage_3_offload"` (Lightning's
+        registered names); gives the same config as the DeepSpeed JSON Lightning would generate."""
         from rayzero.config.lightning import from_lightning
 
         return from_lightning(world_size=world_size, hidden_size=hidden_size, **kwargs)
