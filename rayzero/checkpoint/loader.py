@@ -1,0 +1,221 @@
+"""Loading: pick the newest checkpoint complete in some tier, gather the shards each rank needs,
+verify their checksums, and serve any flat range at the current world size (online resharding).
+
+[Note: choosing what to load]
+Every rank lists the committed tags in its own view of the save directory (with node-local storage
+each node sees only its shards and the replicas it keeps) and the ranks exchange these inventories;
+rank 0 also lists the durable copy. Candidates are tried newest first. A candidate is usable when
+the union of the locations' files plus the durable copy holds every file its manifest names. Each
+location then obtains the files its ranks need and lacks: from a peer location over the checkpoint
+process group, else from the durable copy. Every rank reads its files whole and checks their
+checksums; a corrupt copy is set aside (renamed `*.corrupt`) and the plan is redone without it, so a
+good replica still wins. A candidate with a file that has no good copy anywhere is skipped with a
+warning, and the next older one is tried.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+
+from rayzero.checkpoint.comm import CheckpointComm, Topology, Transfer, run_transfers
+from rayzero.checkpoint.durable import DurableStore
+from rayzero.checkpoint.manifest import Manifest, committed_tags, read_manifest
+from rayzero.checkpoint.reshard import files_for, plan_read
+from rayzero.checkpoint.shard_file import CorruptShardError, LoadedShardFile, dtype_from_name
+from rayzero.checkpoint.types import ShardSpec
+
+log = logging.getLogger(__name__)
+_MAX_REPAIRS = 4  # re-plans per candidate after corrupt copies were found
+
+
+class NoCheckpointError(FileNotFoundError):
+    """No committed, complete and intact checkpoint was found in any tier."""
+
+
+@dataclass
+class LoadedCheckpoint:
+    """A checkpoint chosen and verified for this rank; `read` serves ranges at any world size."""
+
+    manifest: Manifest
+    path: str
+    files: dict[str, LoadedShardFile]
+    source: str
+    """Which tier supplied it: `local`, `peer` (some files from other nodes) or `durable`."""
+
+    def has(self, name: str) -> bool:
+        return name in self.manifest.tensors
+
+    def read(self, spec: ShardSpec) -> torch.Tensor:
+        """Elements [flat_start, flat_end) of `spec.name`, as `spec.dtype`, assembled from the saved pieces."""
+        entry = self.manifest.tensors.get(spec.name)
+        if entry is None:
+            raise KeyError(f"checkpoint {self.path} holds no tensor {spec.name!r} (it has "
+                           f"{len(self.manifest.tensors)} tensors, e.g. {sorted(self.manifest.tensors)[:3]})")
+        if tuple(entry.shape) != tuple(spec.global_shape):
+            raise ValueError(f"checkpoint {self.path}: {spec.name!r} has shape {tuple(entry.shape)}, the model now "
+                             f"has {tuple(spec.global_shape)}; load into the same model architecture")
+        out = torch.empty(spec.flat_end - spec.flat_start, dtype=spec.dtype)
+        stored = dtype_from_name(entry.dtype)
+        for step in plan_read(spec.name, entry, spec.flat_start, spec.flat_end):
+            source = self.files[step.piece.file].tensor(spec.name)[step.source_start:step.source_end]
+            target = out[step.target_start:step.target_start + (step.source_end - step.source_start)]
+            target.copy_(source if stored == spec.dtype else source.to(spec.dtype))
+        return out
+
+    def release(self) -> None:
+        self.files.clear()
+
+
+def _local_inventory(root: str) -> dict[str, tuple[int, float, dict[str, int]]]:
+    """tag -> (step, created, {file: size}) of the files present with the manifest's size."""
+    inventory = {}
+    for _, tag in committed_tags(root):
+        manifest = read_manifest(os.path.join(root, tag))
+        present = {}
+        for name, entry in manifest.files.items():
+            path = os.path.join(root, tag, name)
+            if os.path.isfile(path) and os.path.getsize(path) == entry.size:
+                present[name] = entry.size
+        inventory[tag] = (manifest.step, manifest.created_unix, present)
+    return inventory
+
+
+def load(comm: CheckpointComm, topology: Topology, root: str, needed: Iterable[ShardSpec],
+         tag: str | None = None, durable: DurableStore | None = None) -> LoadedCheckpoint:
+    """Choose, fetch and verify a checkpoint for this rank. Collective over all ranks."""
+    needed = list(needed)
+    here = topology.locations[comm.rank]
+    local = _local_inventory(root)
+    inventories = comm.all_gather_object(local)
+    durable_manifests: dict[str, Manifest] = {}
+    if durable is not None and comm.rank == 0:
+        durable_manifests = {m.tag: m for m in durable.committed()}
+    durable_index = comm.broadcast_object({tag: (m.step, m.created_unix) for tag, m in durable_manifests.items()})
+
+    present: dict[str, dict[str, set[str]]] = {}  # tag -> location -> files
+    order: dict[str, tuple[int, float]] = {}
+    for rank, inventory in enumerate(inventories):
+        for name, (step, created, files) in inventory.items():
+            present.setdefault(name, {}).setdefault(topology.locations[rank], set()).update(files)
+            order[name] = (step, created)
+    for name, key in durable_index.items():
+        order.setdefault(name, key)
+    candidates = sorted(order, key=lambda name: order[name], reverse=True)
+    if tag is not None:
+        candidates = [name for name in candidates if name == tag]
+    tried = []
+    for candidate in candidates:
+        loaded = _try_candidate(comm, topology, root, candidate, present.get(candidate, {}), needed,
+                                durable, durable_manifests.get(candidate), here)
+        if loaded is not None:
+            if tried and comm.rank == 0:
+                warnings.warn(f"loaded checkpoint {candidate!r} instead of the newer {tried}: "
+                              "those are incomplete or corrupt in every tier (see the log)", stacklevel=3)
+            return loaded
+        tried.append(candidate)
+    wanted = f"tag {tag!r}" if tag is not None else "any checkpoint"
+    raise NoCheckpointError(f"no complete, intact checkpoint ({wanted}) under {root}"
+                            + (f" or {durable.uri}" if durable is not None else "")
+                            + (f"; tried {tried}" if tried else ""))
+
+
+def _try_candidate(comm: CheckpointComm, topology: Topology, root: str, tag: str,
+                   present: dict[str, set[str]], needed: list[ShardSpec], durable: DurableStore | None,
+                   durable_manifest: Manifest | None, here: str) -> LoadedCheckpoint | None:
+    tag_dir = os.path.join(root, tag)
+    # The manifest: from the lowest rank holding it locally, else from the durable copy (rank 0).
+    holders = [rank for rank in range(comm.world_size) if topology.locations[rank] in present]
+    source_rank = holders[0] if holders else 0
+    manifest = comm.broadcast_object(read_manifest(tag_dir) if comm.rank == source_rank and holders
+                                     else durable_manifest if comm.rank == 0 else None, src=source_rank)
+    if manifest is None:
+        return None
+    durable_files = set(manifest.files) if durable_manifest is not None else set()
+    durable_files = set(comm.broadcast_object(sorted(durable_files)))
+    available = set().union(*present.values()) | durable_files if present else durable_files
+    missing = set(manifest.files) - available
+    if missing:
+        if comm.rank == 0:
+            log.warning("checkpoint %s is incomplete in every tier (missing %s); skipping it", tag, sorted(missing))
+        return None
+    my_files = files_for(manifest.tensors, needed)
+    needs = comm.all_gather_object(sorted(my_files))
+    used_peer = used_durable = False
+    for _ in range(_MAX_REPAIRS):
+        transfers, downloads = _plan(topology, present, durable_files, manifest, needs)
+        if any(name not in durable_files and not any(name in files for files in present.values())
+               for name in set().union(*map(set, needs))):
+            break  # a needed file has no good copy left
+        used_peer |= bool(transfers)
+        used_durable |= bool(downloads)
+        os.makedirs(tag_dir, exist_ok=True)
+        failures: list[tuple[str, str]] = []
+        try:
+            in_tag = lambda transfer: os.path.join(tag_dir, transfer.name)  # noqa: E731
+            run_transfers(comm, transfers, in_tag, in_tag)
+            for transfer in transfers:
+                present.setdefault(topology.locations[transfer.target], set()).add(transfer.name)
+            for rank, name in downloads:
+                present.setdefault(topology.locations[rank], set()).add(name)
+            for rank, name in downloads:
+                if rank == comm.rank:
+                    durable.download(tag, name, os.path.join(tag_dir, name))
+        except (CorruptShardError, OSError) as error:
+            log.warning("rank %d could not fetch a shard of %s: %s", comm.rank, tag, error)
+            failures.append((here, "*fetch*"))
+        comm.barrier()  # fetched files are in place for every rank of the location
+        files: dict[str, LoadedShardFile] = {}
+        for name in sorted(my_files):
+            path = os.path.join(tag_dir, name)
+            try:
+                files[name] = LoadedShardFile.read(path, manifest.files[name].checksum)
+            except (CorruptShardError, OSError) as error:
+                log.warning("rank %d: %s", comm.rank, error)
+                failures.append((here, name))
+        all_failures = [failure for ranks in comm.all_gather_object(failures) for failure in ranks]
+        if not all_failures:
+            source = "durable" if used_durable else "peer" if used_peer else "local"
+            return LoadedCheckpoint(manifest, tag_dir, files, source)
+        files.clear()
+        if any(name == "*fetch*" for _, name in all_failures):
+            break
+        for location, name in all_failures:
+            present.get(location, set()).discard(name)
+            bad = os.path.join(tag_dir, name)
+            if location == here and topology.leader(here) == comm.rank and os.path.exists(bad):
+                os.replace(bad, bad + ".corrupt")  # never picked again; kept for inspection
+        if comm.rank == 0:
+            warnings.warn(f"checkpoint {tag}: corrupt shard copies {sorted(set(all_failures))} detected by checksum; "
+                          "looking for another copy", stacklevel=4)
+        comm.barrier()
+    if comm.rank == 0:
+        log.warning("checkpoint %s has a needed shard with no intact copy in any tier; trying an older one", tag)
+    return None
+
+
+def _plan(topology: Topology, present: dict[str, set[str]], durable_files: set[str], manifest: Manifest,
+          needs: list[list[str]]) -> tuple[list[Transfer], list[tuple[int, str]]]:
+    """Transfers (peer location -> a rank of the location lacking the file) and durable downloads."""
+    transfers, downloads = [], []
+    for location in topology.ordered_locations:
+        ranks = topology.ranks_at(location)
+        have = present.get(location, set())
+        wanted: dict[str, int] = {}
+        for rank in ranks:
+            for name in needs[rank]:
+                wanted.setdefault(name, rank)  # the lowest rank of the location that needs it fetches it
+        for name, target in sorted(wanted.items()):
+            if name in have:
+                continue
+            holders = [other for other in topology.ordered_locations if name in present.get(other, set())]
+            entry = manifest.files[name]
+            if holders:
+                transfers.append(Transfer(topology.leader(holders[0]), target, name, entry.size, entry.checksum))
+            elif name in durable_files:
+                downloads.append((target, name))
+    return transfers, downloads

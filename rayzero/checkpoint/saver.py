@@ -1,0 +1,182 @@
+"""Saving: snapshot in the caller's thread, then write, replicate, commit and upload (async).
+
+The blocking part of a save is only the snapshot: every rank's state pieces copied to fresh host
+tensors (the training step mutates the live ones in place) plus its RNG state. Everything else --
+the shard file, the metadata exchange, peer replicas, the manifest commit, `latest`, retention and
+the durable upload -- runs in one background thread per process on the checkpoint process group
+([Note: checkpoint process group] in comm.py). One save is in flight at a time: the next save (or
+a load) first waits for it.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from rayzero.checkpoint import rng
+from rayzero.checkpoint.comm import CheckpointComm, Topology, Transfer, run_transfers
+from rayzero.checkpoint.durable import DurableStore
+from rayzero.checkpoint.manifest import (MANIFEST, FileEntry, Manifest, apply_retention, commit, set_latest,
+                                         shard_file_name)
+from rayzero.checkpoint.options import CheckpointOptions
+from rayzero.checkpoint.reshard import build_tensor_entries, choose_writers
+from rayzero.checkpoint.shard_file import write_shard_file
+from rayzero.checkpoint.types import ShardedTensor
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SaveTimings:
+    """Seconds spent in each phase of the last save on this rank."""
+
+    blocking: float = 0.0
+    """Time save() held the caller: waiting for the previous save plus the snapshot."""
+    write: float = 0.0
+    replicate: float = 0.0
+    commit: float = 0.0
+    upload: float = 0.0
+    total: float = 0.0
+    """From save() being called to the local commit (upload excluded)."""
+    bytes_written: int = 0
+
+
+@dataclass
+class _SaveJob:
+    root: str
+    tag: str
+    step: int
+    stage: int
+    config_digest: str
+    shards: list[ShardedTensor]
+    extra_state: dict[str, Any]
+    client_state: dict[str, Any]
+    rng_state: dict[str, Any]
+    started: float
+    timings: SaveTimings = field(default_factory=SaveTimings)
+
+
+class CheckpointSaver:
+    """Writes checkpoints for one process; create one per engine and reuse it."""
+
+    def __init__(self, options: CheckpointOptions, comm: CheckpointComm) -> None:
+        self.options = options
+        self.comm = comm
+        self.topology = Topology.from_nodes(comm.node_ids, options.node_local)
+        self.durable = DurableStore(options.durable_uri, options.upload_threads) if options.durable_uri else None
+        self.timings = SaveTimings()  # of the last save that finished
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        if options.node_local and options.replicas and len(self.topology.ordered_locations) < 2 and comm.rank == 0:
+            log.warning("checkpoint.use_node_local_storage with replicas=%d but the job runs on one node: "
+                        "no peer replicas can be kept, losing this node loses its checkpoints unless a "
+                        "durable_uri is set", options.replicas)
+
+    def save(self, root: str, tag: str, step: int, stage: int, config_digest: str,
+             shards: list[ShardedTensor], extra_state: dict[str, Any], client_state: dict[str, Any],
+             asynchronous: bool | None = None) -> str:
+        """Save a checkpoint under root/tag; returns the tag directory. Collective over all ranks."""
+        started = time.perf_counter()
+        self.wait()
+        asynchronous = self.options.async_save if asynchronous is None else asynchronous
+        if asynchronous:
+            # The snapshot: the step loop may change the live tensors the moment we return.
+            shards = [ShardedTensor(s.spec, s.local.detach().to("cpu", copy=True)) for s in shards]
+        else:
+            shards = [ShardedTensor(s.spec, s.local.detach().cpu()) for s in shards]
+        job = _SaveJob(root, tag, step, stage, config_digest, shards, dict(extra_state), dict(client_state),
+                       rng.capture(), started)
+        job.timings.blocking = time.perf_counter() - started
+        if asynchronous:
+            self._thread = threading.Thread(target=self._run, args=(job,), name="rayzero-checkpoint", daemon=False)
+            self._thread.start()
+        else:
+            self._run(job)
+            self.wait()
+        return os.path.join(root, tag)
+
+    def wait(self) -> SaveTimings:
+        """Block until the save in flight (if any) has committed and uploaded; re-raise its error."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError(f"the previous checkpoint save failed on rank {self.comm.rank}: {error}") from error
+        return self.timings
+
+    @property
+    def in_flight(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _run(self, job: _SaveJob) -> None:
+        try:
+            self._write(job)
+        except BaseException as error:  # surfaced by wait() in the training thread
+            log.exception("checkpoint save of %s failed on rank %d", job.tag, self.comm.rank)
+            self._error = error
+
+    def _write(self, job: _SaveJob) -> None:
+        comm, options, topology = self.comm, self.options, self.topology
+        tag_dir = os.path.join(job.root, job.tag)
+        leader = comm.rank == topology.leader(topology.locations[comm.rank])
+        os.makedirs(tag_dir, exist_ok=True)
+        if leader:
+            # Re-saving an existing tag: un-commit it before overwriting any of its files.
+            try:
+                os.remove(os.path.join(tag_dir, MANIFEST))
+            except FileNotFoundError:
+                pass
+        specs_by_rank = comm.all_gather_object([shard.spec for shard in job.shards])
+        writers = choose_writers(specs_by_rank)
+        tensors = build_tensor_entries(specs_by_rank, writers)
+        mine = [(shard.spec.name, shard.local) for shard in job.shards if shard.spec.name in writers[comm.rank]]
+
+        phase = time.perf_counter()
+        written = write_shard_file(os.path.join(tag_dir, shard_file_name(comm.rank)), mine, fsync=options.fsync)
+        job.shards.clear()  # the snapshot is on disk: free its memory before replicating
+        job.timings.write = time.perf_counter() - phase
+        job.timings.bytes_written = written.size
+
+        gathered = comm.all_gather_object((written, job.rng_state))
+        files = {file.name: FileEntry(file.size, file.checksum, rank, comm.node_ids[rank])
+                 for rank, (file, _) in enumerate(gathered)}
+        phase = time.perf_counter()
+        if options.node_local and options.replicas:
+            transfers = [Transfer(rank, target, shard_file_name(rank), files[shard_file_name(rank)].size,
+                                  files[shard_file_name(rank)].checksum)
+                         for rank in range(comm.world_size) for target in topology.replica_targets(rank, options.replicas)]
+            in_tag = lambda transfer: os.path.join(tag_dir, transfer.name)  # noqa: E731
+            run_transfers(comm, transfers, in_tag, in_tag)
+        job.timings.replicate = time.perf_counter() - phase
+
+        manifest = Manifest(
+            tag=job.tag, step=job.step, world_size=comm.world_size, stage=job.stage,
+            config_digest=job.config_digest, files=files, tensors=tensors,
+            rank_states=[{"rank": rank, "node": comm.node_ids[rank], "rng": state}
+                         for rank, (_, state) in enumerate(gathered)],
+            extra_state=job.extra_state, client_state=job.client_state)
+        phase = time.perf_counter()
+        comm.barrier()  # every shard and replica is on disk everywhere: now commit
+        if leader:
+            commit(tag_dir, manifest)
+            set_latest(job.root, job.tag)
+            apply_retention(job.root, options.keep_last, keep={job.tag})
+        comm.barrier()  # load_checkpoint right after save_checkpoint sees the commit on every node
+        job.timings.commit = time.perf_counter() - phase
+        job.timings.total = time.perf_counter() - job.started
+
+        if self.durable is not None:
+            phase = time.perf_counter()
+            self.durable.upload(job.tag, [(os.path.join(tag_dir, written.name), written.name)])
+            comm.barrier()
+            if comm.rank == 0:
+                self.durable.commit(manifest)
+                self.durable.apply_retention(options.keep_last)
+            job.timings.upload = time.perf_counter() - phase
+        self.timings = job.timings
