@@ -1,0 +1,301 @@
+"""What runs inside each spawned rank of bench/engine.py: one system, every model, timed the same way.
+
+Every system gets the same model (bench/models.py, fixed seed), the same per-rank batches, the same
+optimizer (torch Adam, lr 1e-3, no weight decay, no clipping) and the same timing loop: a barrier, then
+forward + backward + optimizer step under one clock; per step the slowest rank's time counts, and the
+median over the measured steps is reported. Batches are built before timing, so data generation is not
+in the figure.
+
+A system that raises on every rank records an `error` for that model and the rank moves on; a rank that
+hangs is bounded by the process-group timeout and by the parent's deadline (bench/engine.py).
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import resource
+import statistics
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from bench import models
+
+LEARNING_RATE = 1e-3
+# One step: (inputs, targets) -> loss tensor, after backward and optimizer step.
+StepFunction = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def deepspeed_config(stage: int, micro_batch: int) -> dict[str, Any]:
+    """The DeepSpeed config given unchanged to both DeepSpeed and rayzero for stage `stage`.
+
+    - torch Adam (`torch_adam`), in Adam rather than AdamW mode: DeepSpeed's "Adam" silently means
+      AdamW unless `adam_w_mode` is false, and its fused/CPU Adam would compile for ~55 s here.
+    - `gradient_clipping: 0.0`: DeepSpeed 0.19.8 otherwise clips at 1.0, which DDP/FSDP2 do not.
+    - `stage3_param_persistence_threshold: 0`: every parameter is partitioned under stage 3, like
+      FSDP2 and like the ZeRO paper's (4+K)Ψ/N; DeepSpeed's default (1e5 elements) would keep most of
+      these small models' parameters whole on every rank.
+    - everything else at DeepSpeed's defaults (bucket sizes, overlap_comm, contiguous_gradients).
+    """
+    return {
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 0.0,
+        "optimizer": {
+            "type": "Adam",
+            "params": {
+                "lr": LEARNING_RATE,
+                "betas": [0.9, 0.999],
+                "eps": 1e-8,
+                "weight_decay": 0.0,
+                "torch_adam": True,
+                "adam_w_mode": False,
+            },
+        },
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 1_000_000_000,
+        "wall_clock_breakdown": False,
+    }
+
+
+def _torch_adam(parameters) -> torch.optim.Optimizer:
+    return torch.optim.Adam(parameters, lr=LEARNING_RATE, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+
+
+def _tensor_bytes(tensor: torch.Tensor | None) -> int:
+    if tensor is None:
+        return 0
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # FSDP2 DTensor -> own shard
+    return local.numel() * local.element_size()
+
+
+def _torch_model_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes of parameters, gradients and optimizer state this rank holds (DDP / FSDP2).
+
+    Measured while gradients are still held (after backward, before zero_grad). Master weights are
+    the fp32 parameters themselves in fp32 training, so they are not counted twice.
+    """
+    parameters = sum(_tensor_bytes(p) for p in model.parameters())
+    gradients = sum(_tensor_bytes(p.grad) for p in model.parameters())
+    optimizer_state = sum(
+        _tensor_bytes(value)
+        for state in optimizer.state.values()
+        for value in state.values()
+        if isinstance(value, torch.Tensor) and value.numel() > 1  # skip the scalar `step` counters
+    )
+    return {"parameters": parameters, "gradients": gradients, "optimizer_state": optimizer_state}
+
+
+class _Run:
+    """One system training one model on this rank: the timed `step`, then one untimed `probe` step
+    that returns the extra row fields (memory breakdown, communication counts)."""
+
+    def __init__(self, step: StepFunction, probe: Callable[[torch.Tensor, torch.Tensor], dict[str, Any]]) -> None:
+        self.step = step
+        self.probe = probe
+
+
+def _torch_run(model: torch.nn.Module, optimizer: torch.optim.Optimizer, counted: torch.nn.Module) -> _Run:
+    """DDP and FSDP2 share one loop; the probe counts model state while gradients are still held."""
+
+    def train(inputs: torch.Tensor, targets: torch.Tensor, probe: bool) -> Any:
+        loss = model(inputs, targets)
+        loss.backward()
+        optimizer.step()
+        state = _torch_model_state(counted, optimizer) if probe else None
+        optimizer.zero_grad(set_to_none=True)
+        return {"memory_breakdown": state} if probe else loss
+
+    return _Run(lambda inputs, targets: train(inputs, targets, False),
+                lambda inputs, targets: train(inputs, targets, True))
+
+
+def _build_ddp(model: torch.nn.Module, world_size: int, stage: int, micro_batch: int) -> _Run:
+    from torch.nn.parallel import DistributedDataParallel
+
+    wrapped = DistributedDataParallel(model)
+    return _torch_run(wrapped, _torch_adam(wrapped.parameters()), model)
+
+
+def _build_fsdp2(model: torch.nn.Module, world_size: int, stage: int, micro_batch: int) -> _Run:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    for unit in models.sharding_units(model):
+        fully_shard(unit, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return _torch_run(model, _torch_adam(model.parameters()), model)
+
+
+def _build_deepspeed(model: torch.nn.Module, world_size: int, stage: int, micro_batch: int) -> _Run:
+    import collections
+
+    import deepspeed
+    import deepspeed.ops
+
+    # DeepSpeed probes every native op (compiler subprocesses, seconds) on first use of its comm
+    # backend and then JIT-compiles its shared-memory all-reduce (~40 s here). That op serves only
+    # `inference_all_reduce`; training collectives go through torch.distributed (gloo) either way, and
+    # with `torch_adam` no other op is needed. Marking the ops unavailable skips both, so the benchmark
+    # does not depend on a compile cache; it changes no collective DeepSpeed's training step makes.
+    deepspeed.ops.__dict__.setdefault("__compatible_ops__", collections.defaultdict(bool))
+
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=deepspeed_config(stage, micro_batch)
+    )
+
+    def step(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = engine(inputs, targets)
+        engine.backward(loss)
+        engine.step()
+        return loss
+
+    return _Run(step, lambda inputs, targets: (step(inputs, targets), {})[1])
+
+
+def _build_rayzero(model: torch.nn.Module, world_size: int, stage: int, micro_batch: int) -> _Run:
+    import rayzero
+
+    engine, _, _, _ = rayzero.initialize(model=model, config=deepspeed_config(stage, micro_batch))
+
+    def step(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = engine(inputs, targets)
+        engine.backward(loss)
+        engine.step()
+        return loss
+
+    def probe(inputs: torch.Tensor, targets: torch.Tensor) -> dict[str, Any]:
+        # Gradients are held between backward and step, optimizer state after step: read both and
+        # keep the larger figure per kind, so no kind is missed whichever the engine frees when.
+        loss = engine(inputs, targets)
+        engine.backward(loss)
+        before = engine.memory_stats()
+        engine.step()
+        after = engine.memory_stats()
+        kinds = ("params", "grads", "master_weights", "optimizer_state")
+        return {
+            "memory_breakdown": {kind: max(before.get(kind, 0), after.get(kind, 0)) for kind in kinds},
+            "memory_stats": _plain(after),
+            "comm_stats": _plain(engine.comm_stats()),
+        }
+
+    return _Run(step, probe)
+
+
+BUILDERS = {"ddp": _build_ddp, "fsdp2": _build_fsdp2, "deepspeed": _build_deepspeed, "rayzero": _build_rayzero}
+
+
+def _plain(value: Any) -> Any:
+    """JSON-ready copy of a stats object (dict, dataclass or pydantic model; tensors become numbers)."""
+    if hasattr(value, "model_dump"):
+        value = value.model_dump()
+    elif hasattr(value, "__dataclass_fields__"):
+        import dataclasses
+
+        value = dataclasses.asdict(value)
+    if isinstance(value, dict):
+        return {str(key): _plain(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(item) for item in value]
+    if isinstance(value, torch.Tensor):
+        return value.item() if value.numel() == 1 else value.tolist()
+    if hasattr(value, "value") and hasattr(value, "name"):  # enums
+        return value.value
+    return value
+
+
+def _measure(run: _Run, model_name: str, quick: bool, rank: int, warmup: int, steps: int) -> dict[str, Any]:
+    batches = [models.batch(model_name, quick, step, rank) for step in range(warmup + steps)]
+    step_times, losses = [], []
+    for index, (inputs, targets) in enumerate(batches):
+        dist.barrier()  # start every rank's step together, so the slowest rank's time is the step's
+        start = time.perf_counter()
+        loss = run.step(inputs, targets)
+        elapsed = time.perf_counter() - start
+        losses.append(float(loss.detach()))
+        if index >= warmup:
+            step_times.append(elapsed)
+    # One collective after the loop (not inside it): the slowest rank per step, the mean loss.
+    times = torch.tensor(step_times, dtype=torch.float64)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    mean_losses = torch.tensor(losses, dtype=torch.float64)
+    dist.all_reduce(mean_losses)
+    mean_losses /= dist.get_world_size()
+    return {
+        "step_time_median_s": statistics.median(times.tolist()),
+        "step_time_min_s": min(times.tolist()),
+        "step_times_s": [round(t, 6) for t in times.tolist()],
+        "losses": [round(x, 7) for x in mean_losses.tolist()],
+    }
+
+
+def _peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def _max_over_ranks(value: int) -> int:
+    tensor = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return int(tensor.item())
+
+
+def worker(rank: int, job: dict[str, Any], port: int, result_path: str) -> None:
+    """Entry point of one spawned rank: run `job["system"]` on each model, rank 0 writes the rows."""
+    world_size = job["world_size"]
+    # DeepSpeed and gloo log a lot; keep it per rank in the scratch folder, quoted in error rows.
+    log = os.open(os.path.join(job["log_directory"], f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+    )
+    # One thread per rank: 2 ranks on the 2 cores, and no system gets more threads than another.
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world_size,
+        timeout=datetime.timedelta(seconds=job["collective_timeout_s"]),
+    )
+    family, _, stage_text = job["system"].partition("-stage")
+    builder = BUILDERS[family]
+    rows = []
+    for model_name in job["models"]:
+        row: dict[str, Any] = {"system": job["system"], "world_size": world_size, "model": model_name}
+        model = models.build_model(model_name, job["quick"])
+        row["trainable_parameters"] = models.trainable_parameters(model)
+        started = time.perf_counter()
+        failed = 0
+        try:
+            run = builder(model, world_size, int(stage_text or 0), _micro_batch(model_name, job["quick"]))
+            row["setup_s"] = round(time.perf_counter() - started, 3)
+            row.update(_measure(run, model_name, job["quick"], rank, job["warmup"], job["steps"]))
+            row.update(run.probe(*models.batch(model_name, job["quick"], job["warmup"] + job["steps"], rank)))
+            breakdown = row.get("memory_breakdown")
+            if breakdown:
+                # Ranks hold unequal shards when sizes do not divide evenly: report the largest.
+                row["model_state_bytes_per_rank"] = _max_over_ranks(sum(breakdown.values()))
+        except Exception as error:  # noqa: BLE001 - a failing system is a row, not a crashed benchmark
+            failed = 1
+            row["error"] = f"{type(error).__name__}: {error}"[:2000]
+            row["traceback"] = traceback.format_exc()[-4000:]
+        # A rank whose peers all failed symmetrically can go on with the next model; if only some
+        # failed, this collective pairs with a peer's pending one, and the timeouts bound the damage.
+        if _max_over_ranks(failed) and "error" not in row:
+            row["error"] = "another rank raised (see its error); this rank's figures are discarded"
+        row["peak_rss_bytes"] = _max_over_ranks(_peak_rss_bytes())
+        rows.append(row)
+        if rank == 0:  # written after every model, so a later hang keeps the finished rows
+            with open(result_path, "w") as handle:
+                json.dump(rows, handle)
+        del model
+    dist.destroy_process_group()
+
+
+def _micro_batch(model_name: str, quick: bool) -> int:
+    return (models.QUICK if quick else models.FULL)[model_name].batch_per_rank

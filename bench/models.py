@@ -1,0 +1,161 @@
+"""The benchmark models and their data, defined once so every system trains exactly the same thing.
+
+Two models: a small GPT (token embedding, a stack of pre-norm transformer blocks, an untied language
+model head) and a plain MLP. Both are built from a fixed seed, so every rank of every system starts
+from identical weights, and their batches come from a generator seeded by (step, rank), so rank r sees
+the same micro-batch at step s whichever system is being measured. The global batch at world size N is
+the N per-rank micro-batches together, which is what data parallelism means; the per-rank batch stays
+fixed as N changes (weak scaling), as in the ZeRO paper's measurements.
+
+The head is untied on purpose: tied weights are a correctness case for the engine's tests, not a
+performance question, and untied keeps FSDP2's wrapping plain (tied weights must live in one unit).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+SEED = 1234
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTSpec:
+    """Shape of the GPT benchmark model and of its per-rank batch."""
+
+    vocab_size: int
+    width: int
+    depth: int
+    heads: int
+    sequence_length: int
+    batch_per_rank: int
+
+
+@dataclasses.dataclass(frozen=True)
+class MLPSpec:
+    """Shape of the MLP benchmark model and of its per-rank batch."""
+
+    width: int
+    depth: int
+    batch_per_rank: int
+
+
+# --quick keeps each step at tens of milliseconds on one core so ten systems fit in the time budget;
+# the full sizes make compute large enough that per-step overheads matter less (closer to real use).
+QUICK = {
+    "gpt": GPTSpec(vocab_size=512, width=128, depth=2, heads=4, sequence_length=64, batch_per_rank=4),
+    "mlp": MLPSpec(width=512, depth=4, batch_per_rank=32),
+}
+FULL = {
+    "gpt": GPTSpec(vocab_size=2048, width=384, depth=6, heads=6, sequence_length=128, batch_per_rank=8),
+    "mlp": MLPSpec(width=1024, depth=4, batch_per_rank=64),
+}
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, width = x.shape
+        q, k, v = self.qkv(x).split(width, dim=2)
+        q, k, v = (t.view(batch, length, self.heads, width // self.heads).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(batch, length, width))
+
+
+class Block(nn.Module):
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(width)
+        self.attention = CausalSelfAttention(width, heads)
+        self.norm2 = nn.LayerNorm(width)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class GPT(nn.Module):
+    """Returns the mean next-token cross-entropy, so every system calls `loss = model(batch)`."""
+
+    def __init__(self, spec: GPTSpec) -> None:
+        super().__init__()
+        self.token_embedding = nn.Embedding(spec.vocab_size, spec.width)
+        self.position_embedding = nn.Embedding(spec.sequence_length, spec.width)
+        self.blocks = nn.ModuleList(Block(spec.width, spec.heads) for _ in range(spec.depth))
+        self.final_norm = nn.LayerNorm(spec.width)
+        self.head = nn.Linear(spec.width, spec.vocab_size, bias=False)
+        # nanoGPT's scaled init keeps the residual stream's variance flat with depth.
+        for name, parameter in self.named_parameters():
+            if name.endswith("proj.weight") or name.endswith("mlp.2.weight"):
+                nn.init.normal_(parameter, std=0.02 / math.sqrt(2 * spec.depth))
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.token_embedding(tokens) + self.position_embedding(positions)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.final_norm(x))
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+class MLP(nn.Module):
+    """Regression MLP returning the mean squared error."""
+
+    def __init__(self, spec: MLPSpec) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        for index in range(spec.depth):
+            layers.append(nn.Linear(spec.width, spec.width))
+            if index < spec.depth - 1:
+                layers.append(nn.ReLU())
+        self.layers = nn.Sequential(*layers)
+
+    def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(self.layers(inputs), targets)
+
+
+def build_model(name: str, quick: bool) -> nn.Module:
+    """The model `name` ("gpt" or "mlp") with weights fixed by SEED, identical on every rank."""
+    spec = (QUICK if quick else FULL)[name]
+    with torch.random.fork_rng():
+        torch.manual_seed(SEED)
+        return GPT(spec) if name == "gpt" else MLP(spec)
+
+
+def sharding_units(model: nn.Module) -> list[nn.Module]:
+    """Sub-modules that FSDP2 shards as separate units (before the root): one per block / layer."""
+    if isinstance(model, GPT):
+        return list(model.blocks)
+    return [layer for layer in model.layers if isinstance(layer, nn.Linear)]
+
+
+def batch(name: str, quick: bool, step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank `rank`'s micro-batch for `step`: a pure function of its arguments."""
+    spec = (QUICK if quick else FULL)[name]
+    generator = torch.Generator().manual_seed(SEED * 1_000_003 + step * 1009 + rank)
+    if name == "gpt":
+        tokens = torch.randint(
+            0, spec.vocab_size, (spec.batch_per_rank, spec.sequence_length + 1), generator=generator
+        )
+        return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    inputs = torch.randn(spec.batch_per_rank, spec.width, generator=generator)
+    # A fixed random linear map plus noise: a target the MLP can fit, so the loss moves.
+    target_map = torch.randn(spec.width, spec.width, generator=torch.Generator().manual_seed(SEED))
+    targets = inputs @ target_map / math.sqrt(spec.width) + 0.1 * torch.randn(
+        spec.batch_per_rank, spec.width, generator=generator
+    )
+    return inputs, targets
+
+
+def trainable_parameters(model: nn.Module) -> int:
+    """Ψ in the ZeRO paper: the number of trainable parameters."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
