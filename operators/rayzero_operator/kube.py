@@ -1,0 +1,136 @@
+"""The only module of our own that talks to the Kubernetes API (kopf does its own watching).
+
+Every call here is one the Helm chart's ClusterRole grants, and nothing more: when you add a call,
+add its verb to helm/rayzero-operator/templates/clusterrole.yaml (the k8s tests run the operator
+with exactly that role, so a missing verb fails them).
+"""
+from __future__ import annotations
+
+import datetime as dt
+import logging
+from typing import Any, Optional
+
+from kubernetes import client, config
+from kubernetes.client.exceptions import ApiException
+
+from rayzero.config.k8s_job import GROUP, KIND, PLURAL, VERSION
+
+from rayzero_operator import manifests
+
+logger = logging.getLogger(__name__)
+
+
+def load_client() -> client.ApiClient:
+    """In a pod: the ServiceAccount token; elsewhere: $KUBECONFIG or ~/.kube/config."""
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        config.load_kube_config()
+    return client.ApiClient()
+
+
+class KubeApi:
+    """Reads and writes RayZeroJobs, their RayJobs, ConfigMaps and Events."""
+
+    def __init__(self, api_client: client.ApiClient) -> None:
+        self.custom = client.CustomObjectsApi(api_client)  # RayZeroJobs and RayJobs
+        self.core = client.CoreV1Api(api_client)  # ConfigMaps and Events
+
+    # --- reads ------------------------------------------------------------------------------------
+
+    def get_job(self, namespace: str, name: str) -> Optional[dict[str, Any]]:
+        try:
+            return self.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+        except ApiException as error:
+            if error.status == 404:
+                return None
+            raise
+
+    def list_ray_jobs(self, namespace: str, job_name: str) -> list[dict[str, Any]]:
+        found = self.custom.list_namespaced_custom_object(
+            manifests.RAY_GROUP, manifests.RAY_VERSION, namespace, manifests.RAY_PLURAL,
+            label_selector=f"{manifests.LABEL_JOB}={job_name}")
+        return list(found.get("items", []))
+
+    def read_config_text(self, namespace: str, name: str, key: str) -> Optional[str]:
+        try:
+            config_map = self.core.read_namespaced_config_map(name, namespace)
+        except ApiException as error:
+            if error.status == 404:
+                return None
+            raise
+        return (config_map.data or {}).get(key)
+
+    # --- writes -----------------------------------------------------------------------------------
+
+    def create(self, manifest: dict[str, Any]) -> bool:
+        """Create a ConfigMap or RayJob; False when it already exists (another reconcile made it).
+
+        An existing ConfigMap is brought up to date (its content follows the spec for the next
+        attempt); an existing RayJob is left alone (one RayJob per attempt, never rewritten).
+        """
+        meta = manifest["metadata"]
+        try:
+            if manifest["kind"] == "ConfigMap":
+                self.core.create_namespaced_config_map(meta["namespace"], manifest)
+            else:
+                self.custom.create_namespaced_custom_object(
+                    manifests.RAY_GROUP, manifests.RAY_VERSION, meta["namespace"], manifests.RAY_PLURAL,
+                    manifest)
+            return True
+        except ApiException as error:
+            if error.status != 409:
+                raise
+        if manifest["kind"] == "ConfigMap":
+            self.core.patch_namespaced_config_map(meta["name"], meta["namespace"], {"data": manifest["data"]})
+        return False
+
+    def patch_ray_job(self, namespace: str, name: str, patch: dict[str, Any]) -> None:
+        self.custom.patch_namespaced_custom_object(
+            manifests.RAY_GROUP, manifests.RAY_VERSION, namespace, manifests.RAY_PLURAL, name, patch)
+
+    def patch_job_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
+        self.custom.patch_namespaced_custom_object_status(
+            GROUP, VERSION, namespace, PLURAL, name, {"status": status})
+
+    def post_event(self, job: dict[str, Any], kind: str, reason: str, message: str) -> None:
+        meta = job["metadata"]
+        now = dt.datetime.now(dt.timezone.utc)
+        event = client.CoreV1Event(
+            metadata=client.V1ObjectMeta(generate_name=f"{meta['name']}.", namespace=meta["namespace"]),
+            involved_object=client.V1ObjectReference(
+                api_version=f"{GROUP}/{VERSION}", kind=KIND, name=meta["name"],
+                namespace=meta["namespace"], uid=meta.get("uid")),
+            reason=reason, message=message[:1024], type=kind, count=1,
+            first_timestamp=now, last_timestamp=now,
+            source=client.V1EventSource(component=manifests.MANAGED_BY),
+            reporting_component=manifests.MANAGED_BY)
+        try:
+            self.core.create_namespaced_event(meta["namespace"], event)
+        except ApiException as error:  # an Event is a courtesy: never fail a reconcile over one
+            logger.warning("could not post event %s on %s: %s", reason, meta["name"], error.reason)
+
+    def delete_owned(self, namespace: str, job_name: str) -> list[str]:
+        """Delete the job's RayJobs and generated ConfigMap; returns what was deleted.
+
+        The garbage collector would do it through the owner references too; doing it in the
+        finalizer stops the Ray clusters at once, even where garbage collection is slow or absent.
+        """
+        deleted = []
+        for ray_job in self.list_ray_jobs(namespace, job_name):
+            name = ray_job["metadata"]["name"]
+            try:
+                self.custom.delete_namespaced_custom_object(
+                    manifests.RAY_GROUP, manifests.RAY_VERSION, namespace, manifests.RAY_PLURAL, name,
+                    propagation_policy="Background")
+                deleted.append(f"RayJob/{name}")
+            except ApiException as error:
+                if error.status != 404:
+                    raise
+        try:
+            self.core.delete_namespaced_config_map(manifests.config_map_name(job_name), namespace)
+            deleted.append(f"ConfigMap/{manifests.config_map_name(job_name)}")
+        except ApiException as error:
+            if error.status != 404:
+                raise
+        return deleted

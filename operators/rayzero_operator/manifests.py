@@ -1,0 +1,224 @@
+"""The objects one RayZeroJob attempt is made of: a ConfigMap and a KubeRay RayJob (pure functions).
+
+Every object carries an owner reference to the RayZeroJob (so the garbage collector deletes it with
+the job) and the labels the operator finds it by. [Note: one RayJob per attempt] The RayJob of attempt
+n is always named `<job>-attempt-<n>`: two reconciles that decide to start the same attempt (a
+duplicate event, an operator restarted mid-reconcile) create the same name, and the apiserver lets
+only one of them succeed. The attempt numbers of existing RayJobs are the operator's memory of
+restarts, so it survives the loss of the RayZeroJob's status.
+"""
+from __future__ import annotations
+
+import json
+import shlex
+from typing import Any, Optional
+
+import yaml
+
+from rayzero.config.k8s_job import (
+    CONFIG_FILE_NAME,
+    CONFIG_MOUNT_DIR,
+    GROUP,
+    KIND,
+    VERSION,
+    RayZeroJobSpec,
+    Resources,
+)
+
+MANAGED_BY = "rayzero-operator"
+LABEL_JOB = f"{GROUP}/job"
+LABEL_ATTEMPT = f"{GROUP}/attempt"
+RAY_GROUP, RAY_VERSION, RAY_PLURAL = "ray.io", "v1", "rayjobs"
+WORKER_GROUP = "workers"
+CONFIG_VOLUME = "rayzero-config"
+NODE_LOCAL_VOLUME = "rayzero-node-local"
+DEFAULT_NODE_LOCAL_MOUNT = "/mnt/rayzero-local"
+ENV_RESUME_FROM = "RAYZERO_RESUME_FROM"
+ENV_NODE_LOCAL_DIR = "RAYZERO_NODE_LOCAL_DIR"
+
+
+def ray_job_name(job_name: str, attempt: int) -> str:
+    """The deterministic name of attempt `attempt` (see [Note: one RayJob per attempt])."""
+    return f"{job_name}-attempt-{attempt}"
+
+
+def config_map_name(job_name: str) -> str:
+    """The ConfigMap the operator writes an inline DeepSpeed config into."""
+    return f"{job_name}-deepspeed"
+
+
+def resume_uri(spec: RayZeroJobSpec, job_name: str) -> Optional[str]:
+    """Where the run's checkpoints live durably: `rayzero run --storage URI --name NAME` writes them
+    under URI/NAME, so a retried attempt resumes from there. None without durable storage."""
+    if spec.storage.durable_uri is None:
+        return None
+    return f"{spec.storage.durable_uri.rstrip('/')}/{job_name}"
+
+
+def owner_reference(job: dict[str, Any]) -> dict[str, Any]:
+    meta = job["metadata"]
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": KIND,
+        "name": meta["name"],
+        "uid": meta["uid"],
+        "controller": True,
+        # Foreground deletion of the RayZeroJob waits for its RayJobs (and their clusters).
+        "blockOwnerDeletion": True,
+    }
+
+
+def labels(job_name: str, attempt: Optional[int] = None) -> dict[str, str]:
+    result = {"app.kubernetes.io/managed-by": MANAGED_BY, "app.kubernetes.io/part-of": "rayzero",
+              LABEL_JOB: job_name}
+    if attempt is not None:
+        result[LABEL_ATTEMPT] = str(attempt)
+    return result
+
+
+def config_map(job: dict[str, Any], spec: RayZeroJobSpec) -> dict[str, Any]:
+    """The generated ConfigMap holding an inline DeepSpeed config as `ds_config.json`."""
+    meta = job["metadata"]
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {
+            "name": config_map_name(meta["name"]),
+            "namespace": meta["namespace"],
+            "labels": labels(meta["name"]),
+            "ownerReferences": [owner_reference(job)],
+        },
+        "data": {CONFIG_FILE_NAME: json.dumps(spec.deepspeed.config, indent=2, sort_keys=True) + "\n"},
+    }
+
+
+def entrypoint(spec: RayZeroJobSpec, job_name: str) -> str:
+    """The `rayzero run` command line the RayJob submits (shell-quoted: KubeRay runs it in a shell)."""
+    command = ["rayzero", "run", spec.entrypoint.target,
+               "--config", f"{CONFIG_MOUNT_DIR}/{CONFIG_FILE_NAME}",
+               "--workers", str(spec.workers.replicas)]
+    if spec.storage.durable_uri is not None:
+        command += ["--storage", spec.storage.durable_uri]
+    command += ["--name", job_name]
+    if spec.entrypoint.args:
+        command += ["--", *spec.entrypoint.args]
+    return shlex.join(command)
+
+
+def runtime_env_yaml(resume_from: Optional[str]) -> Optional[str]:
+    """Ray runtime env of the driver: how RAYZERO_RESUME_FROM reaches `rayzero run`."""
+    if resume_from is None:
+        return None
+    return yaml.safe_dump({"env_vars": {ENV_RESUME_FROM: resume_from}}, sort_keys=True)
+
+
+def _resources(resources: Resources) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if resources.requests:
+        out["requests"] = {key: value for key, value in resources.requests.items()}
+    if resources.limits:
+        out["limits"] = {key: value for key, value in resources.limits.items()}
+    return out
+
+
+def _config_volume(spec: RayZeroJobSpec, job_name: str) -> dict[str, Any]:
+    ref = spec.deepspeed.config_map_ref
+    if ref is None:
+        return {"name": CONFIG_VOLUME, "configMap": {"name": config_map_name(job_name)}}
+    # Whatever the key in the user's ConfigMap, `rayzero run --config` finds it as ds_config.json.
+    return {"name": CONFIG_VOLUME,
+            "configMap": {"name": ref.name, "items": [{"key": ref.key, "path": CONFIG_FILE_NAME}]}}
+
+
+def _node_local_volume(spec: RayZeroJobSpec) -> dict[str, Any]:
+    local = spec.storage.node_local
+    if local is None:
+        return {"name": NODE_LOCAL_VOLUME, "emptyDir": {}}
+    if local.host_path is not None:
+        return {"name": NODE_LOCAL_VOLUME, "hostPath": {"path": local.host_path, "type": "DirectoryOrCreate"}}
+    return {"name": NODE_LOCAL_VOLUME, "ephemeral": {"volumeClaimTemplate": {"spec": {
+        "accessModes": ["ReadWriteOnce"],
+        "storageClassName": local.storage_class_name,
+        "resources": {"requests": {"storage": local.size}},
+    }}}}
+
+
+def _container(spec: RayZeroJobSpec, job_name: str, attempt: int, name: str, resources: Resources,
+               node_local: bool) -> dict[str, Any]:
+    mount_path = spec.storage.node_local.mount_path if spec.storage.node_local else DEFAULT_NODE_LOCAL_MOUNT
+    env = [{"name": "RAYZERO_JOB_NAME", "value": job_name},
+           {"name": "RAYZERO_ATTEMPT", "value": str(attempt)}]
+    mounts = [{"name": CONFIG_VOLUME, "mountPath": CONFIG_MOUNT_DIR, "readOnly": True}]
+    if node_local:
+        env.append({"name": ENV_NODE_LOCAL_DIR, "value": mount_path})
+        mounts.append({"name": NODE_LOCAL_VOLUME, "mountPath": mount_path})
+    container: dict[str, Any] = {
+        "name": name,
+        "image": spec.image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "env": env,
+        "volumeMounts": mounts,
+        "resources": _resources(resources),
+    }
+    if spec.storage.credentials_secret is not None:
+        container["envFrom"] = [{"secretRef": {"name": spec.storage.credentials_secret}}]
+    return container
+
+
+def ray_job(job: dict[str, Any], spec: RayZeroJobSpec, attempt: int,
+            resume_from: Optional[str]) -> dict[str, Any]:
+    """The KubeRay RayJob of one attempt; `resume_from` is set from the second attempt on."""
+    meta = job["metadata"]
+    name = meta["name"]
+    low, high = spec.world_bounds()
+    head = _container(spec, name, attempt, "ray-head", spec.head.resources, node_local=False)
+    head["ports"] = [{"containerPort": 6379, "name": "gcs-server"},
+                     {"containerPort": 8265, "name": "dashboard"},
+                     {"containerPort": 10001, "name": "client"}]
+    worker = _container(spec, name, attempt, "ray-worker", spec.workers.resources, node_local=True)
+    worker_pod: dict[str, Any] = {"containers": [worker],
+                                  "volumes": [_config_volume(spec, name), _node_local_volume(spec)]}
+    if spec.workers.node_selector:
+        worker_pod["nodeSelector"] = dict(spec.workers.node_selector)
+    ray_job_spec: dict[str, Any] = {
+        "entrypoint": entrypoint(spec, name),
+        # [Note: one retry budget] KubeRay's retries would recreate the cluster without resuming and
+        # stack with ours; the operator counts restarts and starts a fresh RayJob that resumes.
+        "backoffLimit": 0,
+        "shutdownAfterJobFinishes": True,
+        "suspend": spec.suspend,
+        "rayClusterSpec": {
+            "rayVersion": spec.ray_version,
+            # Elastic jobs let the Ray autoscaler add workers up to maxReplicas.
+            "enableInTreeAutoscaling": low < high,
+            "headGroupSpec": {
+                "rayStartParams": {"dashboard-host": "0.0.0.0"},
+                "template": {"metadata": {"labels": labels(name, attempt)},
+                             "spec": {"containers": [head], "volumes": [_config_volume(spec, name)]}},
+            },
+            "workerGroupSpecs": [{
+                "groupName": WORKER_GROUP,
+                "replicas": spec.workers.replicas,
+                "minReplicas": low,
+                "maxReplicas": high,
+                "rayStartParams": {},
+                "template": {"metadata": {"labels": labels(name, attempt)}, "spec": worker_pod},
+            }],
+        },
+    }
+    if spec.ttl_seconds_after_finished is not None:
+        ray_job_spec["ttlSecondsAfterFinished"] = spec.ttl_seconds_after_finished
+    runtime_env = runtime_env_yaml(resume_from)
+    if runtime_env is not None:
+        ray_job_spec["runtimeEnvYAML"] = runtime_env
+    return {
+        "apiVersion": f"{RAY_GROUP}/{RAY_VERSION}",
+        "kind": "RayJob",
+        "metadata": {
+            "name": ray_job_name(name, attempt),
+            "namespace": meta["namespace"],
+            "labels": labels(name, attempt),
+            "ownerReferences": [owner_reference(job)],
+        },
+        "spec": ray_job_spec,
+    }

@@ -1,0 +1,252 @@
+"""Decide what one reconcile does (pure: no API calls, so every branch is unit-testable).
+
+The operator is level-triggered: whatever event woke it, it reads the RayZeroJob, the RayJobs it
+owns and the referenced ConfigMap, and `plan` returns the whole answer — objects to create, one
+RayJob patch, the status to write, Events to post and when to look again. Running a plan twice
+changes nothing the second time (see [Note: one RayJob per attempt]).
+
+[Note: one retry budget]
+The only retry budget is `spec.failurePolicy.maxRestarts`: every RayJob is created with KubeRay's
+`backoffLimit: 0`, and when attempt n fails with restarts left (n - 1 < maxRestarts) the operator
+waits `backoffSeconds` and creates attempt n + 1, which resumes from the run's durable checkpoints
+through RAYZERO_RESUME_FROM. `status.restarts` is n - 1 of the newest attempt.
+"""
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import yaml
+
+from rayzero.config.k8s_job import RayZeroJobSpec
+
+from rayzero_operator import manifests
+from rayzero_operator.spec import SpecProblem, deepspeed_problems, parse_spec
+
+TERMINAL = ("Succeeded", "Failed")
+
+
+@dataclass
+class Observed:
+    """What one reconcile read from the cluster."""
+
+    job: dict[str, Any]
+    """The RayZeroJob object (metadata, spec, status)."""
+    ray_jobs: list[dict[str, Any]]
+    """The RayJobs labelled as this job's attempts."""
+    config_map_text: Optional[str] = None
+    """The referenced ConfigMap's config text; None when absent or not referenced."""
+    now: dt.datetime = field(default_factory=lambda: dt.datetime.now(dt.timezone.utc))
+
+
+@dataclass
+class Plan:
+    """What to do, in order: create, patch, then write status and post events."""
+
+    create: list[dict[str, Any]] = field(default_factory=list)
+    """Objects to create (the ConfigMap before the RayJob); AlreadyExists is success."""
+    patch_ray_job: Optional[tuple[str, dict[str, Any]]] = None
+    """(RayJob name, merge patch), for suspend and un-suspend."""
+    status: dict[str, Any] = field(default_factory=dict)
+    """The full status to write (camelCase, as stored)."""
+    events: list[tuple[str, str, str]] = field(default_factory=list)
+    """(type, reason, message) Events about the RayZeroJob."""
+    requeue_after: Optional[float] = None
+    """Seconds until the operator must look again even without an event (backoff)."""
+
+
+def attempt_of(ray_job: dict[str, Any]) -> int:
+    return int(ray_job["metadata"].get("labels", {}).get(manifests.LABEL_ATTEMPT, "0"))
+
+
+def attempt_state(ray_job: dict[str, Any]) -> str:
+    """pending, running, suspended, succeeded or failed, from the status KubeRay writes."""
+    status = ray_job.get("status") or {}
+    deployment = status.get("jobDeploymentStatus", "")
+    job_status = status.get("jobStatus", "")
+    if job_status == "SUCCEEDED":
+        return "succeeded"
+    if deployment == "Failed" or job_status in ("FAILED", "STOPPED"):
+        return "failed"
+    if deployment in ("Suspended", "Suspending"):
+        return "suspended"
+    if job_status == "RUNNING" or deployment == "Running":
+        return "running"
+    return "pending"
+
+
+def _timestamp(text: Optional[str]) -> Optional[dt.datetime]:
+    if not text:
+        return None
+    return dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
+
+
+def _format(moment: dt.datetime) -> str:
+    return moment.astimezone(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _conditions(old: list[dict[str, Any]], new: dict[str, tuple[str, str, str]], now: dt.datetime
+                ) -> list[dict[str, Any]]:
+    """Conditions in a fixed order; lastTransitionTime moves when the status or the reason changes
+    (the backoff is timed from the Ready condition turning BackingOff)."""
+    previous = {condition.get("type"): condition for condition in old}
+    out = []
+    for kind, (status, reason, message) in new.items():
+        before = previous.get(kind, {})
+        same = before.get("status") == status and before.get("reason") == reason
+        since = before.get("lastTransitionTime") if same else None
+        out.append({"type": kind, "status": status, "reason": reason, "message": message,
+                    "lastTransitionTime": since or _format(now)})
+    return out
+
+
+def _problem_text(problems: list[SpecProblem]) -> str:
+    return "; ".join(str(problem) for problem in problems)
+
+
+def plan(observed: Observed) -> Plan:
+    job = observed.job
+    name = job["metadata"]["name"]
+    old_status = job.get("status") or {}
+    result = Plan()
+
+    spec, problems = parse_spec(job.get("spec") or {})
+    if spec is not None and spec.deepspeed.config_map_ref is not None:
+        ref = spec.deepspeed.config_map_ref
+        if observed.config_map_text is None:
+            problems.append(SpecProblem(
+                "spec.deepspeed.configMapRef", f"ConfigMap {ref.name!r} with key {ref.key!r} was not found "
+                f"in namespace {job['metadata']['namespace']!r}", "create it, or fix the name and key"))
+        else:
+            problems += deepspeed_problems(observed.config_map_text, spec.workers.replicas,
+                                           f"spec.deepspeed.configMapRef({ref.name}/{ref.key})")
+
+    by_attempt = {attempt_of(ray_job): ray_job for ray_job in observed.ray_jobs}
+    newest = max(by_attempt, default=0)
+    recorded = int(old_status.get("attempt") or 0)
+    attempt = max(newest, recorded)
+    latest = by_attempt.get(attempt)
+    state = attempt_state(latest) if latest is not None else "absent"
+    phase: str
+    reason, message = "", ""
+
+    if problems:
+        text = _problem_text(problems)
+        if old_status.get("conditions") is None or not any(
+                c.get("type") == "InvalidSpec" and c.get("status") == "True" and c.get("message") == text
+                for c in old_status.get("conditions", [])):
+            result.events.append(("Warning", "InvalidSpec", text))
+    if latest is None and attempt > 0 and old_status.get("phase") in TERMINAL:
+        # A finished run whose RayJob was deleted by hand stays finished: never start it again.
+        phase, reason, message = old_status["phase"], "RayJobDeleted", f"RayJob of attempt {attempt} is gone"
+    elif latest is None:
+        if problems:
+            phase, reason, message = "Failed", "InvalidSpec", "nothing was created: " + _problem_text(problems)
+        else:
+            attempt = max(attempt, 1)
+            assert spec is not None
+            resume = manifests.resume_uri(spec, name) if attempt > 1 else None
+            _start(result, job, spec, attempt, resume)
+            phase = "Suspended" if spec.suspend else ("Restarting" if attempt > 1 else "Pending")
+            reason, message = "RayJobCreated", f"created RayJob {manifests.ray_job_name(name, attempt)}"
+    else:
+        phase, reason, message = _follow(result, observed, spec, problems, attempt, latest, state)
+
+    restarts = max(attempt - 1, 0)
+    resume_from = None
+    if latest is not None or result.create:
+        env = yaml.safe_load((latest or result.create[-1])["spec"].get("runtimeEnvYAML") or "{}") or {}
+        resume_from = (env.get("env_vars") or {}).get(manifests.ENV_RESUME_FROM)
+    workers = 0
+    if latest is not None:
+        workers = latest["spec"]["rayClusterSpec"]["workerGroupSpecs"][0].get("replicas", 0)
+    elif result.create:
+        workers = result.create[-1]["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["replicas"]
+    conditions = {
+        "Ready": ("True", "Running", message) if phase == "Running" else ("False", reason or phase, message),
+        "InvalidSpec": ("True", "InvalidSpec", _problem_text(problems)) if problems
+        else ("False", "SpecValid", "the spec passed every check"),
+        "Suspended": ("True", "Suspended", "spec.suspend is true") if phase == "Suspended"
+        else ("False", "NotSuspended", ""),
+        "Succeeded": ("True", reason, message) if phase == "Succeeded" else ("False", "NotFinished", ""),
+        "Failed": ("True", reason, message) if phase == "Failed" else ("False", "NotFailed", ""),
+    }
+    result.status = {
+        "phase": phase,
+        "restarts": restarts,
+        "attempt": attempt,
+        "rayJobName": manifests.ray_job_name(name, attempt) if attempt > 0 else None,
+        "workers": workers,
+        "resumeFrom": resume_from,
+        "observedGeneration": job["metadata"].get("generation"),
+        "conditions": _conditions(old_status.get("conditions") or [], conditions, observed.now),
+    }
+    if phase != old_status.get("phase") and phase in TERMINAL:
+        result.events.append(("Normal" if phase == "Succeeded" else "Warning", reason, message))
+    return result
+
+
+def _start(result: Plan, job: dict[str, Any], spec: RayZeroJobSpec, attempt: int,
+           resume: Optional[str]) -> None:
+    if spec.deepspeed.config is not None:
+        result.create.append(manifests.config_map(job, spec))
+    result.create.append(manifests.ray_job(job, spec, attempt, resume))
+    verb = "started" if attempt == 1 else "restarted"
+    where = f", resuming from {resume}" if resume else (
+        ", from step 0: no spec.storage.durableUri to resume from" if attempt > 1 else "")
+    result.events.append(("Normal" if attempt == 1 or resume else "Warning", "RayJobCreated",
+                          f"{verb} as RayJob {manifests.ray_job_name(job['metadata']['name'], attempt)}"
+                          f" (attempt {attempt}){where}"))
+
+
+def _follow(result: Plan, observed: Observed, spec: Optional[RayZeroJobSpec], problems: list[SpecProblem],
+            attempt: int, latest: dict[str, Any], state: str) -> tuple[str, str, str]:
+    """Phase, reason and message from the newest attempt's RayJob; may start the next attempt."""
+    job = observed.job
+    name = job["metadata"]["name"]
+    ray_job_name = latest["metadata"]["name"]
+    kuberay = latest.get("status") or {}
+    detail = kuberay.get("message") or kuberay.get("reason") or ""
+    if state == "succeeded":
+        return "Succeeded", "RayJobSucceeded", f"RayJob {ray_job_name} succeeded (attempt {attempt})"
+    if state == "failed":
+        failure = f"RayJob {ray_job_name} failed" + (f": {detail}" if detail else "")
+        if spec is None or problems:
+            return "Failed", "InvalidSpec", f"{failure}; no restart while the spec is invalid"
+        budget = spec.failure_policy.max_restarts
+        if attempt - 1 >= budget:
+            return "Failed", "RestartsExhausted", f"{failure}; all {budget} restart(s) used"
+        failed_at = _timestamp(kuberay.get("endTime")) or _restarting_since(job) or observed.now
+        wait = (failed_at + dt.timedelta(seconds=spec.failure_policy.backoff_seconds) - observed.now)
+        if wait.total_seconds() > 0:
+            result.requeue_after = wait.total_seconds()
+            return "Restarting", "BackingOff", f"{failure}; attempt {attempt + 1} in {wait.total_seconds():.0f}s"
+        _start(result, job, spec, attempt + 1, manifests.resume_uri(spec, name))
+        return "Restarting", "AttemptFailed", f"{failure}; started attempt {attempt + 1} of {budget + 1}"
+    if spec is not None and bool(latest["spec"].get("suspend", False)) != spec.suspend:
+        patch: dict[str, Any] = {"spec": {"suspend": spec.suspend}}
+        resume = manifests.resume_uri(spec, name)
+        if not spec.suspend and resume is not None:
+            # An un-suspended RayJob starts its entrypoint again: let it resume, not restart from 0.
+            patch["spec"]["runtimeEnvYAML"] = manifests.runtime_env_yaml(resume)
+        result.patch_ray_job = (ray_job_name, patch)
+        result.events.append(("Normal", "Suspended" if spec.suspend else "Resumed",
+                              f"{'suspended' if spec.suspend else 'resumed'} RayJob {ray_job_name}"))
+        if spec.suspend:
+            return "Suspended", "Suspending", f"suspending RayJob {ray_job_name}"
+        return "Pending", "Resuming", f"resuming RayJob {ray_job_name}"
+    if state == "suspended" or (spec is not None and spec.suspend):
+        return "Suspended", "Suspended", f"RayJob {ray_job_name} is suspended"
+    if state == "running":
+        return "Running", "RayJobRunning", f"RayJob {ray_job_name} is running (attempt {attempt})"
+    if attempt > 1:
+        return "Restarting", "WaitingForRayJob", f"waiting for RayJob {ray_job_name} (attempt {attempt}) to start"
+    return "Pending", "WaitingForRayJob", f"waiting for RayJob {ray_job_name} to start"
+
+
+def _restarting_since(job: dict[str, Any]) -> Optional[dt.datetime]:
+    for condition in (job.get("status") or {}).get("conditions") or []:
+        if condition.get("type") == "Ready" and condition.get("reason") == "BackingOff":
+            return _timestamp(condition.get("lastTransitionTime"))
+    return None

@@ -1,0 +1,138 @@
+"""Parse a RayZeroJob spec and find every problem the apiserver's schema could not.
+
+The schema already refused wrong types, ranges, enums and missing fields. What is left for the
+operator: keys the apiserver keeps but does not know ([Note: unknown keys in a RayZeroJob]), rules
+across fields (`minReplicas <= replicas <= maxReplicas`, exactly one config source) and the DeepSpeed
+config's own rules, checked by the same `load_config` as `rayzero config validate`. Each problem names
+its field as a path from `spec`, the value, and the fix, so the InvalidSpec condition and Event say
+what to change.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from pydantic import ValidationError
+
+from rayzero.config import ConfigError, load_config
+from rayzero.config.errors import nearest
+from rayzero.config.k8s_job import RayZeroJobSpec
+
+
+@dataclass(frozen=True)
+class SpecProblem:
+    """One reason a RayZeroJob cannot be run as written."""
+
+    field: str
+    """Path of the field, e.g. `spec.workers.minReplicas`."""
+    message: str
+    """What is wrong, with the value."""
+    fix: str
+    """What to change."""
+
+    def __str__(self) -> str:
+        return f"{self.field}: {self.message}. Fix: {self.fix}"
+
+
+def _loc_path(loc: tuple[Any, ...]) -> str:
+    parts = ["spec"]
+    for item in loc:
+        if isinstance(item, int):
+            parts[-1] += f"[{item}]"
+        else:
+            parts.append(str(item))
+    return ".".join(parts)
+
+
+def _fields_of(model: type, loc: tuple[Any, ...]) -> list[str]:
+    """The camelCase keys valid at `loc` (for a did-you-mean)."""
+    current: Any = model
+    for item in loc:
+        fields = getattr(current, "model_fields", None)
+        if not fields:
+            return []
+        match = next((info for name, info in fields.items() if item in (name, info.alias)), None)
+        if match is None:
+            return []
+        annotation = match.annotation
+        current = next((arg for arg in getattr(annotation, "__args__", ()) if hasattr(arg, "model_fields")),
+                       annotation)
+    return [info.alias or name for name, info in getattr(current, "model_fields", {}).items()]
+
+
+def _pydantic_problems(error: ValidationError) -> list[SpecProblem]:
+    problems = []
+    for item in error.errors():
+        loc = tuple(item["loc"])
+        path = _loc_path(loc)
+        if item["type"] == "extra_forbidden":
+            valid = _fields_of(RayZeroJobSpec, loc[:-1])
+            guess = nearest(str(loc[-1]), valid)
+            fix = f"did you mean `{guess}`?" if guess else "remove it; valid keys here: " + ", ".join(valid)
+            problems.append(SpecProblem(path, "unknown field (the apiserver keeps it but nothing reads it)",
+                                        fix))
+        else:
+            problems.append(SpecProblem(path, f"{item['msg']} (got {item.get('input')!r})",
+                                        "see `kubectl explain rayzerojob.spec` for the allowed values"))
+    return problems
+
+
+def _cross_field_problems(spec: RayZeroJobSpec) -> list[SpecProblem]:
+    problems = []
+    workers = spec.workers
+    low, high = spec.world_bounds()
+    if low > workers.replicas:
+        problems.append(SpecProblem(
+            "spec.workers.minReplicas", f"{low} is more than replicas ({workers.replicas})",
+            f"set minReplicas <= {workers.replicas} or raise replicas"))
+    if high < workers.replicas:
+        problems.append(SpecProblem(
+            "spec.workers.maxReplicas", f"{high} is less than replicas ({workers.replicas})",
+            f"set maxReplicas >= {workers.replicas} or lower replicas"))
+    source = spec.deepspeed
+    if (source.config is None) == (source.config_map_ref is None):
+        problems.append(SpecProblem(
+            "spec.deepspeed", "needs exactly one of `config` (inline) and `configMapRef`"
+            + (" but both are set" if source.config is not None else " but neither is set"),
+            "keep one of spec.deepspeed.config and spec.deepspeed.configMapRef"))
+    local = spec.storage.node_local
+    if local is not None and (local.host_path is None) == (local.storage_class_name is None):
+        problems.append(SpecProblem(
+            "spec.storage.nodeLocal", "needs exactly one of `hostPath` and `storageClassName`",
+            "keep one of spec.storage.nodeLocal.hostPath and spec.storage.nodeLocal.storageClassName"))
+    return problems
+
+
+def deepspeed_problems(config: Any, world_size: int, where: str) -> list[SpecProblem]:
+    """Problems of one DeepSpeed config (a dict, or JSON text from a ConfigMap) at `where`."""
+    if isinstance(config, str):
+        try:
+            config = json.loads(config)
+        except json.JSONDecodeError as error:
+            return [SpecProblem(where, f"is not valid JSON ({error})", "store the DeepSpeed config as JSON")]
+    if not isinstance(config, dict):
+        return [SpecProblem(where, f"must be a JSON object, got {type(config).__name__}",
+                            "store the DeepSpeed config as a JSON object")]
+    try:
+        load_config(config, world_size=world_size, allow_unresolved=True)
+    except ConfigError as error:
+        return [SpecProblem(f"{where}.{problem.path}" if problem.path else where,
+                            f"{problem.value!r}: {problem.rule}", problem.fix or "see docs/config.md")
+                for problem in error.problems]
+    return []
+
+
+def parse_spec(raw: dict[str, Any]) -> tuple[Optional[RayZeroJobSpec], list[SpecProblem]]:
+    """The parsed spec (None when it does not parse) and every problem found without the cluster.
+
+    A referenced ConfigMap is checked separately (`deepspeed_problems`) once it has been read.
+    """
+    try:
+        spec = RayZeroJobSpec.model_validate(raw)
+    except ValidationError as error:
+        return None, _pydantic_problems(error)
+    problems = _cross_field_problems(spec)
+    if spec.deepspeed.config is not None:
+        problems += deepspeed_problems(spec.deepspeed.config, spec.workers.replicas, "spec.deepspeed.config")
+    return spec, problems
