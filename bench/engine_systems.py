@@ -182,6 +182,8 @@ def _build_rayzero(model: torch.nn.Module, world_size: int, stage: int, micro_ba
         return {
             "memory_breakdown": {kind: max(before.get(kind, 0), after.get(kind, 0)) for kind in kinds},
             "memory_stats": _plain(after),
+            # Fixed-size reduce/gather buckets: not model state, stated beside it (issue's target).
+            "bucket_buffer_bytes": int(after.get("bucket_buffers", 0)),
             "comm_stats": _plain(engine.comm_stats()),
         }
 

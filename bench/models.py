@@ -13,6 +13,7 @@ performance question, and untied keeps FSDP2's wrapping plain (tied weights must
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
@@ -148,12 +149,16 @@ def batch(name: str, quick: bool, step: int, rank: int) -> tuple[torch.Tensor, t
         )
         return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     inputs = torch.randn(spec.batch_per_rank, spec.width, generator=generator)
-    # A fixed random linear map plus noise: a target the MLP can fit, so the loss moves.
-    target_map = torch.randn(spec.width, spec.width, generator=torch.Generator().manual_seed(SEED))
-    targets = inputs @ target_map / math.sqrt(spec.width) + 0.1 * torch.randn(
+    targets = inputs @ _target_map(spec.width) + 0.1 * torch.randn(
         spec.batch_per_rank, spec.width, generator=generator
     )
     return inputs, targets
+
+
+@functools.lru_cache(maxsize=4)
+def _target_map(width: int) -> torch.Tensor:
+    """A fixed random linear map: a target the MLP can fit, so its loss moves."""
+    return torch.randn(width, width, generator=torch.Generator().manual_seed(SEED)) / math.sqrt(width)
 
 
 def trainable_parameters(model: nn.Module) -> int:

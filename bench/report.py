@@ -78,6 +78,10 @@ def annotate(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for row in rows:
         stage = stage_of(row["system"])
         parameters = row.get("trainable_parameters")
+        if row["system"].startswith("rayzero"):  # the required fields, null when not measured
+            for key in ("comm_elements_per_step", "comm_elements_ideal", "model_state_bytes_per_rank",
+                        "model_state_bytes_formula"):
+                row.setdefault(key, None)
         if "error" in row or parameters is None:
             continue
         formula_stage = stage if stage is not None else (0 if row["system"] == "ddp" else 3)
