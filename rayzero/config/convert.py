@@ -9,6 +9,10 @@ from pydantic import BaseModel
 from rayzero.config.errors import Problem, nearest, unknown_key_problem
 
 
+_BOUNDS = {"greater_than_equal": (">=", "ge"), "greater_than": (">", "gt"),
+           "less_than_equal": ("<=", "le"), "less_than": ("<", "lt")}
+
+
 def to_problem(item: Mapping[str, Any], root: type[BaseModel], prefix: tuple = ()) -> Problem:
     """One pydantic error (from `ValidationError.errors()`) on a `root` model as a `Problem`;
     `prefix` is the key path of `root` inside the whole config."""
@@ -27,8 +31,12 @@ def to_problem(item: Mapping[str, Any], root: type[BaseModel], prefix: tuple = (
         choices = [choice.strip(" '") for choice in expected.replace(" or ", ",").split(",")]
         guess = nearest(str(value), choices) if isinstance(value, str) else None
         fix = f"did you mean {guess!r}?" if guess else f"use one of: {', '.join(choices)}"
-    elif kind in ("greater_than_equal", "less_than_equal", "greater_than", "less_than") or "must be >=" in message:
-        fix = "change the value to be within that range"
+    elif kind in _BOUNDS:
+        ctx = item.get("ctx") or {}
+        op, name = _BOUNDS[kind]
+        fix = f"use a value {op} {ctx.get(name)}"
+    elif "must be >=" in message:
+        fix = "use a value in that range"
     elif "expected an integer" in message or kind.startswith("int"):
         fix = "write a whole number, e.g. 500000000 or 5e8"
     elif "true or false" in message or kind.startswith("bool"):

@@ -19,7 +19,7 @@ from rayzero.config.convert import to_problem
 from rayzero.config.errors import ConfigError, Problem
 from rayzero.config.migrate import migrate
 from rayzero.config.model import RayZeroConfig
-from rayzero.config.rules import check_rules
+from rayzero.config.rules import check_resolved, check_rules
 
 logger = logging.getLogger("rayzero.config")
 
@@ -51,6 +51,7 @@ def load_config(
     check_rules(config, notes, problems)
     resolve(config, world_size=world_size, hidden_size=hidden_size, trainer=trainer,
             allow_unresolved=allow_unresolved, notes=notes, problems=problems)
+    check_resolved(config, problems)
     if problems:
         raise ConfigError(problems, name)
     for note in notes:

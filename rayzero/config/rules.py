@@ -20,12 +20,17 @@ _ZERO = "zero_optimization"
 
 
 def check_rules(config: RayZeroConfig, notes: list[str], problems: list[Problem]) -> None:
-    """Append every cross-field error to `problems` and every warning to `notes`."""
-    _precision(config, problems)
+    """Append every cross-field error to `problems` and every warning to `notes`.
+    Precision rules run later (`check_resolved`): "auto" may decide fp16, bf16 and amp."""
     _offload(config, problems)
     _flagged_fields(config, notes)
     _optimizer(config, notes, problems)
     _scheduler(config, problems)
+
+
+def check_resolved(config: RayZeroConfig, problems: list[Problem]) -> None:
+    """Rules that need "auto" values resolved first."""
+    _precision(config, problems)
 
 
 def _precision(config: RayZeroConfig, problems: list[Problem]) -> None:
