@@ -64,7 +64,9 @@ def load_config(
 
 def _read(source: Source, name: str) -> dict[str, Any]:
     if isinstance(source, RayZeroConfig):
-        return source.to_deepspeed_dict()
+        # Only what was written or resolved: defaults stay defaults, so a second pass with trainer
+        # facts (the engine's, after the driver's) does not mistake a default for a user's choice.
+        return source.model_dump(mode="json", by_alias=True, exclude_unset=True)
     if isinstance(source, Mapping):
         return dict(source)
     if not isinstance(source, (str, Path)):

@@ -117,3 +117,12 @@ def test_amp_auto_follows_the_trainer_backend():
     assert config.amp.enabled is False and config.amp.opt_level == "O2" and config.fp16.enabled is True
     problems = _problems({"amp": {"enabled": "auto"}}, trainer={"fp16": True, "half_precision_backend": "apex"})
     assert "apex AMP is not supported" in problems["amp.enabled"]
+
+
+def test_second_pass_on_a_loaded_config_does_not_treat_defaults_as_choices():
+    # the driver validates without facts; the engine re-loads the model with the trainer's
+    first = load_config({"train_micro_batch_size_per_gpu": "auto", "fp16": {"enabled": "auto"}}, allow_unresolved=True)
+    second = load_config(first, world_size=2, trainer={"per_device_train_batch_size": 3, "max_grad_norm": 0.5,
+                                                       "fp16": True})
+    assert second.train_batch_size == 6 and second.fp16.enabled is True
+    assert second.gradient_clipping == 1.0  # not "auto" in the file: the trainer does not override it
