@@ -81,7 +81,7 @@ def _table(cls: type[BaseModel], prefix: str, nested: list[tuple[str, type[BaseM
     defs = schema.get("$defs", {})
     lines = ["| key | type | default | flags | description |", "|---|---|---|---|---|"]
     # DeepSpeed's keys rayzero implements first, then the recognised-only ones
-    fields = sorted(cls.model_fields.items(), key=lambda item: _flags(item[1]) == "todo")
+    fields = sorted(cls.model_fields.items(), key=lambda item: "todo" in _flags(item[1]))
     for name, field in fields:
         key = field.alias or name
         prop = schema["properties"].get(key, {})

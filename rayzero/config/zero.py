@@ -102,8 +102,9 @@ class ZeroConfig(ConfigModel):
     """Stage 2-3: tolerate parameters that get no gradient in a step instead of failing."""
     legacy_stage1: Bool = Field(False, json_schema_extra=_TODO)
     """DeepSpeed's pre-0.3 stage 1 implementation; recognised, not implemented."""
-    round_robin_gradients: Bool = False
-    """Stage 1-2 with offload: spread gradient copies to CPU across ranks in turn."""
+    round_robin_gradients: Bool = Field(False, json_schema_extra=_TODO)
+    """Stage 1-2 with CPU offload: spread gradient copies to CPU across ranks in turn; recognised,
+    not implemented."""
     zero_hpz_partition_size: Int = Field(1, ge=0, json_schema_extra={**_S3, **_TODO})
     """ZeRO++ hierarchical partitioning: ranks per secondary weight partition; recognised, not implemented."""
     zero_quantized_weights: Bool = Field(False, json_schema_extra={**_S3, **_TODO})
