@@ -17,7 +17,9 @@ def test_validate_reports_top_level_and_nested_typos_with_suggestions(tmp_path, 
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"gradient_clipp1ng": 1.0, "train_micro_batch_size_per_gpu": 2,
                                 "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "pin_memroy": True}}}))
-    assert cli.main(["validate", str(path)]) == 2
+    from rayzero.cli import main as rayzero_main  # the `rayzero` console script
+
+    assert rayzero_main(["config", "validate", str(path)]) == 2
     err = capsys.readouterr().err
     assert "gradient_clipp1ng" in err and "did you mean `gradient_clipping`" in err
     assert "zero_optimization.offload_param.pin_memroy" in err
