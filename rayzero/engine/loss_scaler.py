@@ -24,7 +24,8 @@ after it), so a run converted from DeepSpeed sees the same scale trajectory.
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 

@@ -16,7 +16,8 @@ lr sequence. The engine must not step the scheduler on a step skipped for fp16 o
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler

@@ -1,0 +1,240 @@
+"""ZeRO stage 3: parameters, gradients, fp32 masters and optimizer state all partitioned.
+
+Each rank holds 1/N of every parameter (compute dtype), of its fp32 master and optimizer state and
+of its gradient. Modules gather their parameters just before they run and release them after
+(stage3_hooks.py); gradients are reduce-scattered in buckets as backward produces them
+(stage3_grads.py). Traffic per step at gas 1: Ψ all-gather in forward + Ψ in backward + Ψ
+reduce-scatter = 3Ψ, less what `param_persistence_threshold` and `max_reuse_distance` save.
+
+Masters: one flat fp32 tensor per optimizer param group, the concatenation of the group's
+parameter shards (padded) — one optimizer tensor per group keeps foreach/fused kernels efficient.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from rayzero.checkpoint.types import ShardedTensor, ShardSpec
+from rayzero.engine.offload import StateKind
+from rayzero.engine.optim_state import elementwise_state_keys, ensure_optimizer_state
+from rayzero.engine.partition import split_evenly
+from rayzero.engine.stage3_grads import GradientReducer
+from rayzero.engine.stage3_hooks import Stage3Coordinator, Stage3Knobs
+from rayzero.engine.stage3_params import ParamPartitions, PartitionedParam, external_parameters, lookup
+from rayzero.engine.strategy import StrategyContext, ZeroStrategy
+
+
+class Stage3Strategy(ZeroStrategy):
+    stage = 3
+    gradients_partitioned = True
+
+    def __init__(self, ctx: StrategyContext) -> None:
+        self.comm = ctx.comm
+        self.module = ctx.module
+        self.precision = ctx.precision
+        self.policy = ctx.reduce
+        self.offload = ctx.offload
+        self.knobs = Stage3Knobs.from_config(ctx.zero_config)
+        self.partitions = ParamPartitions(ctx.comm, ctx.device)
+        trainable = {id(p) for group in ctx.param_groups for p in group["params"]}
+        fp32_pieces: dict[int, torch.Tensor] = {}
+        persistent_budget = self.knobs.model_persistence_threshold
+        with torch.no_grad():
+            for name, param in ctx.module.named_parameters():
+                piece, shape = self._fp32_piece(param)
+                numel = shape.numel()
+                persistent = numel < self.knobs.param_persistence_threshold and numel <= persistent_budget
+                if persistent:
+                    persistent_budget -= numel
+                shard = self.offload.allocate(StateKind.PARAM_SHARD, piece.numel(), self.precision.param_dtype)
+                shard.copy_(piece)
+                entry = self.partitions.add(param, ctx.param_names.get(id(param), name), shard, shape, persistent)
+                if id(param) in trainable:
+                    fp32_pieces[id(entry)] = piece
+            self._cast_buffers()
+            self.groups: list[tuple[list[PartitionedParam], torch.Tensor, torch.Tensor]] = []
+            master_grad_views: dict[int, torch.Tensor] = {}
+            optimizer_groups = []
+            by_param = {id(e.param): e for e in self.partitions.entries}
+            for group in ctx.param_groups:
+                entries = [by_param[id(p)] for p in group["params"]]
+                total = sum(e.shard_numel for e in entries)
+                master = self.offload.allocate(StateKind.MASTER, total, torch.float32)
+                master_grad = self.offload.allocate(StateKind.MASTER_GRAD, total, torch.float32)
+                offset = 0
+                for entry in entries:
+                    window = slice(offset, offset + entry.shard_numel)
+                    master[window].copy_(fp32_pieces[id(entry)])
+                    entry.master = master[window]
+                    master_grad_views[id(entry)] = master_grad[window]
+                    offset += entry.shard_numel
+                self.groups.append((entries, master, master_grad))
+                hyper = {k: v for k, v in group.items() if k != "params"}
+                optimizer_groups.append({**hyper, "params": [master]})
+        self.optimizer = ctx.build_optimizer(optimizer_groups)
+        self.reducer = GradientReducer(ctx.comm, ctx.reduce.reduce_bucket_size, ctx.precision.reduce_dtype,
+                                       ctx.reduce.overlap_comm, master_grad_views)
+        self.coordinator = Stage3Coordinator(ctx.module, self.partitions, self.knobs, self.reducer.add,
+                                             external_parameters(ctx.module))
+        self._trainable_entries = [e for entries, _, _ in self.groups for e in entries]
+
+    def _fp32_piece(self, param: torch.nn.Parameter) -> tuple[torch.Tensor, torch.Size]:
+        """This rank's padded fp32 piece of `param`, adopting a `rayzero.zero.Init` partition."""
+        adopted = lookup(param)
+        if adopted is not None:
+            owner, entry = adopted
+            owner.forget(entry)
+            return entry.shard.to(self.partitions.device, torch.float32), entry.shape
+        return self.partitions.local_piece(param.detach().reshape(-1).float()), param.shape
+
+    def _cast_buffers(self) -> None:
+        for submodule in self.module.modules():
+            for name, buf in submodule.named_buffers(recurse=False):
+                if buf is not None and buf.is_floating_point():
+                    setattr(submodule, name, buf.to(self.partitions.device, self.precision.param_dtype))
+
+    # ---- step protocol ----------------------------------------------------------------------
+    def before_forward(self) -> None:
+        self.coordinator.begin_micro_step()
+
+    def before_backward(self, is_boundary: bool) -> None:
+        self.reducer.seen.clear()
+
+    def after_backward(self) -> None:
+        self.reducer.finish()
+        self.coordinator.end_backward()
+        if not self.policy.ignore_unused_parameters:
+            unused = [e.name for e in self._trainable_entries if id(e) not in self.reducer.seen]
+            if unused:
+                raise ValueError(
+                    f"parameters {unused[:8]} received no gradient in this backward pass; set "
+                    "zero_optimization.ignore_unused_parameters=true to treat their gradient as zero, "
+                    "or set requires_grad=False on parameters the model does not use")
+
+    def finish_gradients(self) -> None:
+        self.reducer.finish()
+        for _, master, master_grad in self.groups:
+            master.grad = master_grad
+
+    def master_gradients(self) -> list[torch.Tensor]:
+        return [master_grad for _, _, master_grad in self.groups]
+
+    def optimizer_step(self) -> None:
+        self.offload.step(self.optimizer)
+        self._publish()
+
+    def _publish(self) -> None:
+        """Updated masters -> compute-dtype shards; persistent parameters are re-gathered."""
+        with torch.no_grad():
+            for entry in self._trainable_entries:
+                entry.shard.copy_(entry.master)
+            self.partitions.refresh_persistent([e for e in self._trainable_entries if e.persistent])
+
+    def zero_grad(self) -> None:
+        for _, _, master_grad in self.groups:
+            master_grad.zero_()
+
+    # ---- checkpoint ([Note: flat-range partitioning]) ---------------------------------------
+    def _owned(self, entry: PartitionedParam) -> tuple[int, int]:
+        return split_evenly(entry.numel, self.comm.world_size, self.comm.rank)
+
+    def _optimizer_windows(self):
+        for entries, master, _ in self.groups:
+            offset = 0
+            for entry in entries:
+                yield entry, master, offset
+                offset += entry.shard_numel
+
+    def state_shards(self) -> list[ShardedTensor]:
+        out = []
+        for entry in self.partitions.entries:
+            start, end = self._owned(entry)
+            if end > start:
+                spec = ShardSpec(f"module/{entry.name}", tuple(entry.shape), entry.shard.dtype, start, end)
+                out.append(ShardedTensor(spec, entry.shard[: end - start].detach()))
+        for name, buf in self.module.named_buffers():
+            out.append(ShardedTensor(ShardSpec(f"module/{name}", tuple(buf.shape), buf.dtype, 0, buf.numel()),
+                                     buf.detach().reshape(-1)))
+        keys = elementwise_state_keys(self.optimizer)
+        for entry, master, offset in self._optimizer_windows():
+            start, end = self._owned(entry)
+            if end <= start:
+                continue
+            window = slice(offset, offset + end - start)
+            out.append(ShardedTensor(ShardSpec(f"master/{entry.name}", tuple(entry.shape), torch.float32,
+                                               start, end), master.detach()[window]))
+            state = self.optimizer.state.get(master, {})
+            for key in keys:
+                if key in state:
+                    value = state[key]
+                    spec = ShardSpec(f"optim/{key}/{entry.name}", tuple(entry.shape), value.dtype, start, end)
+                    out.append(ShardedTensor(spec, value.detach()[window]))
+        return out
+
+    def load_state_shards(self, read: Callable[[ShardSpec], torch.Tensor]) -> None:
+        with torch.no_grad():
+            for entry in self.partitions.entries:
+                start, end = self._owned(entry)
+                if end > start:
+                    spec = ShardSpec(f"module/{entry.name}", tuple(entry.shape), entry.shard.dtype, start, end)
+                    entry.shard[: end - start].copy_(read(spec).reshape(-1))
+            for name, buf in self.module.named_buffers():
+                spec = ShardSpec(f"module/{name}", tuple(buf.shape), buf.dtype, 0, buf.numel())
+                buf.copy_(read(spec).reshape(buf.shape))
+            ensure_optimizer_state(self.optimizer)
+            keys = elementwise_state_keys(self.optimizer)
+            for entry, master, offset in self._optimizer_windows():
+                start, end = self._owned(entry)
+                if end <= start:
+                    continue
+                window = slice(offset, offset + end - start)
+                spec = ShardSpec(f"master/{entry.name}", tuple(entry.shape), torch.float32, start, end)
+                try:
+                    value = read(spec)
+                except KeyError:  # no fp32 copy saved: rebuild it from the weights
+                    value = entry.shard[: end - start]
+                master[window].copy_(value.reshape(-1))
+                state = self.optimizer.state[master]
+                for key in keys:
+                    target = state[key]
+                    spec = ShardSpec(f"optim/{key}/{entry.name}", tuple(entry.shape), target.dtype, start, end)
+                    target[window].copy_(read(spec).reshape(-1))
+            self._publish()
+            trainable = {id(e) for e in self._trainable_entries}
+            self.partitions.refresh_persistent(
+                [e for e in self.partitions.entries if e.persistent and id(e) not in trainable])
+        self.comm.discard_current()
+
+    # ---- instrumentation --------------------------------------------------------------------
+    def memory_stats(self) -> dict[str, int]:
+        def nbytes(t: torch.Tensor | None) -> int:
+            return 0 if t is None else t.numel() * t.element_size()
+
+        entries = self.partitions.entries
+        element = self.precision.param_dtype.itemsize
+        persistent_full = sum(e.full.numel() for e in entries if e.persistent) * element
+        return {
+            "params": sum(nbytes(e.shard) for e in entries) + persistent_full,
+            "grads": sum(nbytes(g) for _, _, g in self.groups),
+            "master_weights": sum(nbytes(m) for _, m, _ in self.groups),
+            "optimizer_state": sum(nbytes(v) for state in self.optimizer.state.values()
+                                   for v in state.values() if isinstance(v, torch.Tensor)),
+            "buffers": sum(nbytes(b) for b in self.module.buffers()),
+            "bucket_buffers": self.reducer.bucket_bytes_peak,
+            # Gathered (non-persistent) parameter elements: now and the most at once so far
+            # (what max_live_parameters bounds), and what prefetch issued ahead of use.
+            "live_param_elements": self.partitions.live_elements,
+            "peak_live_param_elements": self.partitions.peak_live_elements,
+            "persistent_param_elements": self.partitions.persistent_elements,
+            "prefetched_param_elements": self.coordinator.prefetched_elements,
+        }
+
+    def reset_peak_live(self) -> None:
+        """Start measuring `peak_live_param_elements` afresh (benchmarks, tests)."""
+        self.partitions.peak_live_elements = self.partitions.live_elements
+
+    def close(self) -> None:
+        self.reducer.finish()
+        self.coordinator.close()
+        self.partitions.close()

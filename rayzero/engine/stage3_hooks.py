@@ -1,0 +1,227 @@
+"""Stage 3 gather-before-use / release-after hooks, prefetch and the knobs that steer them.
+
+Hooks (all torch's own per-module / per-tensor hook APIs; nothing global is patched):
+  - forward pre-hook of a module with parameters: fetch them (gather, prefetch the next ones);
+  - forward post-hook: release them unless a knob keeps them, and hook the outputs' gradients;
+  - a multi-grad hook on those outputs fires before the module's backward: fetch again;
+  - each trainable parameter's post-accumulate-grad hook: hand the full gradient to the reducer
+    (stage3_grads.py) and release the parameter — its last use in this backward is over;
+  - frozen parameters gathered for backward stay until `end_backward`.
+See [Note: stage-3 prefetch order] (stage3_trace.py) for how the recorded order drives prefetch
+and reuse, and [Note: stage-3 parameter storage] (stage3_params.py) for what gather/release do.
+"""
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from rayzero.engine.stage3_params import ParamPartitions, ParamState, PartitionedParam
+from rayzero.engine.stage3_trace import FetchEvent, ModuleTrace
+
+
+def _count(value: Any, field: str) -> int:
+    if not isinstance(value, int):
+        raise ValueError(
+            f"zero_optimization.{field}={value!r} was not resolved to an element count: pass "
+            "hidden_size when loading the config or set a number")
+    if value < 0:
+        raise ValueError(f"zero_optimization.{field}={value!r} must be >= 0")
+    return value
+
+
+@dataclass(frozen=True)
+class Stage3Knobs:
+    """DeepSpeed's stage-3 knobs, in elements (DeepSpeed's names, `stage3_` prefix dropped)."""
+
+    prefetch_bucket_size: int
+    """Elements of upcoming parameters gathered ahead of their module (0 disables prefetch)."""
+    param_persistence_threshold: int
+    """Parameters with fewer elements stay gathered for the whole run."""
+    model_persistence_threshold: int
+    """Cap on the total elements made persistent by the threshold above."""
+    max_live_parameters: int
+    """Gathered (non-persistent) elements allowed at once before idle ones are released early."""
+    max_reuse_distance: int
+    """Keep a released-candidate gathered if it is fetched again within this many elements."""
+
+    @classmethod
+    def from_config(cls, zero: Any) -> Stage3Knobs:
+        return cls(
+            prefetch_bucket_size=_count(getattr(zero, "prefetch_bucket_size", 50_000_000), "stage3_prefetch_bucket_size"),
+            param_persistence_threshold=_count(getattr(zero, "param_persistence_threshold", 100_000),
+                                               "stage3_param_persistence_threshold"),
+            model_persistence_threshold=_count(getattr(zero, "model_persistence_threshold", 2**63 - 1),
+                                               "stage3_model_persistence_threshold"),
+            max_live_parameters=_count(getattr(zero, "max_live_parameters", 1_000_000_000),
+                                       "stage3_max_live_parameters"),
+            max_reuse_distance=_count(getattr(zero, "max_reuse_distance", 1_000_000_000),
+                                      "stage3_max_reuse_distance"),
+        )
+
+
+class Stage3Coordinator:
+    """Installs the hooks on `module` and decides when each parameter is gathered or released."""
+
+    def __init__(self, module: torch.nn.Module, partitions: ParamPartitions, knobs: Stage3Knobs,
+                 on_gradient: Callable[[PartitionedParam, torch.Tensor], None],
+                 external: dict[int, list[torch.nn.Parameter]] | None = None) -> None:
+        self.partitions = partitions
+        partitions.coordinator = self
+        self.knobs = knobs
+        self._on_gradient = on_gradient
+        self._index = {id(entry): i for i, entry in enumerate(partitions.entries)}
+        self._by_param = {id(entry.param): entry for entry in partitions.entries}
+        self.trace = ModuleTrace(lambda i: partitions.entries[i].numel)
+        # Entries kept gathered after use because of max_reuse_distance: first to go under pressure.
+        self._kept: dict[int, PartitionedParam] = {}
+        self._handles: list[Any] = []
+        self._module_params: dict[int, list[PartitionedParam]] = {}
+        # Counters that make the knobs observable (memory_stats / tests).
+        self.prefetched_elements = 0
+        self.fetch_waits = 0
+        self._module_index: dict[int, int] = {}
+        external = external or {}
+        for index, submodule in enumerate(module.modules()):
+            self._module_index[id(submodule)] = index
+            owned = list(submodule.parameters(recurse=False)) + external.get(id(submodule), [])
+            entries = []
+            for param in owned:
+                entry = self._by_param.get(id(param))
+                if entry is not None and entry not in entries:
+                    entries.append(entry)
+            self._module_params[index] = entries
+            if entries:
+                self._install_module_hooks(index, submodule)
+        for entry in partitions.entries:
+            if entry.param.requires_grad:
+                self._handles.append(entry.param.register_post_accumulate_grad_hook(
+                    functools.partial(self._gradient_ready, entry)))
+
+    def add_external(self, module: torch.nn.Module, entry: PartitionedParam) -> None:
+        """Make `module` fetch `entry` too (its forward uses another module's parameter)."""
+        index = self._module_index.get(id(module))
+        if index is None:
+            raise ValueError(f"{type(module).__name__} is not part of the model this engine trains")
+        entries = self._module_params[index]
+        if entry not in entries:
+            had_hooks = bool(entries)
+            entries.append(entry)
+            if not had_hooks:
+                self._install_module_hooks(index, module)
+
+    def _install_module_hooks(self, index: int, module: torch.nn.Module) -> None:
+        self._handles.append(module.register_forward_pre_hook(functools.partial(self._pre_forward, index)))
+        self._handles.append(module.register_forward_hook(functools.partial(self._post_forward, index),
+                                                          always_call=True))
+
+    # ---- micro-step framing -----------------------------------------------------------------
+    def begin_micro_step(self) -> None:
+        """Before a forward: anything still gathered from the last pass is stale; rewind the trace."""
+        self._release_idle()
+        self.trace.begin_micro_step()
+
+    def end_backward(self) -> None:
+        """After backward: parameters pinned for backward and reuse-kept ones are released."""
+        self._release_idle()
+
+    # ---- hooks ------------------------------------------------------------------------------
+    def _pre_forward(self, index: int, module: torch.nn.Module, args: Any) -> None:
+        entries = self._module_params[index]
+        self._fetch(FetchEvent((index, "forward"), tuple(self._index[id(e)] for e in entries)), entries)
+        for entry in entries:
+            entry.users += 1
+
+    def _post_forward(self, index: int, module: torch.nn.Module, args: Any, output: Any) -> Any:
+        entries = self._module_params[index]
+        for entry in entries:
+            entry.users -= 1
+        for entry in entries:
+            self._release_or_keep(entry)
+        if torch.is_grad_enabled():
+            tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+            if tensors:
+                torch.autograd.graph.register_multi_grad_hook(
+                    tensors, functools.partial(self._pre_backward, index), mode="any")
+        return None
+
+    def _pre_backward(self, index: int, grad: Any) -> None:
+        entries = self._module_params[index]
+        self._fetch(FetchEvent((index, "backward"), tuple(self._index[id(e)] for e in entries)), entries)
+        for entry in entries:
+            if not entry.param.requires_grad:
+                entry.pinned_until_backward_end = True
+
+    def _gradient_ready(self, entry: PartitionedParam, param: torch.nn.Parameter) -> None:
+        grad = param.grad
+        param.grad = None
+        if grad is not None:
+            self._on_gradient(entry, grad)
+        if entry.users == 0:
+            self._kept.pop(id(entry), None)
+            self.partitions.release(entry)
+
+    # ---- policy -----------------------------------------------------------------------------
+    def _fetch(self, event: FetchEvent, entries: list[PartitionedParam]) -> None:
+        self.trace.observe(event)
+        for entry in entries:
+            self._kept.pop(id(entry), None)
+        missing = sum(e.numel for e in entries if e.state is ParamState.RELEASED and not e.persistent)
+        self._make_room(missing)
+        self.partitions.gather(entries)
+        self._prefetch()
+        for entry in entries:
+            if entry.state is ParamState.GATHERING:
+                self.fetch_waits += 1
+            self.partitions.wait(entry)
+
+    def _prefetch(self) -> None:
+        budget = self.knobs.prefetch_bucket_size
+        if budget <= 0:
+            return
+        issued = 0
+        for event in self.trace.upcoming():
+            for index in event.params:
+                entry = self.partitions.entries[index]
+                if entry.state is not ParamState.RELEASED:
+                    continue
+                if issued + entry.numel > budget:
+                    return
+                if self.partitions.live_elements + entry.numel > self.knobs.max_live_parameters:
+                    return
+                self.partitions.gather([entry])
+                issued += entry.numel
+                self.prefetched_elements += entry.numel
+
+    def _release_or_keep(self, entry: PartitionedParam) -> None:
+        if entry.persistent or entry.users > 0:
+            return
+        distance = self.trace.reuse_distance(self._index[id(entry)])
+        if distance is not None and distance < self.knobs.max_reuse_distance:
+            self._kept[id(entry)] = entry
+            return
+        self.partitions.release(entry)
+
+    def _make_room(self, needed: int) -> None:
+        """Release reuse-kept parameters, oldest first, until `needed` more fit under the cap."""
+        limit = self.knobs.max_live_parameters
+        while self._kept and self.partitions.live_elements + needed > limit:
+            _, entry = next(iter(self._kept.items()))
+            del self._kept[id(entry)]
+            self.partitions.release(entry)
+
+    def _release_idle(self) -> None:
+        self._kept.clear()
+        for entry in self.partitions.entries:
+            if entry.state is not ParamState.RELEASED and entry.users == 0 and not entry.persistent:
+                self.partitions.release(entry)
+
+    def close(self) -> None:
+        self.partitions.coordinator = None
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
