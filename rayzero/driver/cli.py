@@ -42,7 +42,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def load_target(target: str) -> Callable[..., Any]:
     """Import `file.py:function` or `module:function`; ValueError naming what is wrong otherwise."""
-    import cloudpickle
+    import ray.cloudpickle  # Ray pickles with its own copy of cloudpickle
 
     module_part, sep, function_name = target.rpartition(":")
     if not sep or not module_part or not function_name:
@@ -73,7 +73,7 @@ def load_target(target: str) -> Callable[..., Any]:
     if not callable(function):
         raise ValueError(f"TARGET {target!r}: {module_part} has no function {function_name!r}")
     if by_value:
-        cloudpickle.register_pickle_by_value(module)
+        ray.cloudpickle.register_pickle_by_value(module)
     return function
 
 

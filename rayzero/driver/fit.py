@@ -78,6 +78,26 @@ def _run_locations(run: RunConfig) -> tuple[str, str, str]:
     return name, run_uri, checkpoint_dir
 
 
+def ship_by_value(function: Callable[..., Any]) -> None:
+    """Make the workers receive the loop's module by value when they could not import it.
+
+    A loop defined in a script, a test file or a project directory is importable on the driver only
+    (through its sys.path); the workers would fail with `No module named ...`. Installed packages
+    (site-packages, rayzero itself) stay by reference.
+    """
+    import sys
+
+    import ray.cloudpickle
+
+    module = sys.modules.get(getattr(function, "__module__", "") or "")
+    file = getattr(module, "__file__", None)
+    if module is None or file is None or module.__name__ == "__main__":
+        return  # __main__ is pickled by value already
+    installed = any(part in ("site-packages", "dist-packages") for part in Path(file).parts)
+    if not installed and not module.__name__.startswith("rayzero."):
+        ray.cloudpickle.register_pickle_by_value(module)
+
+
 def connect_ray() -> bool:
     """Connect to RAYZERO_ADDRESS / RAY_ADDRESS, or start a local Ray. True if this call started it."""
     import ray
@@ -117,6 +137,7 @@ def fit(
     resume_from = run.resume_from or os.environ.get("RAYZERO_RESUME_FROM") or None
 
     connect_ray()
+    ship_by_value(train_loop)
     timings = {"connect_s": time.monotonic() - fit_started}
     run_env = {
         "RAYZERO_RUN_NAME": name,

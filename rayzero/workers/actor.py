@@ -8,6 +8,7 @@ runs without the loop ever waiting on the controller.
 from __future__ import annotations
 
 import datetime
+import inspect
 import os
 import socket
 import threading
@@ -44,6 +45,13 @@ class WorkerOutcome:
     """`Type: message` of the exception that ended the loop, or None."""
     traceback_text: str = ""
     """The formatted traceback of that exception, as the worker saw it."""
+
+
+def _takes_an_argument(function: Callable[..., Any]) -> bool:
+    try:
+        return len(inspect.signature(function).parameters) > 0
+    except (TypeError, ValueError):  # a callable without a readable signature: give it the config
+        return True
 
 
 class TrainWorker:
@@ -111,10 +119,11 @@ class TrainWorker:
         rank = self._session.rank
         session_module.activate(self._session)
         try:
-            if loop_config is None:
-                train_loop()
+            # Ray Train's convention: a loop with a parameter gets the config ({} when none was given).
+            if _takes_an_argument(train_loop):
+                train_loop({} if loop_config is None else loop_config)
             else:
-                train_loop(loop_config)
+                train_loop()
             return WorkerOutcome(rank)
         except BaseException as error:  # SystemExit from an argparse loop is a failure too
             return WorkerOutcome(rank, f"{type(error).__name__}: {error}", traceback.format_exc())

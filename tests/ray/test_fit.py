@@ -1,0 +1,155 @@
+"""rayzero.fit on a real local Ray: reports, context, errors, resources, config, datasets, retries."""
+from __future__ import annotations
+
+import os
+import time
+
+import pyarrow.parquet as pq
+import pytest
+
+import rayzero
+from rayzero.config import ConfigError
+
+CONFIG = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1}
+
+
+def _run(tmp_path, **overrides):
+    return rayzero.RunConfig(storage=tmp_path.as_uri(), progress_interval_s=0, **overrides)
+
+
+def _two():
+    return rayzero.ScalingConfig(num_workers=2)
+
+
+def reporting_loop(config):
+    import torch
+    import torch.distributed as dist
+
+    context = rayzero.get_context()
+    total = torch.tensor([float(context.rank + 1)])
+    dist.all_reduce(total)  # proves the process group spans both workers
+    for step in range(config["steps"]):
+        rayzero.report({"step": step, "rank": context.rank, "sum_of_ranks": total.item()})
+    env = {key: os.environ.get(key) for key in (
+        "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+        "RAYZERO_CONFIG", "RAYZERO_RUN_NAME", "RAYZERO_STORAGE", "RAYZERO_CHECKPOINT_DIR",
+        "RAYZERO_NODE_ID", "RAYZERO_NODE_LOCAL_DIR")}
+    rayzero.report({"env": env, "node_local_exists": os.path.isdir(env["RAYZERO_NODE_LOCAL_DIR"]),
+                    "config_micro_batch": context.config["train_micro_batch_size_per_gpu"]})
+
+
+def test_reports_reach_the_driver_in_order_with_the_worker_environment(local_ray, tmp_path):
+    result = rayzero.fit(reporting_loop, config=CONFIG, scaling=_two(), run=_run(tmp_path, name="order"),
+                         train_loop_config={"steps": 40})
+    steps = [m["step"] for m in result.metrics_history if "step" in m]
+    assert steps == list(range(40))  # rank 0's reports, every one, in order
+    assert all(m["rank"] == 0 and m["sum_of_ranks"] == 3.0 for m in result.metrics_history if "step" in m)
+    last = result.metrics
+    env = last["env"]
+    assert env["RANK"] == "0" and env["WORLD_SIZE"] == "2" and env["LOCAL_WORLD_SIZE"] == "2"
+    assert env["RAYZERO_RUN_NAME"] == "order" and env["RAYZERO_STORAGE"] == f"{tmp_path.as_uri()}/order"
+    assert env["RAYZERO_CHECKPOINT_DIR"] == f"{tmp_path}/order/checkpoints"
+    assert env["RAYZERO_NODE_LOCAL_DIR"].endswith(env["RAYZERO_NODE_ID"]) and last["node_local_exists"]
+    assert last["config_micro_batch"] == 4
+    assert result.path == f"{tmp_path.as_uri()}/order"
+    # every rank's reports land in the Parquet log
+    table = pq.read_table(str(tmp_path / "order" / "metrics.parquet")).to_pydict()
+    for rank in (0, 1):
+        seqs = [s for r, s in zip(table["rank"], table["seq"]) if r == rank]
+        assert seqs == list(range(41))
+    assert result.timings["fit_to_first_report_s"] > 0
+
+
+def failing_loop(config):
+    context = rayzero.get_context()
+    for step in range(5):
+        rayzero.report({"step": step})
+        if context.rank == 1 and step == 3:
+            raise_deep_inside(step)
+
+
+def raise_deep_inside(step):
+    raise ValueError(f"boom at step {step}")
+
+
+def test_a_worker_exception_names_its_rank_and_carries_its_traceback(local_ray, tmp_path):
+    started = time.monotonic()
+    with pytest.raises(rayzero.TrainingFailedError) as raised:
+        rayzero.fit(failing_loop, config=CONFIG, scaling=_two(), run=_run(tmp_path))
+    error = raised.value
+    assert error.rank == 1
+    assert "rank 1" in str(error) and "ValueError: boom at step 3" in str(error)
+    assert "raise_deep_inside" in error.traceback_text and "raise_deep_inside" in str(error)
+    assert time.monotonic() - started < 60
+
+
+def test_an_impossible_resource_request_fails_within_the_bounded_wait(local_ray, tmp_path):
+    scaling = rayzero.ScalingConfig(num_workers=2, resources_per_worker={"CPU": 64}, placement_timeout_s=3)
+    started = time.monotonic()
+    with pytest.raises(rayzero.TrainingFailedError) as raised:
+        rayzero.fit(failing_loop, config=CONFIG, scaling=scaling, run=_run(tmp_path))
+    elapsed = time.monotonic() - started
+    assert 3 <= elapsed < 30
+    message = str(raised.value)
+    assert "could not place 2 worker(s)" in message and "'CPU': 64" in message
+    assert "placement_timeout_s=3" in message and "Fix:" in message
+
+
+def marker_loop(config):
+    open(config["marker"], "w").close()
+
+
+def test_a_bad_config_is_rejected_before_any_worker_starts(local_ray, tmp_path):
+    marker = tmp_path / "worker-ran"
+    bad = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 7, "overlap_com": True}}
+    with pytest.raises(ConfigError) as raised:
+        rayzero.fit(marker_loop, config=bad, scaling=_two(), run=_run(tmp_path),
+                    train_loop_config={"marker": str(marker)})
+    text = str(raised.value)
+    assert "zero_optimization.stage" in text and "overlap_com" in text  # every problem, at once
+    assert not marker.exists()
+
+
+def dataset_loop(config):
+    shard = rayzero.get_dataset_shard("train")
+    ids = [int(row["id"]) for batch in shard.iter_batches(batch_size=8) for row in _rows(batch)]
+    rayzero.report({"count": len(ids), "total": sum(ids)})
+
+
+def _rows(batch):
+    return [{"id": value} for value in batch["id"]]
+
+
+def test_datasets_are_split_across_workers(local_ray, tmp_path):
+    import ray.data
+
+    result = rayzero.fit(dataset_loop, scaling=_two(), run=_run(tmp_path, name="data"),
+                         datasets={"train": ray.data.range(64)})
+    table = pq.read_table(str(tmp_path / "data" / "metrics.parquet")).to_pydict()
+    assert table["count"] == [32, 32]  # equal shares: no rank waits on another at the end
+    assert sum(table["total"]) == sum(range(64))
+    assert result.metrics["count"] == 32
+
+
+def flaky_loop(config):
+    context = rayzero.get_context()
+    rayzero.report({"attempt": context.attempt, "resume_from": context.resume_from})
+    if context.attempt == 0 and context.rank == 1:
+        raise RuntimeError("simulated crash on the first attempt")
+
+
+def test_a_failure_within_the_budget_restarts_the_group(local_ray, tmp_path):
+    result = rayzero.fit(flaky_loop, scaling=_two(), run=_run(tmp_path, resume_from="file:///ckpt/0"),
+                         failure=rayzero.FailureConfig(max_failures=1))
+    assert [m["attempt"] for m in result.metrics_history] == [0, 1]
+    assert result.metrics["resume_from"] == "file:///ckpt/0"
+
+
+def test_wall_clock_breakdown_prints_the_phases(local_ray, tmp_path, capsys):
+    config = dict(CONFIG, wall_clock_breakdown=True)
+    rayzero.fit(reporting_loop, config=config, scaling=_two(), run=_run(tmp_path),
+                train_loop_config={"steps": 2})
+    out = capsys.readouterr().out
+    assert "wall clock breakdown" in out
+    for phase in ("placement_group_s", "worker_start_s", "process_group_s", "fit_to_first_report_s"):
+        assert phase in out
