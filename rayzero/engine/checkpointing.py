@@ -1,0 +1,204 @@
+"""The engine's checkpoint methods: DeepSpeed's signatures over the checkpoint layer.
+
+`ZeroEngine.save_checkpoint / load_checkpoint / save_16bit_model` delegate here. The engine
+describes its state as flat ranges (`state_shards()`, [Note: flat-range partitioning]); the
+checkpoint layer writes and reshards them; this module adds what only the engine knows: the
+default tag, which tensors to skip for `load_optimizer_states=False` / `load_module_only=True`, the
+data position ([Note: data position]) and the 16-bit export.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import warnings
+from typing import Any, Optional
+
+import torch
+
+from rayzero.checkpoint.checkpointer import Checkpointer
+from rayzero.checkpoint.loader import NoCheckpointError
+from rayzero.checkpoint.options import CheckpointOptions, config_digest
+from rayzero.checkpoint.saver import SaveTimings
+from rayzero.checkpoint.types import ShardSpec
+
+logger = logging.getLogger(__name__)
+
+
+def checkpointer_of(engine: Any) -> Checkpointer:
+    """The engine's Checkpointer, built from its config's `checkpoint` section on first use."""
+    if getattr(engine, "checkpointer", None) is None:
+        engine.checkpointer = Checkpointer(CheckpointOptions.from_config(engine.config))
+    return engine.checkpointer
+
+
+def _global_batch_size(engine: Any) -> int:
+    configured = getattr(engine.config, "train_batch_size", None)
+    if isinstance(configured, int):
+        return configured
+    micro = engine.step_policy.micro_batch_size or 1
+    return micro * engine.step_policy.gradient_accumulation_steps * engine.comm.world_size
+
+
+def _json_able(value: Any, what: str) -> dict[str, Any]:
+    if value is None:
+        return {}
+    try:
+        return json.loads(json.dumps(value))
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{what} must be JSON-serialisable (a checkpoint never stores pickles, so loading "
+                         f"it cannot run code): {error}. Convert tensors with .tolist() or save them "
+                         "as part of the model") from error
+
+
+def save_checkpoint(engine: Any, save_dir: Optional[str] = None, tag: Optional[str] = None,
+                    client_state: Optional[dict[str, Any]] = None, save_latest: bool = True,
+                    exclude_frozen_parameters: bool = False, asynchronous: Optional[bool] = None) -> bool:
+    """Save a sharded checkpoint to save_dir/tag (default `global_step{N}`); collective.
+
+    With `checkpoint.async_save` (default) this returns once the state is snapshotted; the files
+    are written, replicated and uploaded in the background. `save_latest` is always honoured as
+    True: `latest` only ever names a committed checkpoint ([Note: commit protocol]).
+    """
+    checkpointer = checkpointer_of(engine)
+    tag = tag or f"global_step{engine.global_steps}"
+    shards = engine.state_shards()
+    if exclude_frozen_parameters:
+        trainable = {f"module/{name}" for name, param in engine.module.named_parameters() if param.requires_grad}
+        buffers = {f"module/{name}" for name, _ in engine.module.named_buffers()}
+        shards = [s for s in shards if not s.spec.name.startswith("module/") or s.spec.name in trainable | buffers]
+    extra = engine.extra_state()
+    batch = _global_batch_size(engine)
+    extra["data_position"] = {"consumed_samples": engine.global_steps * batch, "train_batch_size": batch}
+    checkpointer.save(save_dir, tag, engine.global_steps, engine.strategy.stage, shards, extra,
+                      _json_able(client_state, "client_state"), config_digest(engine.config), asynchronous)
+    return True
+
+
+def wait_for_checkpoint(engine: Any) -> SaveTimings:
+    """Block until the background save (if any) is committed and uploaded; its phase timings."""
+    return checkpointer_of(engine).wait()
+
+
+def load_checkpoint(engine: Any, load_dir: Optional[str] = None, tag: Optional[str] = None,
+                    load_module_strict: bool = True, load_optimizer_states: bool = True,
+                    load_lr_scheduler_states: bool = True, load_module_only: bool = False,
+                    custom_load_fn: Any = None) -> tuple[Optional[str], Optional[dict[str, Any]]]:
+    """Resume from the newest checkpoint complete in some tier (or `tag`), at this engine's world
+    size and stage; returns (checkpoint path, client_state), or (None, None) when there is none."""
+    if custom_load_fn is not None:
+        raise ValueError("load_checkpoint(custom_load_fn=...) is not supported: rayzero reshards the "
+                         "checkpoint itself; load the state you need with engine.load_state_shards")
+    checkpointer = checkpointer_of(engine)
+    current = {shard.spec.name: shard for shard in engine.state_shards()}
+    keep_optimizer = load_module_only or not load_optimizer_states
+    needed = [shard.spec for name, shard in current.items()
+              if not (keep_optimizer and name.startswith("optim/")) and not (load_module_only and name.startswith("master/"))]
+    try:
+        loaded = checkpointer.load(load_dir, needed, tag=tag, restore_rng=not load_module_only)
+    except NoCheckpointError as error:
+        warnings.warn(f"load_checkpoint found nothing to load: {error}", stacklevel=2)
+        return None, None
+
+    def read(spec: ShardSpec) -> torch.Tensor:
+        if spec.name.startswith("optim/") and keep_optimizer:
+            return current[spec.name].local.detach().clone()  # unchanged
+        if spec.name.startswith("master/") and (load_module_only or not loaded.has(spec.name)):
+            raise KeyError(spec.name)  # the engine rebuilds masters from the loaded module weights
+        if not loaded.has(spec.name) and spec.name.startswith("module/") and not load_module_strict:
+            return current[spec.name].local.detach().clone()
+        return loaded.read(spec)
+
+    engine.load_state_shards(read)
+    manifest = loaded.manifest
+    if not load_module_only:
+        extra = dict(manifest.extra_state)
+        if not load_lr_scheduler_states:
+            extra["lr_scheduler"] = None
+        if not load_optimizer_states:
+            extra.pop("optimizer", None)
+        engine.load_extra_state(extra)
+        _restore_data_position(engine, extra.get("data_position"))
+    loaded.release()
+    logger.info("loaded checkpoint %s (saved at world size %d, stage %d; now %d, stage %d; source %s)",
+                loaded.path, manifest.world_size, manifest.stage, engine.comm.world_size,
+                engine.strategy.stage, loaded.source)
+    return loaded.path, dict(manifest.client_state)
+
+
+def _restore_data_position(engine: Any, position: Optional[dict[str, Any]]) -> None:
+    loader = getattr(engine, "training_dataloader", None)
+    sampler = getattr(loader, "sampler", None)
+    if position is None or not hasattr(sampler, "set_position"):
+        return
+    if position.get("train_batch_size") != sampler.global_batch_size:
+        warnings.warn(f"the checkpoint was taken with global batch {position.get('train_batch_size')}, the "
+                      f"sampler now uses {sampler.global_batch_size}: the data position is kept in samples, "
+                      "so step boundaries shift", stacklevel=3)
+    sampler.set_position(position["consumed_samples"])
+
+
+def save_16bit_model(engine: Any, save_dir: str, save_filename: str = "pytorch_model.bin",
+                     exclude_frozen_parameters: bool = False) -> bool:
+    """Write the full module state dict in its compute dtype on rank 0 (DeepSpeed's shape).
+
+    Stage 3 holds only pieces of each weight, so it writes only when
+    `zero_optimization.stage3_gather_16bit_weights_on_model_save` is true (else warns and returns
+    False, as DeepSpeed does). `.safetensors` file names write safetensors, others a plain tensor
+    dict loadable with `torch.load(weights_only=True)`. Weights are gathered one tensor at a time.
+    """
+    shards = [s for s in engine.state_shards() if s.spec.name.startswith("module/")]
+    partitioned = any(not s.spec.is_full for s in shards)
+    if partitioned and not getattr(engine.config.zero_optimization, "gather_16bit_weights_on_model_save", False):
+        warnings.warn("save_16bit_model did nothing: the weights are partitioned (stage 3) and "
+                      "zero_optimization.stage3_gather_16bit_weights_on_model_save is false; set it to true, "
+                      "or use `rayzero checkpoint consolidate` on a checkpoint", stacklevel=2)
+        return False
+    comm = checkpointer_of(engine).comm
+    comm.barrier() if comm.group is not None else None
+    frozen = {name for name, param in engine.module.named_parameters() if not param.requires_grad}
+    state: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        name = shard.spec.name.removeprefix("module/")
+        if exclude_frozen_parameters and name in frozen:
+            continue
+        if shard.spec.is_full or comm.group is None:
+            local = shard.local.detach().cpu()
+        else:  # assemble this tensor's pieces on every rank (one tensor in memory at a time)
+            pieces = comm.all_gather_object((shard.spec.flat_start, shard.spec.flat_end, shard.local.detach().cpu()))
+            local = torch.empty(shard.spec.global_numel, dtype=shard.spec.dtype)
+            for start, end, piece in pieces:
+                local[start:end] = piece
+        if comm.rank == 0:
+            state[name] = local.reshape(shard.spec.global_shape).clone()
+    if comm.rank == 0:
+        aliases = _tied_aliases(engine.module)
+        for alias, first in aliases.items():
+            if first in state:
+                state[alias] = state[first]
+        os.makedirs(save_dir, exist_ok=True)
+        path = os.path.join(save_dir, save_filename)
+        if save_filename.endswith(".safetensors"):
+            from safetensors.torch import save_file
+
+            save_file({name: tensor.contiguous() for name, tensor in state.items() if name not in aliases}, path)
+        else:
+            torch.save(state, path + ".tmp")
+            os.replace(path + ".tmp", path)
+    comm.barrier() if comm.group is not None else None
+    return True
+
+
+def _tied_aliases(module: torch.nn.Module) -> dict[str, str]:
+    """Later names of tied parameters -> the first name (the one the shards use)."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            aliases[name] = first[id(param)]
+        else:
+            first[id(param)] = name
+    return aliases
+
+
+__all__ = ["save_checkpoint", "load_checkpoint", "save_16bit_model", "wait_for_checkpoint"]

@@ -1,0 +1,109 @@
+"""Resume a real ZeroEngine from its checkpoints: same world size bitwise, other sizes and stages close.
+
+The chain follows the issue: saved at stage 3 on 2 ranks -> resumed at stage 2 on 3 ranks (10 steps
+against the uninterrupted run) -> saved there, resumed at stage 0 on 1 rank. Every run feeds each
+optimizer step the same global batch of 12 samples (micro batch 12 / world), so the uninterrupted
+loss curve is the reference at any world size.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+import torch.distributed as dist
+
+from rayzero.engine import checkpointing
+from rayzero.engine.api import initialize
+
+from test_checkpoint_reshard import run_group
+
+GLOBAL_BATCH = 12
+TOTAL_STEPS = 20
+SAVE_AT = 6
+RESHARD_UNTIL = 16  # the 3-rank run covers steps 6..16 (10 steps), then saves for the 1-rank run
+
+
+def make_engine(stage: int, world: int, init_seed: int):
+    torch.manual_seed(init_seed)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    config = {
+        "train_micro_batch_size_per_gpu": GLOBAL_BATCH // world,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.05,
+                                                     "warmup_num_steps": 8}},
+        "zero_optimization": {"stage": stage},
+        "checkpoint": {"use_node_local_storage": False},
+    }
+    engine, *_ = initialize(model=model, config=config)
+    return engine
+
+
+def train(engine, first: int, last: int, rank: int, world: int, noise: bool) -> list[float]:
+    """Steps first..last-1 on this rank's slice of each step's global batch; the global mean losses."""
+    losses = []
+    micro = GLOBAL_BATCH // world
+    for step in range(first, last):
+        generator = torch.Generator().manual_seed(step)
+        inputs = torch.randn(GLOBAL_BATCH, 16, generator=generator)[rank * micro:(rank + 1) * micro]
+        targets = torch.randn(GLOBAL_BATCH, 1, generator=generator)[rank * micro:(rank + 1) * micro]
+        if noise:  # drawn from the global RNG: a resume must restore it to stay bitwise identical
+            inputs = inputs + 0.01 * torch.randn_like(inputs)
+        loss = torch.nn.functional.mse_loss(engine(inputs), targets)
+        engine.backward(loss)
+        engine.step()
+        total = loss.detach().clone()
+        if world > 1:
+            dist.all_reduce(total)
+        losses.append(total.item() / world)
+    return losses
+
+
+def _two_ranks_stage3(rank: int, world: int, root: str, out: str) -> None:
+    # 1. uninterrupted run with RNG noise, checkpoint (async) at step 6; then resume bitwise
+    engine = make_engine(3, world, init_seed=0)
+    train(engine, 0, SAVE_AT, rank, world, noise=True)
+    engine.save_checkpoint(os.path.join(root, "noisy"), client_state={"note": "noisy"})
+    reference = train(engine, SAVE_AT, TOTAL_STEPS, rank, world, noise=True)
+    checkpointing.wait_for_checkpoint(engine)
+    resumed = make_engine(3, world, init_seed=1)  # different init: everything must come from the checkpoint
+    path, client = resumed.load_checkpoint(os.path.join(root, "noisy"))
+    assert path.endswith(f"global_step{SAVE_AT}") and client == {"note": "noisy"}
+    assert resumed.global_steps == SAVE_AT
+    again = train(resumed, SAVE_AT, TOTAL_STEPS, rank, world, noise=True)
+    assert again == reference, (again, reference)  # bitwise: same floats, same order
+    # 2. noise-free reference for the resharding runs
+    engine = make_engine(3, world, init_seed=0)
+    train(engine, 0, SAVE_AT, rank, world, noise=False)
+    engine.save_checkpoint(os.path.join(root, "clean"), asynchronous=False)
+    reference = train(engine, SAVE_AT, TOTAL_STEPS, rank, world, noise=False)
+    if rank == 0:
+        with open(out, "w") as handle:
+            json.dump(reference, handle)
+
+
+def _three_ranks_stage2(rank: int, world: int, root: str, out: str) -> None:
+    reference = json.load(open(out))
+    engine = make_engine(2, world, init_seed=1)
+    path, _ = engine.load_checkpoint(os.path.join(root, "clean"))
+    assert engine.global_steps == SAVE_AT and engine.lr_scheduler.last_epoch == SAVE_AT
+    losses = train(engine, SAVE_AT, RESHARD_UNTIL, rank, world, noise=False)
+    for got, want in zip(losses, reference[:RESHARD_UNTIL - SAVE_AT]):
+        assert abs(got - want) <= 1e-4 * abs(want), (losses, reference)
+    engine.save_checkpoint(os.path.join(root, "clean"))
+    checkpointing.wait_for_checkpoint(engine)
+
+
+def test_resume_bitwise_then_reshard_across_stages(tmp_path):
+    root, out = str(tmp_path / "ckpt"), str(tmp_path / "reference.json")
+    run_group(2, _two_ranks_stage3, root, out)
+    run_group(3, _three_ranks_stage2, root, out)
+    # 1 rank, stage 0, no process group: continue from the 3-rank checkpoint of step 16
+    reference = json.load(open(out))
+    engine = make_engine(0, 1, init_seed=2)
+    path, _ = engine.load_checkpoint(os.path.join(root, "clean"))
+    assert path.endswith(f"global_step{RESHARD_UNTIL}")
+    losses = train(engine, RESHARD_UNTIL, TOTAL_STEPS, 0, 1, noise=False)
+    for got, want in zip(losses, reference[RESHARD_UNTIL - SAVE_AT:]):
+        assert abs(got - want) <= 1e-4 * abs(want), (losses, reference)
