@@ -56,7 +56,7 @@ class Communicator:
     def __init__(self, group: Optional[dist.ProcessGroup] = None) -> None:
         initialized = dist.is_available() and dist.is_initialized()
         # Without a process group the engine runs as a world of one (unit tests, notebooks).
-        self.group = group if initialized else None
+        self.group = (group or dist.group.WORLD) if initialized else None
         self.world_size = dist.get_world_size(group) if initialized else 1
         self.rank = dist.get_rank(group) if initialized else 0
         self._current: dict[str, KindStats] = defaultdict(KindStats)

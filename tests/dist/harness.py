@@ -1,0 +1,235 @@
+"""Reusable multi-process harness for engine parity tests (gloo on CPU).
+
+- `spawn(world_size, fn, payload)`: run `fn(rank, world_size, payload)` in `world_size` fresh
+  processes that share a gloo process group; returns each rank's (picklable) return value.
+  Spawning costs ~2-3 s, so callers run many cases per spawn.
+- `ParityModel`: tied embeddings, a frozen layer, an unused parameter, odd sizes, a buffer.
+- `Case` / `run_cases` (inside the workers) / `reference_run` (single process, fp32 torch) and
+  `assemble_masters` to gather the fp32 master pieces every rank reports via `state_shards()`.
+Stage-3 tests reuse all of it with `Case(stage=3, ...)`.
+"""
+from __future__ import annotations
+
+import copy
+import datetime
+import math
+import multiprocessing
+import os
+import socket
+import tempfile
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+VOCAB, HIDDEN, FFN, SEQ = 37, 13, 29, 5
+LR, WEIGHT_DECAY, CLIP = 1e-2, 0.01, 1.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _entry(rank: int, world_size: int, port: int, fn: Callable, payload: Any, out_dir: str) -> None:
+    torch.set_num_threads(1)  # 2 shared cores: oversubscription only slows everyone down
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    result: Any
+    try:
+        torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size,
+                                             timeout=datetime.timedelta(seconds=120))
+        result = ("ok", fn(rank, world_size, payload))
+    except BaseException:  # report everything: the parent shows it
+        result = ("error", traceback.format_exc())
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def spawn(world_size: int, fn: Callable, payload: Any = None, timeout_s: float = 600) -> list[Any]:
+    """Run `fn(rank, world_size, payload)` on every rank of a fresh gloo group; results by rank."""
+    context = multiprocessing.get_context("spawn")
+    port = free_port()
+    with tempfile.TemporaryDirectory() as out_dir:
+        procs = [context.Process(target=_entry, args=(r, world_size, port, fn, payload, out_dir))
+                 for r in range(world_size)]
+        for proc in procs:
+            proc.start()
+        for proc in procs:
+            proc.join(timeout_s)
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        results = []
+        for rank in range(world_size):
+            path = os.path.join(out_dir, f"rank{rank}.pt")
+            if not os.path.exists(path):
+                raise RuntimeError(f"rank {rank} of {world_size} produced no result (timeout or crash)")
+            status, value = torch.load(path, weights_only=False)
+            if status != "ok":
+                raise RuntimeError(f"rank {rank} of {world_size} failed:\n{value}")
+            results.append(value)
+    return results
+
+
+class ParityModel(torch.nn.Module):
+    """Small, awkward on purpose: tied embedding/head, frozen layer, unused parameter, odd sizes
+    (no size divisible by 2 or 3), a buffer used in forward. forward returns the mean CE loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, HIDDEN)
+        self.pos = torch.nn.Parameter(torch.randn(SEQ, HIDDEN) * 0.1)
+        self.norm = torch.nn.LayerNorm(HIDDEN)
+        self.frozen = torch.nn.Linear(HIDDEN, HIDDEN)
+        self.frozen.requires_grad_(False)
+        self.up = torch.nn.Linear(HIDDEN, FFN)
+        self.down = torch.nn.Linear(FFN, HIDDEN)
+        self.unused = torch.nn.Parameter(torch.randn(7))
+        self.head = torch.nn.Linear(HIDDEN, VOCAB, bias=False)
+        self.head.weight = self.embed.weight  # tied
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, HIDDEN))
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        h = (self.embed(tokens) + self.pos) * self.scale
+        h = h + torch.tanh(self.frozen(h))
+        h = h + self.down(F.gelu(self.up(self.norm(h))))
+        logits = self.head(h).float()
+        return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+
+
+def build_model(seed: int = 0) -> ParityModel:
+    torch.manual_seed(seed)
+    return ParityModel()
+
+
+def param_groups(model: torch.nn.Module) -> list[dict]:
+    """HF-style groups: weight decay on matrices only (the unused vector must see no decay)."""
+    decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() >= 2]
+    rest = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() < 2]
+    return [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": rest, "weight_decay": 0.0}]
+
+
+def global_batch(step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 + step)
+    tokens = torch.randint(0, VOCAB, (size, SEQ), generator=gen)
+    targets = torch.randint(0, VOCAB, (size, SEQ), generator=gen)
+    return tokens, targets
+
+
+@dataclass(frozen=True)
+class Case:
+    stage: int
+    precision: str = "fp32"  # fp32 | bf16 | fp16
+    gas: int = 1
+    steps: int = 20
+    micro_batch: int = 2
+    zero: tuple = ()
+    """Extra zero_optimization items as (key, value) pairs (frozen dataclass)."""
+    extra: tuple = ()
+    """Extra top-level config items as (key, value) pairs."""
+
+    def config(self) -> dict:
+        zero = {"stage": self.stage, "reduce_bucket_size": 200, **dict(self.zero)}
+        cfg = {
+            "train_micro_batch_size_per_gpu": self.micro_batch,
+            "gradient_accumulation_steps": self.gas,
+            "gradient_clipping": CLIP,
+            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY}},
+            "zero_optimization": zero,
+            "bf16": {"enabled": self.precision == "bf16"},
+            "fp16": {"enabled": self.precision == "fp16"},
+        }
+        cfg.update(dict(self.extra))
+        return cfg
+
+
+@dataclass
+class CaseResult:
+    case: Case
+    losses: list[float]
+    """This rank's mean micro-batch loss per optimizer step."""
+    masters: list[tuple[str, tuple, int, int, torch.Tensor]] = field(default_factory=list)
+    """(name, global_shape, start, end, values) of every `master/` piece this rank holds."""
+    comm: dict = field(default_factory=dict)
+    memory: dict = field(default_factory=dict)
+    extra: dict = field(default_factory=dict)
+
+
+def train_case(rank: int, world: int, case: Case, model_factory: Callable = build_model) -> CaseResult:
+    """Run one case on this rank (inside a `spawn`ed worker)."""
+    import rayzero
+
+    model = model_factory()
+    with torch.no_grad():  # ranks start different: the engine must broadcast rank 0's state
+        for tensor in [*model.parameters(), *model.buffers()]:
+            tensor.add_(rank)
+    engine, _, _, _ = rayzero.initialize(model=model, config=case.config(),
+                                         model_parameters=param_groups(model))
+    losses = []
+    for step in range(case.steps):
+        tokens, targets = global_batch(step, world * case.gas * case.micro_batch)
+        total = 0.0
+        for micro in range(case.gas):
+            start = (micro * world + rank) * case.micro_batch
+            window = slice(start, start + case.micro_batch)
+            loss = engine(tokens[window], targets[window])
+            engine.backward(loss)
+            engine.step()
+            total += loss.item()
+        losses.append(total / case.gas)
+    masters = [(s.spec.name[len("master/"):], s.spec.global_shape, s.spec.flat_start, s.spec.flat_end,
+                s.local.detach().clone()) for s in engine.state_shards() if s.spec.name.startswith("master/")]
+    result = CaseResult(case, losses, masters, engine.comm_stats(), engine.memory_stats(),
+                        {"skipped_steps": engine.skipped_steps, "extra_state": engine.extra_state()})
+    engine.close()
+    return result
+
+
+def run_cases(rank: int, world: int, cases: list[Case]) -> list[CaseResult]:
+    return [train_case(rank, world, case) for case in cases]
+
+
+def assemble_masters(per_rank: list[CaseResult]) -> dict[str, torch.Tensor]:
+    """Full fp32 parameters from every rank's master pieces (overlaps must agree exactly)."""
+    full: dict[str, torch.Tensor] = {}
+    for result in per_rank:
+        for name, shape, start, end, values in result.masters:
+            flat = full.setdefault(name, torch.full((math.prod(shape),), float("nan"))).view(-1)
+            flat[start:end] = values.float()
+    return {name: tensor for name, tensor in full.items()}
+
+
+def reference_run(world: int, case: Case, model_factory: Callable = build_model
+                  ) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Single-process fp32 torch on the whole global batch: the losses and trainable parameters
+    a correct data-parallel run must reproduce."""
+    model = model_factory()
+    optimizer = torch.optim.AdamW(param_groups(model), lr=LR)
+    losses = []
+    for step in range(case.steps):
+        tokens, targets = global_batch(step, world * case.gas * case.micro_batch)
+        loss = model(tokens, targets)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], CLIP)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    params = {n: p.detach().clone().reshape(-1) for n, p in model.named_parameters() if p.requires_grad}
+    return losses, params
+
+
+def max_rel_diff(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """max |a - e| / max |e| (per tensor: elementwise ratios explode near zero)."""
+    scale = expected.abs().max().clamp_min(1e-12)
+    return float((actual.float() - expected.float()).abs().max() / scale)
+
+
+def copy_case(case: Case, **changes: Any) -> Case:
+    return copy.replace(case, **changes) if hasattr(copy, "replace") else Case(**{**case.__dict__, **changes})
