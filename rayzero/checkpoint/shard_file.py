@@ -62,43 +62,70 @@ class WrittenFile:
     checksum: str
 
 
-def write_shard_file(path: str, tensors: Iterable[tuple[str, torch.Tensor]], fsync: bool = True) -> WrittenFile:
-    """Write `tensors` (CPU, contiguous) as a safetensors file at `path`, atomically.
+class SafetensorsWriter:
+    """Streams a safetensors file whose tensor names, dtypes and shapes are known up front.
 
-    The bytes go to `path + ".tmp"` and are renamed into place after fsync, so a reader (or a crash)
-    sees either nothing or the whole file.
+    The header is written first, then each tensor in the declared order, so at most one tensor
+    needs to be in memory (what `consolidate` relies on). Bytes go to `path + ".tmp"`, which
+    `close()` fsyncs and renames into place: a reader sees nothing or the whole file.
     """
-    items = [(name, tensor.detach().contiguous()) for name, tensor in tensors]
-    # Widest dtypes first: every tensor then starts at a multiple of its element size, so the
-    # reader can view it in place (safetensors forbids padding between tensors).
-    items.sort(key=lambda item: -item[1].element_size())
-    header: dict[str, object] = {}
-    offset = 0
+
+    def __init__(self, path: str, entries: list[tuple[str, torch.dtype, tuple[int, ...]]], fsync: bool = True) -> None:
+        self.path, self.fsync = path, fsync
+        header: dict[str, object] = {}
+        offset = 0
+        for name, dtype, shape in entries:
+            numel = 1
+            for dim in shape:
+                numel *= dim
+            size = numel * dtype.itemsize
+            header[name] = {"dtype": _TO_CODE[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+            offset += size
+        header_bytes = json.dumps(header, separators=(",", ":")).encode()
+        header_bytes += b" " * (-(8 + len(header_bytes)) % _ALIGN)
+        self.order = [(name, header[name]["data_offsets"][1] - header[name]["data_offsets"][0]) for name, _, _ in entries]
+        self.size = 8 + len(header_bytes) + offset
+        self.digest = xxhash.xxh3_128()
+        self.out = open(path + ".tmp", "wb", buffering=0)
+        self._emit(memoryview(struct.pack("<Q", len(header_bytes)) + header_bytes))
+
+    def _emit(self, data: memoryview) -> None:
+        for start in range(0, len(data), _CHUNK):
+            chunk = data[start:start + _CHUNK]
+            self.digest.update(chunk)
+            self.out.write(chunk)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        expected_name, expected_size = self.order.pop(0)
+        data = tensor_bytes(tensor.detach().contiguous())
+        if name != expected_name or len(data) != expected_size:
+            raise ValueError(f"safetensors writer: got {name!r} ({len(data)} bytes), expected "
+                             f"{expected_name!r} ({expected_size} bytes)")
+        self._emit(data)
+
+    def close(self) -> WrittenFile:
+        if self.order:
+            raise ValueError(f"safetensors writer closed before {self.order[0][0]!r} was written")
+        if self.fsync:
+            os.fsync(self.out.fileno())
+        self.out.close()
+        os.replace(self.path + ".tmp", self.path)
+        return WrittenFile(os.path.basename(self.path), self.size, self.digest.hexdigest())
+
+
+def write_shard_file(path: str, tensors: Iterable[tuple[str, torch.Tensor]], fsync: bool = True) -> WrittenFile:
+    """Write 1-D pieces (CPU tensors) as a safetensors shard file at `path`, atomically."""
+    items = [(name, tensor.detach().reshape(-1)) for name, tensor in tensors]
     for name, tensor in items:
         if tensor.device.type != "cpu":
             raise ValueError(f"shard tensor {name!r} is on {tensor.device}; snapshot it to CPU first")
-        size = tensor.numel() * tensor.element_size()
-        header[name] = {"dtype": _TO_CODE[tensor.dtype], "shape": [tensor.numel()],
-                        "data_offsets": [offset, offset + size]}
-        offset += size
-    header_bytes = json.dumps(header, separators=(",", ":")).encode()
-    header_bytes += b" " * (-(8 + len(header_bytes)) % _ALIGN)
-    digest = xxhash.xxh3_128()
-    prefix = struct.pack("<Q", len(header_bytes)) + header_bytes
-    digest.update(prefix)
-    tmp = path + ".tmp"
-    with open(tmp, "wb", buffering=0) as out:
-        out.write(prefix)
-        for _, tensor in items:
-            data = tensor_bytes(tensor)
-            for start in range(0, len(data), _CHUNK):
-                chunk = data[start:start + _CHUNK]
-                digest.update(chunk)
-                out.write(chunk)
-        if fsync:
-            os.fsync(out.fileno())
-    os.replace(tmp, path)
-    return WrittenFile(os.path.basename(path), len(prefix) + offset, digest.hexdigest())
+    # Widest dtypes first: every tensor then starts at a multiple of its element size, so the
+    # reader can view it in place (safetensors forbids padding between tensors).
+    items.sort(key=lambda item: -item[1].element_size())
+    writer = SafetensorsWriter(path, [(name, tensor.dtype, (tensor.numel(),)) for name, tensor in items], fsync)
+    for name, tensor in items:
+        writer.write(name, tensor)
+    return writer.close()
 
 
 def file_checksum(path: str) -> str:

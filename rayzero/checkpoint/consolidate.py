@@ -1,0 +1,127 @@
+"""Consolidate a sharded checkpoint into one state dict keyed by the module's parameter names.
+
+Runs with no cluster and no GPU, in bounded memory: the output header is known from the manifest,
+so tensors are assembled one at a time from byte ranges of the shard files (`os.pread`, no whole
+file in memory) and streamed out. Weights come from the fp32 master copy where the checkpoint has
+one (`master/<name>`), else from the module copy (`module/<name>`: buffers, frozen parameters).
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+
+import torch
+
+from rayzero.checkpoint.manifest import Manifest, read_manifest, resolve_tag_dir
+from rayzero.checkpoint.reshard import plan_read
+from rayzero.checkpoint.shard_file import SafetensorsWriter, _FROM_CODE, dtype_from_name
+
+
+class ShardFileIndex:
+    """Random access to the tensors of one shard file by reading only their bytes."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.fd = os.open(path, os.O_RDONLY)
+        (length,) = struct.unpack("<Q", os.pread(self.fd, 8, 0))
+        self.header = json.loads(os.pread(self.fd, length, 8))
+        self.header.pop("__metadata__", None)
+        self.data_start = 8 + length
+
+    def read_into(self, name: str, begin: int, end: int, out: torch.Tensor) -> None:
+        """Elements [begin, end) of stored tensor `name` into `out` (same dtype, end - begin elements)."""
+        entry = self.header[name]
+        dtype = _FROM_CODE[entry["dtype"]]
+        size = dtype.itemsize
+        target = memoryview(out.view(torch.uint8).numpy()).cast("B")
+        position = self.data_start + entry["data_offsets"][0] + begin * size
+        done = 0
+        while done < (end - begin) * size:
+            count = os.preadv(self.fd, [target[done:]], position + done)
+            if count <= 0:
+                raise OSError(f"{self.path}: short read of {name!r} (file truncated? run `rayzero checkpoint verify`)")
+            done += count
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+@dataclass(frozen=True)
+class ConsolidatedTensor:
+    key: str
+    """Module parameter/buffer name, e.g. `layers.0.weight`."""
+    source: str
+    """The manifest tensor it is read from (`master/...` or `module/...`)."""
+    shape: tuple[int, ...]
+    stored_dtype: torch.dtype
+
+
+def plan(manifest: Manifest) -> list[ConsolidatedTensor]:
+    out = []
+    for name, entry in sorted(manifest.tensors.items()):
+        if not name.startswith("module/"):
+            continue
+        key = name.removeprefix("module/")
+        source = f"master/{key}" if f"master/{key}" in manifest.tensors else name
+        chosen = manifest.tensors[source]
+        out.append(ConsolidatedTensor(key, source, tuple(chosen.shape), dtype_from_name(chosen.dtype)))
+    return out
+
+
+def consolidate(checkpoint: str, output: str, dtype: torch.dtype | None = None, fmt: str = "safetensors") -> int:
+    """Write the consolidated state dict of `checkpoint` (save dir or tag dir) to `output`; returns
+    the number of tensors written."""
+    if fmt not in ("safetensors", "torch"):
+        raise ValueError(f"--format {fmt!r}: use safetensors or torch")
+    tag_dir = resolve_tag_dir(checkpoint)
+    manifest = read_manifest(tag_dir)
+    tensors = plan(manifest)
+    if not tensors:
+        raise ValueError(f"{tag_dir} holds no module/ tensors to consolidate")
+    out_dtypes = {t.key: dtype or t.stored_dtype for t in tensors}
+    # widest first keeps every tensor aligned in the output (torch format views one mapped buffer)
+    tensors.sort(key=lambda t: -out_dtypes[t.key].itemsize)
+    files: dict[str, ShardFileIndex] = {}
+    data_path = output + ".data.tmp" if fmt == "torch" else output
+    writer = SafetensorsWriter(data_path, [(t.key, out_dtypes[t.key], t.shape) for t in tensors], fsync=False)
+    try:
+        for t in tensors:
+            entry = manifest.tensors[t.source]
+            full = torch.empty(entry.numel, dtype=t.stored_dtype)
+            for step in plan_read(t.source, entry, 0, entry.numel):
+                if step.piece.file not in files:
+                    files[step.piece.file] = ShardFileIndex(os.path.join(tag_dir, step.piece.file))
+                length = step.source_end - step.source_start
+                files[step.piece.file].read_into(t.source, step.source_start, step.source_end,
+                                                 full[step.target_start:step.target_start + length])
+            writer.write(t.key, full.to(out_dtypes[t.key]))
+            del full
+        writer.close()
+    finally:
+        for index in files.values():
+            index.close()
+    if fmt == "torch":
+        _safetensors_to_torch(data_path, output)
+    return len(tensors)
+
+
+def _safetensors_to_torch(source: str, output: str) -> None:
+    """Re-wrap a streamed safetensors file as a torch.save dict of tensors, through a memory map of
+    the data (page cache, not private memory), so this step is bounded too."""
+    index = ShardFileIndex(source)
+    index.close()
+    storage = torch.UntypedStorage.from_file(source, shared=True, nbytes=os.path.getsize(source))
+    state = {}
+    for name, entry in index.header.items():
+        dtype = _FROM_CODE[entry["dtype"]]
+        begin = index.data_start + entry["data_offsets"][0]
+        assert begin % dtype.itemsize == 0, "widest-first order keeps every tensor aligned"
+        view = torch.empty(0, dtype=dtype)
+        view.set_(storage, begin // dtype.itemsize, tuple(entry["shape"]))
+        state[name] = view
+    torch.save(state, output + ".tmp")
+    os.replace(output + ".tmp", output)
+    os.remove(source)
+

@@ -1,0 +1,97 @@
+"""One process, no process group: the CLI (ls / verify / consolidate) and the durable tier."""
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rayzero.checkpoint.checkpointer import Checkpointer
+from rayzero.checkpoint.cli import main as checkpoint_cli
+from rayzero.checkpoint.options import CheckpointOptions
+from rayzero.checkpoint.types import ShardedTensor, ShardSpec
+
+WEIGHTS = {"embed.weight": torch.randn(6, 4), "head.bias": torch.randn(3)}
+
+
+def _shards(scale: float) -> list[ShardedTensor]:
+    shards = []
+    for name, value in WEIGHTS.items():
+        full = (value * scale).reshape(-1)
+        shards.append(ShardedTensor(ShardSpec(f"module/{name}", tuple(value.shape), torch.bfloat16, 0, full.numel()),
+                                    full.to(torch.bfloat16)))
+        shards.append(ShardedTensor(ShardSpec(f"master/{name}", tuple(value.shape), torch.float32, 0, full.numel()),
+                                    full.clone()))
+        shards.append(ShardedTensor(ShardSpec(f"optim/exp_avg/{name}", tuple(value.shape), torch.float32, 0,
+                                              full.numel()), torch.zeros_like(full)))
+    return shards
+
+
+def _save(checkpointer: Checkpointer, root: str, step: int) -> None:
+    checkpointer.save(root, f"global_step{step}", step, 1, _shards(step), extra_state={"global_steps": step})
+    checkpointer.wait()
+
+
+def test_cli_ls_verify_consolidate(tmp_path, capsys):
+    root = str(tmp_path / "ckpt")
+    checkpointer = Checkpointer(CheckpointOptions(keep_last=0))
+    for step in (1, 2):
+        _save(checkpointer, root, step)
+    assert checkpoint_cli(["ls", root]) == 0
+    listing = capsys.readouterr().out
+    assert "global_step2" in listing and "<- latest" in listing.splitlines()[1]
+    assert checkpoint_cli(["verify", root, "--all"]) == 0
+
+    out = str(tmp_path / "model.safetensors")
+    assert checkpoint_cli(["consolidate", root, out]) == 0
+    consolidated = load_file(out)
+    assert set(consolidated) == set(WEIGHTS)  # keyed by module names, from the fp32 masters
+    for name, value in WEIGHTS.items():
+        assert consolidated[name].dtype == torch.float32 and torch.equal(consolidated[name], value * 2)
+    out_torch = str(tmp_path / "model.pt")
+    assert checkpoint_cli(["consolidate", os.path.join(root, "global_step1"), out_torch, "--format", "torch",
+                           "--dtype", "bfloat16"]) == 0
+    loaded = torch.load(out_torch, weights_only=True)
+    for name, value in WEIGHTS.items():
+        assert loaded[name].dtype == torch.bfloat16 and torch.equal(loaded[name], value.to(torch.bfloat16))
+
+    shard = os.path.join(root, "global_step2", "rank00000.safetensors")
+    with open(shard, "r+b") as handle:
+        handle.seek(-1, os.SEEK_END)
+        last = handle.read(1)
+        handle.seek(-1, os.SEEK_END)
+        handle.write(bytes([last[0] ^ 1]))
+    capsys.readouterr()
+    assert checkpoint_cli(["verify", root]) == 1
+    assert "CHECKSUM MISMATCH" in capsys.readouterr().out
+    os.remove(shard)
+    assert checkpoint_cli(["verify", os.path.join(root, "global_step2")]) == 1
+    assert "MISSING" in capsys.readouterr().out
+    assert checkpoint_cli(["verify", str(tmp_path / "nowhere")]) == 1
+
+
+def test_durable_copy_restores_a_lost_save_dir(tmp_path):
+    root, bucket = str(tmp_path / "local"), tmp_path / "bucket"
+    options = CheckpointOptions(durable_uri=f"file://{bucket}", keep_last=2, upload_threads=4)
+    checkpointer = Checkpointer(options)
+    for step in (1, 2, 3):
+        _save(checkpointer, root, step)
+    assert sorted(os.listdir(bucket)) == ["global_step2", "global_step3", "latest"]  # retention there too
+    shutil.rmtree(root)  # the node's disk is gone
+    needed = [shard.spec for shard in _shards(1)]
+    loaded = Checkpointer(options).load(root, needed)
+    assert loaded.source == "durable" and loaded.manifest.step == 3
+    for shard in _shards(3):
+        assert torch.equal(loaded.read(shard.spec), shard.local)
+
+
+def test_user_errors_name_the_fix(tmp_path, monkeypatch):
+    monkeypatch.delenv("RAYZERO_CHECKPOINT_DIR", raising=False)
+    with pytest.raises(ValueError, match="replicas"):
+        CheckpointOptions(replicas=-1)
+    with pytest.raises(ValueError, match="durable_uri"):
+        Checkpointer(CheckpointOptions(durable_uri="nosuchscheme://x")).saver
+    with pytest.raises(ValueError, match="RAYZERO_CHECKPOINT_DIR"):
+        Checkpointer().resolve_dir(None)
