@@ -1,0 +1,184 @@
+"""End to end: `ray start --head` (our own, token auth) + `ray job submit -- rayzero run ...`.
+
+The head runs in its own process group with its own temp dir and free ports; teardown signals that
+group and then any process still naming our temp dir. Never `ray stop`: it stops every Ray on the host.
+"""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+BIN = Path(sys.executable).parent
+
+TRAIN_FILE = textwrap.dedent(
+    """
+    import argparse
+
+    import torch
+    import torch.distributed as dist
+
+    import rayzero
+
+
+    def loop(config):
+        parser = argparse.ArgumentParser()
+        parser.add_argument("--steps", type=int, required=True)
+        steps = parser.parse_args(config["argv"]).steps
+        context = rayzero.get_context()
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        inputs = torch.randn(32, 4)
+        targets = inputs.sum(1, keepdim=True)
+        for step in range(steps):
+            loss = ((model(inputs) - targets) ** 2).mean()
+            optimizer.zero_grad()
+            loss.backward()
+            for param in model.parameters():
+                dist.all_reduce(param.grad)
+                param.grad /= context.world_size
+            optimizer.step()
+            rayzero.report({"step": step + 1, "loss": loss.item()})
+        if context.rank == 0:
+            print(f"JOB-LOOP-DONE world_size={context.world_size} steps={steps}", flush=True)
+    """
+)
+
+
+def _free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def _our_leftovers(marker: str) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if marker in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                    pids.append(int(entry.name))
+            except OSError:
+                continue
+    return pids
+
+
+@pytest.fixture(scope="module")
+def ray_head(tmp_path_factory):
+    """A private Ray head with token auth, shared by this module's tests (start-up ~30 s);
+    yields (dashboard address, env for CLI commands)."""
+    tmp_path = tmp_path_factory.mktemp("head")
+    temp_dir = tempfile.mkdtemp(prefix="rzj", dir="/tmp")  # short: Ray's socket paths are length-limited
+    token_file = Path(temp_dir) / "auth_token"
+    token_file.write_text(secrets.token_hex(32))
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAYZERO_ADDRESS")}
+    env.update(
+        PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}",
+        RAY_AUTH_MODE="token",  # Ray 2.60: every CLI call and the head must agree on the mode
+        RAY_AUTH_TOKEN_PATH=str(token_file),
+        RAY_USAGE_STATS_ENABLED="0",
+    )
+    gcs, dashboard, agent_listen, agent_grpc, node_manager, object_manager, client, metrics, runtime_env = (
+        _free_ports(9)
+    )
+    command = [
+        str(BIN / "ray"), "start", "--head", "--block", "--num-cpus=2", "--num-gpus=0",
+        f"--temp-dir={temp_dir}", "--node-ip-address=127.0.0.1", f"--port={gcs}",
+        "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
+        f"--dashboard-agent-listen-port={agent_listen}", f"--dashboard-agent-grpc-port={agent_grpc}",
+        f"--node-manager-port={node_manager}", f"--object-manager-port={object_manager}",
+        f"--ray-client-server-port={client}", f"--metrics-export-port={metrics}",
+        f"--runtime-env-agent-port={runtime_env}", "--disable-usage-stats",
+    ]
+    log = open(tmp_path / "head.log", "w")
+    head = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    address = f"http://127.0.0.1:{dashboard}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            probe = subprocess.run([str(BIN / "ray"), "job", "list", "--address", address], env=env,
+                                   capture_output=True, text=True)
+            if probe.returncode == 0:
+                break
+            if head.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the test head did not come up:\n{(tmp_path / 'head.log').read_text()}"
+                                   f"\n{probe.stderr[-2000:]}")
+            time.sleep(2)
+        yield address, env
+    finally:
+        try:
+            os.killpg(head.pid, signal.SIGTERM)  # the head's own process group, nobody else's
+            head.wait(timeout=30)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
+        try:
+            os.killpg(head.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        for pid in _our_leftovers(temp_dir):  # e.g. a worker that started its own session
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        log.close()
+
+
+def test_ray_job_submit_runs_rayzero_run_to_success(ray_head, tmp_path):
+    address, env = ray_head
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "train.py").write_text(TRAIN_FILE)
+    (project / "ds.json").write_text(json.dumps({"train_micro_batch_size_per_gpu": 8}))
+    submission = f"rayzero-e2e-{secrets.token_hex(3)}"
+    submit = subprocess.run(
+        [str(BIN / "ray"), "job", "submit", "--address", address, "--submission-id", submission,
+         "--working-dir", str(project), "--",
+         "rayzero", "run", "train.py:loop", "--config", "ds.json", "--workers", "2",
+         "--storage", (tmp_path / "runs").as_uri(), "--name", "e2e", "--", "--steps", "5"],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    status = subprocess.run([str(BIN / "ray"), "job", "status", "--address", address, submission],
+                            env=env, capture_output=True, text=True, timeout=60)
+    logs = subprocess.run([str(BIN / "ray"), "job", "logs", "--address", address, submission],
+                          env=env, capture_output=True, text=True, timeout=60).stdout
+    assert f"Job '{submission}' succeeded" in status.stdout, f"{status.stdout}\n{submit.stdout[-3000:]}\n{submit.stderr[-3000:]}"
+    assert "JOB-LOOP-DONE world_size=2 steps=5" in logs
+    assert "[rayzero] finished: 5 report(s)" in logs
+    assert (tmp_path / "runs" / "e2e" / "metrics.parquet").exists()
+
+
+def test_ray_job_submit_reports_a_bad_config_as_a_failed_job(ray_head, tmp_path):
+    address, env = ray_head
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "train.py").write_text(TRAIN_FILE)
+    (project / "ds.json").write_text(json.dumps({"zero_optimization": {"stage": 9}}))
+    submission = f"rayzero-bad-{secrets.token_hex(3)}"
+    subprocess.run(
+        [str(BIN / "ray"), "job", "submit", "--address", address, "--submission-id", submission,
+         "--working-dir", str(project), "--", "rayzero", "run", "train.py:loop", "--config", "ds.json",
+         "--workers", "2", "--", "--steps", "5"],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    status = subprocess.run([str(BIN / "ray"), "job", "status", "--address", address, submission],
+                            env=env, capture_output=True, text=True, timeout=60)
+    logs = subprocess.run([str(BIN / "ray"), "job", "logs", "--address", address, submission],
+                          env=env, capture_output=True, text=True, timeout=60).stdout
+    assert f"Job '{submission}' failed" in status.stdout, status.stdout
+    assert "zero_optimization.stage" in logs and "no worker was started" in logs
