@@ -30,16 +30,20 @@ if str(REPOSITORY) not in sys.path:  # `python bench/engine.py` puts bench/, not
 from bench import report  # noqa: E402
 
 STAGES = (0, 1, 2, 3)
-SPEED_SYSTEMS = (
-    ["ddp", "fsdp2"] + [f"deepspeed-stage{s}" for s in STAGES] + [f"rayzero-stage{s}" for s in STAGES]
-)
+# Each DeepSpeed stage right before the same rayzero stage: compared systems run close together in
+# time, so load from elsewhere on a shared machine drifts less between them.
+SPEED_SYSTEMS = ["ddp", "fsdp2"] + [f"{family}-stage{s}" for s in STAGES for family in ("deepspeed", "rayzero")]
 MODELS = ("gpt", "mlp")
 
 
 def plan(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """The process groups to start, in order: the speed comparison at world size 2 (repeated in
-    interleaved rounds without --quick, so slow drift on a shared machine hits every system alike),
-    then the memory rows at the other world sizes."""
+    """The process groups to start, in order.
+
+    Speed rows (world size 2): one process group per system, repeated in interleaved rounds without
+    --quick. Memory rows at the other world sizes: with --quick, one process group per world size runs
+    the four rayzero stages one after another (model-state bytes are per engine, and spawning eight
+    more groups would not fit the time budget); without --quick, one group per system, DeepSpeed too.
+    """
     systems = [s for s in SPEED_SYSTEMS if not args.systems or s in args.systems]
     models = [m for m in MODELS if not args.models or m in args.models]
     common = {
@@ -50,17 +54,18 @@ def plan(args: argparse.Namespace) -> list[dict[str, Any]]:
     jobs = []
     for round_index in range(args.repeats):
         for system in systems:
-            jobs.append({**common, "system": system, "world_size": 2, "round": round_index,
+            jobs.append({**common, "systems": [system], "world_size": 2, "round": round_index,
                          "warmup": args.warmup, "steps": args.steps})
     memory_systems = [s for s in systems if s.startswith("rayzero")]
     if not args.quick:
         memory_systems += [s for s in systems if s.startswith("deepspeed")]
     for world_size in args.memory_world_sizes:
-        if world_size == 2:
+        if world_size == 2 or not memory_systems:
             continue  # the speed rows already measure world size 2
-        for system in memory_systems:
+        groups = [memory_systems] if args.quick else [[system] for system in memory_systems]
+        for group in groups:
             # Memory needs only a couple of steps: state is allocated by the first optimizer step.
-            jobs.append({**common, "system": system, "world_size": world_size, "round": 0,
+            jobs.append({**common, "systems": group, "world_size": world_size, "round": 0,
                          "warmup": 1, "steps": 2})
     return jobs
 
@@ -77,7 +82,7 @@ def run_job(job: dict[str, Any], deadline_s: float, scratch: pathlib.Path) -> li
 
     from bench.engine_systems import worker
 
-    name = f"{job['system']}-ws{job['world_size']}-r{job['round']}"
+    name = f"{'+'.join(job['systems'])}-ws{job['world_size']}-r{job['round']}"
     result_path = scratch / f"{name}.json"
     log_directory = scratch / name
     log_directory.mkdir()
@@ -101,11 +106,12 @@ def run_job(job: dict[str, Any], deadline_s: float, scratch: pathlib.Path) -> li
                 process.kill()
                 process.join(5)
     rows = json.loads(result_path.read_text()) if result_path.exists() else []
-    finished = {row["model"] for row in rows}
-    for model in job["models"]:
-        if model not in finished:
-            rows.append({"system": job["system"], "world_size": job["world_size"], "model": model,
-                         "error": failure or "no result written", "log_tail": _log_tail(log_directory)})
+    finished = {(row["system"], row["model"]) for row in rows}
+    for system in job["systems"]:
+        for model in job["models"]:
+            if (system, model) not in finished:
+                rows.append({"system": system, "world_size": job["world_size"], "model": model,
+                             "error": failure or "no result written", "log_tail": _log_tail(log_directory)})
     for row in rows:
         row["round"] = job["round"]
         row["wall_s"] = round(time.monotonic() - started, 2)
@@ -174,9 +180,9 @@ def main(argv: list[str] | None = None) -> int:
         for job in jobs:
             spent = time.monotonic() - began
             if spent > args.budget_s:
-                rows += [{"system": job["system"], "world_size": job["world_size"], "model": model,
+                rows += [{"system": system, "world_size": job["world_size"], "model": model,
                           "round": job["round"], "error": f"skipped: time budget of {args.budget_s:.0f} s spent"}
-                         for model in job["models"]]
+                         for system in job["systems"] for model in job["models"]]
                 continue
             deadline = min(90.0 if args.quick else 600.0, max(args.budget_s - spent, 30.0))
             job_rows = run_job(job, deadline, pathlib.Path(scratch))

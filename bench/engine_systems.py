@@ -39,6 +39,9 @@ def deepspeed_config(stage: int, micro_batch: int) -> dict[str, Any]:
     - `stage3_param_persistence_threshold: 0`: every parameter is partitioned under stage 3, like
       FSDP2 and like the ZeRO paper's (4+K)Ψ/N; DeepSpeed's default (1e5 elements) would keep most of
       these small models' parameters whole on every rank.
+    - `stage3_max_reuse_distance: 0`: parameters are released after use in forward and gathered again
+      in backward, as FSDP2 does by default (reshard_after_forward) and as the paper's 3Ψ assumes;
+      DeepSpeed's default (1e9) keeps every gathered parameter of a model this small until backward.
     - everything else at DeepSpeed's defaults (bucket sizes, overlap_comm, contiguous_gradients).
     """
     return {
@@ -56,7 +59,9 @@ def deepspeed_config(stage: int, micro_batch: int) -> dict[str, Any]:
                 "adam_w_mode": False,
             },
         },
-        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "zero_optimization": {
+            "stage": stage, "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0,
+        },
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 1_000_000_000,
         "wall_clock_breakdown": False,
@@ -248,7 +253,7 @@ def _max_over_ranks(value: int) -> int:
 
 
 def worker(rank: int, job: dict[str, Any], port: int, result_path: str) -> None:
-    """Entry point of one spawned rank: run `job["system"]` on each model, rank 0 writes the rows."""
+    """Entry point of one spawned rank: run each of `job["systems"]` on each model, rank 0 writes the rows."""
     world_size = job["world_size"]
     # DeepSpeed and gloo log a lot; keep it per rank in the scratch folder, quoted in error rows.
     log = os.open(os.path.join(job["log_directory"], f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT, 0o644)
@@ -264,39 +269,46 @@ def worker(rank: int, job: dict[str, Any], port: int, result_path: str) -> None:
         "gloo", rank=rank, world_size=world_size,
         timeout=datetime.timedelta(seconds=job["collective_timeout_s"]),
     )
-    family, _, stage_text = job["system"].partition("-stage")
-    builder = BUILDERS[family]
-    rows = []
-    for model_name in job["models"]:
-        row: dict[str, Any] = {"system": job["system"], "world_size": world_size, "model": model_name}
-        model = models.build_model(model_name, job["quick"])
-        row["trainable_parameters"] = models.trainable_parameters(model)
-        started = time.perf_counter()
-        failed = 0
-        try:
-            run = builder(model, world_size, int(stage_text or 0), _micro_batch(model_name, job["quick"]))
-            row["setup_s"] = round(time.perf_counter() - started, 3)
-            row.update(_measure(run, model_name, job["quick"], rank, job["warmup"], job["steps"]))
-            row.update(run.probe(*models.batch(model_name, job["quick"], job["warmup"] + job["steps"], rank)))
-            breakdown = row.get("memory_breakdown")
-            if breakdown:
-                # Ranks hold unequal shards when sizes do not divide evenly: report the largest.
-                row["model_state_bytes_per_rank"] = _max_over_ranks(sum(breakdown.values()))
-        except Exception as error:  # noqa: BLE001 - a failing system is a row, not a crashed benchmark
-            failed = 1
-            row["error"] = f"{type(error).__name__}: {error}"[:2000]
-            row["traceback"] = traceback.format_exc()[-4000:]
-        # A rank whose peers all failed symmetrically can go on with the next model; if only some
-        # failed, this collective pairs with a peer's pending one, and the timeouts bound the damage.
-        if _max_over_ranks(failed) and "error" not in row:
-            row["error"] = "another rank raised (see its error); this rank's figures are discarded"
-        row["peak_rss_bytes"] = _max_over_ranks(_peak_rss_bytes())
-        rows.append(row)
-        if rank == 0:  # written after every model, so a later hang keeps the finished rows
-            with open(result_path, "w") as handle:
-                json.dump(rows, handle)
-        del model
+    rows: list[dict[str, Any]] = []
+    for system in job["systems"]:
+        for model_name in job["models"]:
+            rows.append(_run_one(system, model_name, job, rank))
+            if len(job["systems"]) > 1:
+                rows[-1]["peak_rss_bytes"] = None  # cumulative over the systems this process ran
+            if rank == 0:  # written after every row, so a later hang keeps the finished rows
+                with open(result_path, "w") as handle:
+                    json.dump(rows, handle)
     dist.destroy_process_group()
+
+
+def _run_one(system: str, model_name: str, job: dict[str, Any], rank: int) -> dict[str, Any]:
+    """Build `system` around a fresh `model_name`, time it, probe it: one row (or its error)."""
+    family, _, stage_text = system.partition("-stage")
+    world_size = dist.get_world_size()
+    row: dict[str, Any] = {"system": system, "world_size": world_size, "model": model_name}
+    model = models.build_model(model_name, job["quick"])
+    row["trainable_parameters"] = models.trainable_parameters(model)
+    started = time.perf_counter()
+    failed = 0
+    try:
+        run = BUILDERS[family](model, world_size, int(stage_text or 0), _micro_batch(model_name, job["quick"]))
+        row["setup_s"] = round(time.perf_counter() - started, 3)
+        row.update(_measure(run, model_name, job["quick"], rank, job["warmup"], job["steps"]))
+        row.update(run.probe(*models.batch(model_name, job["quick"], job["warmup"] + job["steps"], rank)))
+        breakdown = row.get("memory_breakdown")
+        if breakdown:
+            # Ranks hold unequal shards when sizes do not divide evenly: report the largest.
+            row["model_state_bytes_per_rank"] = _max_over_ranks(sum(breakdown.values()))
+    except Exception as error:  # noqa: BLE001 - a failing system is a row, not a crashed benchmark
+        failed = 1
+        row["error"] = f"{type(error).__name__}: {error}"[:2000]
+        row["traceback"] = traceback.format_exc()[-4000:]
+    # A rank whose peers all failed symmetrically can go on with the next row; if only some failed,
+    # this collective pairs with a peer's pending one, and the timeouts bound the damage.
+    if _max_over_ranks(failed) and "error" not in row:
+        row["error"] = "another rank raised (see its error); this rank's figures are discarded"
+    row["peak_rss_bytes"] = _max_over_ranks(_peak_rss_bytes())
+    return row
 
 
 def _micro_batch(model_name: str, quick: bool) -> int:

@@ -145,10 +145,11 @@ def progress_line(job: dict[str, Any], rows: list[dict[str, Any]], elapsed: floa
     parts = []
     for row in rows:
         if "error" in row:
-            parts.append(f"{row['model']}: ERROR {row['error'][:80]}")
+            parts.append(f"{row['system']}/{row['model']}: ERROR {row['error'][:80]}")
         else:
-            parts.append(f"{row['model']}: {row['step_time_median_s'] * 1e3:.1f} ms")
-    return f"[{elapsed:6.1f} s] {job['system']} ws={job['world_size']} round={job['round']}: " + "; ".join(parts)
+            parts.append(f"{row['system']}/{row['model']}: {row['step_time_median_s'] * 1e3:.1f} ms")
+    return (f"[{elapsed:6.1f} s] {'+'.join(job['systems'])} ws={job['world_size']} round={job['round']}: "
+            + "; ".join(parts))
 
 
 def table(rows: list[dict[str, Any]], found: list[dict[str, Any]]) -> str:
