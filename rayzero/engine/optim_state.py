@@ -8,6 +8,7 @@ never seen (zero_allow_untested_optimizer) without a table of known keys.
 """
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -29,10 +30,10 @@ def _probe_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
 
 
 def _defaults(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    defaults = dict(optimizer.defaults)
-    for flag in ("fused", "capturable", "differentiable"):
-        defaults.pop(flag, None)
-    return defaults
+    """The optimizer's defaults that its constructor accepts (AdamW records keys it does not take)."""
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    return {k: v for k, v in optimizer.defaults.items()
+            if k in accepted and k not in ("fused", "capturable", "differentiable")}
 
 
 def _existing_state(optimizer: torch.optim.Optimizer) -> tuple[torch.Tensor, dict] | None:
