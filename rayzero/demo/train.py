@@ -40,6 +40,17 @@ def _initialize(model: torch.nn.Module, config: dict[str, Any]) -> tuple:
     return torch_ddp_initialize(model, config)
 
 
+def _wait_for_checkpoint(engine: Any) -> None:
+    wait = getattr(engine, "wait_for_checkpoint", None)
+    if wait is None:
+        from rayzero.engine import checkpointing
+
+        if not hasattr(checkpointing, "wait_for_checkpoint"):
+            return
+        wait = lambda: checkpointing.wait_for_checkpoint(engine)  # noqa: E731
+    wait()
+
+
 def _options(config: dict[str, Any] | None) -> dict[str, Any]:
     options = dict(config or {})
     if options.get("argv"):  # `rayzero run rayzero/demo/train.py:train_loop ... -- --steps 50`
@@ -94,6 +105,7 @@ def train_loop(config: dict[str, Any] | None = None) -> None:
         checkpoint = None
         if step + 1 == steps and options.get("save_checkpoint", True) and context.checkpoint_dir:
             engine.save_checkpoint(client_state={"step": steps, "sampler": sampler.state_dict()})
+            _wait_for_checkpoint(engine)  # saves are asynchronous; the process group must outlive them
             checkpoint = context.checkpoint_dir
         rayzero.report(
             {
