@@ -6,7 +6,8 @@
 pydantic emits JSON Schema (2020-12); a CRD needs a *structural* OpenAPI v3 schema, which Kubernetes
 1.20 checks strictly. The translation:
 - `$ref`s are inlined (a CRD schema has no `$defs`); `title`s are dropped.
-- `Optional[X]` (`anyOf: [X, {type: null}]`) becomes X, not required; `default: null` is dropped.
+- `Optional[X]` (`anyOf: [X, {type: null}]`) becomes X, not required; `default: null` and
+  `default: ""` are dropped (1.20 refuses an empty-string default).
 - `additionalProperties: false` (a model that forbids extra keys) becomes
   `x-kubernetes-preserve-unknown-fields: true`: see [Note: unknown keys in a RayZeroJob].
 - int-or-string and free-form objects come from the models' own `WithJsonSchema` annotations.
@@ -57,8 +58,8 @@ def _structural(node: Any, defs: dict[str, Any]) -> Any:
                 return _structural(node, defs)
     if isinstance(node.get("description"), str):
         node["description"] = " ".join(node["description"].split())  # docstrings wrap; YAML reads better flat
-    if node.get("default", 0) is None:
-        node.pop("default")
+    if node.get("default", 0) in (None, ""):
+        node.pop("default")  # 1.20 stores `default: ""` as null and then refuses it
     if node.get("additionalProperties") is False:
         node.pop("additionalProperties")
         node["x-kubernetes-preserve-unknown-fields"] = True

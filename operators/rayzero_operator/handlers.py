@@ -35,6 +35,9 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=GROUP, key="last-handled-configuration")
+    # Watch only the resources named in the handlers: scanning the cluster's CRDs would need a
+    # cluster-wide `list customresourcedefinitions` the operator has no other use for.
+    settings.scanning.disabled = True
     settings.posting.level = logging.WARNING  # our own Events say what happened; kopf's would repeat it
     memo.api = KubeApi(load_client())
     memo.locks = {}

@@ -67,10 +67,10 @@ def attempt_state(ray_job: dict[str, Any]) -> str:
     job_status = status.get("jobStatus", "")
     if job_status == "SUCCEEDED":
         return "succeeded"
+    if deployment in ("Suspended", "Suspending"):
+        return "suspended"  # KubeRay reports a suspended job's driver as STOPPED: not a failure
     if deployment == "Failed" or job_status in ("FAILED", "STOPPED"):
         return "failed"
-    if deployment in ("Suspended", "Suspending"):
-        return "suspended"
     if job_status == "RUNNING" or deployment == "Running":
         return "running"
     return "pending"
@@ -96,8 +96,10 @@ def _conditions(old: list[dict[str, Any]], new: dict[str, tuple[str, str, str]],
         before = previous.get(kind, {})
         same = before.get("status") == status and before.get("reason") == reason
         since = before.get("lastTransitionTime") if same else None
-        out.append({"type": kind, "status": status, "reason": reason, "message": message,
-                    "lastTransitionTime": since or _format(now)})
+        condition = {"type": kind, "status": status, "reason": reason, "message": message,
+                     "lastTransitionTime": since or _format(now)}
+        # Omit empty strings: the 1.20 apiserver built here reads "" back as null and then refuses it.
+        out.append({key: value for key, value in condition.items() if value != ""})
     return out
 
 

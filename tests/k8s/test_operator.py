@@ -1,0 +1,219 @@
+"""The operator, with the chart's ServiceAccount (RBAC enforced), against a real apiserver whose RayJob
+schema is KubeRay v1.7.0's: RayZeroJob -> RayJob, status following, restarts, suspend, deletion."""
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import yaml
+from conftest import RESYNC_SECONDS, example, wait_for
+from kubernetes.client.exceptions import ApiException
+
+
+def _uri_env(ray_job: dict) -> dict:
+    return (yaml.safe_load(ray_job["spec"].get("runtimeEnvYAML") or "{}") or {}).get("env_vars", {})
+
+
+def test_a_rayzerojob_becomes_the_expected_rayjob(cluster, operator):
+    spec = example("zero3-offload")
+    created = cluster.create_job("llm", spec)
+
+    ray_job = wait_for(lambda: cluster.ray_jobs("llm"), what="the RayJob")[0]
+    assert [item["metadata"]["name"] for item in cluster.ray_jobs("llm")] == ["llm-attempt-1"]
+    meta = ray_job["metadata"]
+    assert meta["labels"]["rayzero.io/attempt"] == "1"
+    owner = meta["ownerReferences"][0]
+    assert (owner["kind"], owner["name"], owner["uid"], owner["controller"]) == (
+        "RayZeroJob", "llm", created["metadata"]["uid"], True)
+
+    job_spec = ray_job["spec"]
+    assert job_spec["entrypoint"] == (
+        "rayzero run train.py:train_loop --config /etc/rayzero/ds_config.json --workers 4 "
+        "--storage s3://my-bucket/rayzero --name llm -- --model llama-7b --steps 20000")
+    assert job_spec["backoffLimit"] == 0  # one retry budget: ours
+    assert job_spec["shutdownAfterJobFinishes"] is True and job_spec["ttlSecondsAfterFinished"] == 600
+    assert job_spec["suspend"] is False and "runtimeEnvYAML" not in job_spec  # first attempt: no resume
+
+    cluster_spec = job_spec["rayClusterSpec"]
+    assert cluster_spec["rayVersion"] == "2.60.0" and cluster_spec["enableInTreeAutoscaling"] is False
+    head = cluster_spec["headGroupSpec"]["template"]["spec"]
+    assert head["containers"][0]["resources"] == {"requests": {"cpu": "4", "memory": "16Gi"}}
+    (group,) = cluster_spec["workerGroupSpecs"]
+    assert (group["replicas"], group["minReplicas"], group["maxReplicas"]) == (4, 4, 4)
+    pod = group["template"]["spec"]
+    container = pod["containers"][0]
+    assert container["image"] == "ghcr.io/rayzero/rayzero-worker:0.1.0"
+    assert container["resources"]["limits"] == {"memory": "200Gi", "nvidia.com/gpu": 8}
+    assert pod["nodeSelector"] == {"node.kubernetes.io/instance-type": "p4d.24xlarge"}
+    env = {item["name"]: item["value"] for item in container["env"]}
+    assert env["RAYZERO_NODE_LOCAL_DIR"] == "/mnt/rayzero-local"
+    assert container["envFrom"] == [{"secretRef": {"name": "s3-credentials"}}]
+    mounts = {mount["name"]: mount["mountPath"] for mount in container["volumeMounts"]}
+    assert mounts == {"rayzero-config": "/etc/rayzero", "rayzero-node-local": "/mnt/rayzero-local"}
+    volumes = {volume["name"]: volume for volume in pod["volumes"]}
+    assert volumes["rayzero-node-local"]["hostPath"] == {"path": "/mnt/nvme/rayzero", "type": "DirectoryOrCreate"}
+    assert volumes["rayzero-config"]["configMap"]["name"] == "llm-deepspeed"
+
+    # The generated ConfigMap holds the inline config, owned by the job.
+    config_map = cluster.config_map("llm-deepspeed")
+    assert json.loads(config_map.data["ds_config.json"]) == spec["deepspeed"]["config"]
+    assert config_map.metadata.owner_references[0].uid == created["metadata"]["uid"]
+
+    status = wait_for(cluster.phase_is("llm", "Pending"), what="phase Pending")
+    assert (status["rayJobName"], status["workers"], status["restarts"]) == ("llm-attempt-1", 4, 0)
+    assert any(event.reason == "RayJobCreated" for event in cluster.events("llm"))
+
+
+def test_kuberay_schema_is_really_enforced(cluster, release):
+    """The RayJob CRD installed here rejects what KubeRay's schema rejects, so the operator's RayJobs
+    passing through it is a real check."""
+    body = {"apiVersion": "ray.io/v1", "kind": "RayJob", "metadata": {"name": "bad"},
+            "spec": {"entrypoint": 5, "shutdownAfterJobFinishes": "yes"}}
+    with pytest.raises(ApiException) as raised:
+        cluster.custom.create_namespaced_custom_object("ray.io", "v1", cluster.namespace, "rayjobs", body)
+    assert raised.value.status == 422
+    assert "spec.entrypoint" in raised.value.body and "spec.shutdownAfterJobFinishes" in raised.value.body
+
+
+def test_status_follows_the_rayjob_to_success(cluster, operator):
+    cluster.create_job("ok", example("minimal"))
+    wait_for(lambda: cluster.ray_jobs("ok"), what="the RayJob")
+    cluster.set_ray_job_status("ok-attempt-1", jobDeploymentStatus="Running", jobStatus="RUNNING")
+    status = wait_for(cluster.phase_is("ok", "Running"), what="phase Running")
+    assert cluster.condition("ok", "Ready")["status"] == "True"
+    assert status["workers"] == 2
+
+    cluster.set_ray_job_status("ok-attempt-1", jobDeploymentStatus="Complete", jobStatus="SUCCEEDED")
+    wait_for(cluster.phase_is("ok", "Succeeded"), what="phase Succeeded")
+    assert cluster.condition("ok", "Succeeded")["status"] == "True"
+    assert cluster.condition("ok", "Ready")["status"] == "False"
+    time.sleep(3 * RESYNC_SECONDS)  # resyncs of a finished job start nothing
+    assert len(cluster.ray_jobs("ok")) == 1
+
+
+def test_a_failure_with_restarts_left_starts_exactly_one_resuming_rayjob(cluster, operator):
+    spec = example("minimal")
+    spec["storage"] = {"durableUri": "s3://bucket/runs"}
+    spec["failurePolicy"] = {"maxRestarts": 1, "backoffSeconds": 2}
+    cluster.create_job("retry", spec)
+    wait_for(lambda: cluster.ray_jobs("retry"), what="the first RayJob")
+    cluster.set_ray_job_status("retry-attempt-1", jobDeploymentStatus="Running", jobStatus="RUNNING")
+    wait_for(cluster.phase_is("retry", "Running"), what="phase Running")
+
+    failed_at = time.monotonic()
+    cluster.set_ray_job_status("retry-attempt-1", jobDeploymentStatus="Failed", jobStatus="FAILED",
+                               reason="AppFailed", message="worker 3 ran out of memory")
+    wait_for(lambda: cluster.condition("retry", "Ready").get("reason") == "BackingOff", what="backoff")
+    assert len(cluster.ray_jobs("retry")) == 1  # not before backoffSeconds
+    second = wait_for(lambda: len(cluster.ray_jobs("retry")) == 2 and cluster.ray_jobs("retry")[1],
+                      what="attempt 2")
+    assert time.monotonic() - failed_at >= 1.5
+    assert second["metadata"]["name"] == "retry-attempt-2"
+    assert _uri_env(second) == {"RAYZERO_RESUME_FROM": "s3://bucket/runs/retry"}
+    status = wait_for(lambda: cluster.status("retry").get("attempt") == 2 and cluster.status("retry"),
+                      what="status of attempt 2")
+    assert (status["phase"], status["restarts"], status["rayJobName"]) == ("Restarting", 1, "retry-attempt-2")
+    assert status["resumeFrom"] == "s3://bucket/runs/retry"
+    time.sleep(3 * RESYNC_SECONDS)  # duplicate events and resyncs make no third RayJob
+    assert len(cluster.ray_jobs("retry")) == 2
+
+    cluster.set_ray_job_status("retry-attempt-2", jobDeploymentStatus="Running", jobStatus="RUNNING")
+    wait_for(cluster.phase_is("retry", "Running"), what="attempt 2 running")
+    cluster.set_ray_job_status("retry-attempt-2", jobDeploymentStatus="Failed", jobStatus="FAILED",
+                               message="NCCL timeout")
+    status = wait_for(cluster.phase_is("retry", "Failed"), what="phase Failed")
+    failed = cluster.condition("retry", "Failed")
+    assert failed["reason"] == "RestartsExhausted" and "NCCL timeout" in failed["message"]
+    assert status["restarts"] == 1
+    time.sleep(3 * RESYNC_SECONDS)
+    assert len(cluster.ray_jobs("retry")) == 2
+    assert any(event.reason == "RestartsExhausted" and event.type == "Warning"
+               for event in cluster.events("retry"))
+
+
+def test_no_restarts_means_a_failure_is_final(cluster, operator):
+    spec = example("minimal")
+    spec["failurePolicy"] = {"maxRestarts": 0}
+    cluster.create_job("once", spec)
+    wait_for(lambda: cluster.ray_jobs("once"), what="the RayJob")
+    cluster.set_ray_job_status("once-attempt-1", jobDeploymentStatus="Failed", jobStatus="FAILED")
+    wait_for(cluster.phase_is("once", "Failed"), what="phase Failed")
+    time.sleep(2 * RESYNC_SECONDS)
+    assert len(cluster.ray_jobs("once")) == 1
+
+
+def test_suspend_and_resume(cluster, operator):
+    spec = example("minimal")
+    spec["storage"] = {"durableUri": "gs://b/p"}
+    cluster.create_job("pause", spec)
+    wait_for(lambda: cluster.ray_jobs("pause"), what="the RayJob")
+    cluster.set_ray_job_status("pause-attempt-1", jobDeploymentStatus="Running", jobStatus="RUNNING")
+    wait_for(cluster.phase_is("pause", "Running"), what="phase Running")
+
+    cluster.patch_job("pause", {"spec": {"suspend": True}})
+    wait_for(lambda: cluster.ray_job("pause-attempt-1")["spec"]["suspend"] is True, what="RayJob suspended")
+    wait_for(cluster.phase_is("pause", "Suspended"), what="phase Suspended")
+    assert cluster.condition("pause", "Suspended")["status"] == "True"
+    cluster.set_ray_job_status("pause-attempt-1", jobDeploymentStatus="Suspended", jobStatus="STOPPED")
+    time.sleep(2 * RESYNC_SECONDS)  # KubeRay's "STOPPED" of a suspended job is not a failure
+    assert cluster.status("pause")["phase"] == "Suspended" and len(cluster.ray_jobs("pause")) == 1
+
+    cluster.patch_job("pause", {"spec": {"suspend": False}})
+    resumed = wait_for(lambda: (lambda job: job if job["spec"]["suspend"] is False else None)(
+        cluster.ray_job("pause-attempt-1")), what="RayJob resumed")
+    assert _uri_env(resumed) == {"RAYZERO_RESUME_FROM": "gs://b/p/pause"}
+    cluster.set_ray_job_status("pause-attempt-1", jobDeploymentStatus="Running", jobStatus="RUNNING")
+    wait_for(cluster.phase_is("pause", "Running"), what="running again")
+    assert len(cluster.ray_jobs("pause")) == 1 and cluster.status("pause")["restarts"] == 0
+
+
+def test_created_suspended_starts_suspended(cluster, operator):
+    spec = example("minimal")
+    spec["suspend"] = True
+    cluster.create_job("later", spec)
+    ray_job = wait_for(lambda: cluster.ray_jobs("later"), what="the RayJob")[0]
+    assert ray_job["spec"]["suspend"] is True
+    wait_for(cluster.phase_is("later", "Suspended"), what="phase Suspended")
+
+
+def test_deletion_goes_through_the_finalizer(cluster, operator_process, operator):
+    cluster.create_job("gone", example("minimal"))
+    wait_for(lambda: cluster.ray_jobs("gone"), what="the RayJob")
+    job = wait_for(lambda: "rayzero.io/finalizer" in (cluster.job("gone")["metadata"].get("finalizers") or [])
+                   and cluster.job("gone"), what="the finalizer")
+    uid = job["metadata"]["uid"]
+    # No garbage collector runs here: what makes deletion cascade in a cluster is these references.
+    for owned in [*cluster.ray_jobs("gone"), cluster.config_map("gone-deepspeed").to_dict()]:
+        meta = owned["metadata"]
+        refs = meta.get("ownerReferences") or meta.get("owner_references")
+        assert [(ref.get("uid"), ref.get("kind")) for ref in refs] == [(uid, "RayZeroJob")]
+
+    operator_process.stop()  # with no operator the finalizer holds the job
+    cluster.delete_job("gone")
+    time.sleep(1)
+    held = cluster.job("gone")
+    assert held is not None and held["metadata"].get("deletionTimestamp")
+    assert len(cluster.ray_jobs("gone")) == 1
+
+    operator_process.start()
+    wait_for(lambda: cluster.job("gone") is None, what="the RayZeroJob to go")
+    assert cluster.ray_jobs("gone") == [] and cluster.config_map("gone-deepspeed") is None
+
+
+def test_rbac_is_enough_and_no_more(cluster, operator_process, operator_kubeconfig):
+    from kubernetes import client, config
+
+    as_operator = config.new_client_from_config(config_file=str(operator_kubeconfig))
+    core = client.CoreV1Api(as_operator)
+    for forbidden in (lambda: core.list_namespaced_secret(cluster.namespace),
+                      lambda: core.create_namespaced_pod(cluster.namespace, {
+                          "metadata": {"name": "p"}, "spec": {"containers": [{"name": "c", "image": "x"}]}}),
+                      lambda: client.CustomObjectsApi(as_operator).delete_namespaced_custom_object(
+                          "rayzero.io", "v1alpha1", cluster.namespace, "rayzerojobs", "any")):
+        with pytest.raises(ApiException) as raised:
+            forbidden()
+        assert raised.value.status == 403
+    # Everything the other tests made the operator do went through without a refusal.
+    logs = operator_process.all_logs()
+    assert "403" not in logs and "Forbidden" not in logs, logs[-3000:]
