@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 VOCAB, HIDDEN, FFN, SEQ = 37, 13, 29, 5
 LR, WEIGHT_DECAY, CLIP = 1e-2, 0.01, 1.0
+SGD_LR, SGD_MOMENTUM = 0.05, 0.9
 
 
 def free_port() -> int:
@@ -134,14 +135,30 @@ class Case:
     """Extra zero_optimization items as (key, value) pairs (frozen dataclass)."""
     extra: tuple = ()
     """Extra top-level config items as (key, value) pairs."""
+    optimizer: str = "adamw"
+    """`adamw` with clipping at CLIP, or `sgd` (momentum) without clipping. Adam's update and
+    clipping are both nearly invariant to a constant gradient scale, so only the SGD cases can
+    catch a wrong 1/world or 1/gas factor; the AdamW cases catch a wrong global norm."""
+
+    @property
+    def lr(self) -> float:
+        return LR if self.optimizer == "adamw" else SGD_LR
+
+    @property
+    def clip(self) -> float:
+        return CLIP if self.optimizer == "adamw" else 0.0
 
     def config(self) -> dict:
         zero = {"stage": self.stage, "reduce_bucket_size": 200, **dict(self.zero)}
+        optimizer = ({"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY}}
+                     if self.optimizer == "adamw" else
+                     {"type": "SGD", "params": {"lr": SGD_LR, "momentum": SGD_MOMENTUM,
+                                                "weight_decay": WEIGHT_DECAY}})
         cfg = {
             "train_micro_batch_size_per_gpu": self.micro_batch,
             "gradient_accumulation_steps": self.gas,
-            "gradient_clipping": CLIP,
-            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY}},
+            "gradient_clipping": self.clip,
+            "optimizer": optimizer,
             "zero_optimization": zero,
             "bf16": {"enabled": self.precision == "bf16"},
             "fp16": {"enabled": self.precision == "fp16"},
@@ -211,13 +228,17 @@ def reference_run(world: int, case: Case, model_factory: Callable = build_model
     """Single-process fp32 torch on the whole global batch: the losses and trainable parameters
     a correct data-parallel run must reproduce."""
     model = model_factory()
-    optimizer = torch.optim.AdamW(param_groups(model), lr=LR)
+    if case.optimizer == "adamw":
+        optimizer = torch.optim.AdamW(param_groups(model), lr=LR)
+    else:
+        optimizer = torch.optim.SGD(param_groups(model), lr=SGD_LR, momentum=SGD_MOMENTUM)
     losses = []
     for step in range(case.steps):
         tokens, targets = global_batch(step, world * case.gas * case.micro_batch)
         loss = model(tokens, targets)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], CLIP)
+        if case.clip > 0:
+            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], case.clip)
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())

@@ -27,7 +27,18 @@ import harness as H
 from rayzero.engine.partition import plan_buckets
 
 WORLDS = (1, 2, 3)
-CASES = [H.Case(stage=s, precision=p, gas=g) for s in (0, 1, 2) for p in ("fp32", "bf16") for g in (1, 2)]
+# gas 1 runs AdamW with clipping (checks the global norm), gas 2 SGD without (checks 1/world, 1/gas).
+CASES = [H.Case(stage=s, precision=p, gas=g, optimizer="adamw" if g == 1 else "sgd")
+         for s in (0, 1, 2) for p in ("fp32", "bf16") for g in (1, 2)]
+# The reduction knobs, each of which changes the code path a bucket takes.
+KNOBS = [
+    H.Case(stage=0, gas=2, optimizer="sgd", zero=(("overlap_comm", True),)),
+    H.Case(stage=1, gas=2, optimizer="sgd", zero=(("overlap_comm", True),)),
+    H.Case(stage=2, gas=2, optimizer="sgd", zero=(("overlap_comm", True), ("contiguous_gradients", False))),
+    H.Case(stage=2, gas=2, optimizer="sgd", zero=(("overlap_comm", True), ("reduce_scatter", False))),
+    H.Case(stage=2, gas=1, zero=(("overlap_comm", False), ("contiguous_gradients", True))),
+]
+CASES += KNOBS
 
 
 @functools.lru_cache(maxsize=None)
@@ -38,12 +49,14 @@ def world_results(world: int) -> list[list[H.CaseResult]]:
 
 
 @functools.lru_cache(maxsize=None)
-def reference(world: int, gas: int, steps: int, micro: int):
-    return H.reference_run(world, H.Case(stage=0, gas=gas, steps=steps, micro_batch=micro))
+def reference(world: int, gas: int, steps: int, micro: int, optimizer: str):
+    return H.reference_run(world, H.Case(stage=0, gas=gas, steps=steps, micro_batch=micro,
+                                         optimizer=optimizer))
 
 
 def _case_id(case: H.Case) -> str:
-    return f"stage{case.stage}-{case.precision}-gas{case.gas}"
+    knobs = "".join(f"-{k}={v}" for k, v in case.zero)
+    return f"stage{case.stage}-{case.precision}-gas{case.gas}-{case.optimizer}{knobs}"
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -51,7 +64,7 @@ def _case_id(case: H.Case) -> str:
 def test_matches_single_process_reference(world: int, index: int) -> None:
     case = CASES[index]
     results = world_results(world)[index]
-    ref_losses, ref_params = reference(world, case.gas, case.steps, case.micro_batch)
+    ref_losses, ref_params = reference(world, case.gas, case.steps, case.micro_batch, case.optimizer)
     losses = [sum(r.losses[step] for r in results) / world for step in range(case.steps)]
     full = H.assemble_masters(results)
     assert sorted(full) == sorted(ref_params), "every trainable parameter (tied once, frozen never)"
@@ -64,7 +77,7 @@ def test_matches_single_process_reference(world: int, index: int) -> None:
     else:
         abs_diff = max(float((full[n] - ref_params[n]).abs().max()) for n in ref_params)
         assert loss_diff <= 2e-2, f"bf16 loss trajectory differs by {loss_diff:.2e}"
-        assert abs_diff <= 0.25 * case.steps * H.LR, f"bf16 parameters differ by {abs_diff:.3f}"
+        assert abs_diff <= 0.25 * case.steps * case.lr, f"bf16 parameters differ by {abs_diff:.3f}"
     unused = full["unused"]
     assert torch.equal(unused, ref_params["unused"].float()), "an unused parameter must not move"
     assert results[0].extra["skipped_steps"] == 0
@@ -82,7 +95,8 @@ def test_traffic_is_the_zero_ideal(world: int, index: int) -> None:
     psi = sum(p.numel() for g in groups for p in g["params"])
     padded = sum(plan_buckets([p.numel() for p in reversed(g["params"])], 200, world).padded_numel
                  for g in groups)
-    expected = {0: 2 * psi, 1: 2 * padded, 2: (case.gas + 1) * padded}[case.stage]
+    reduce_per_micro = padded if dict(case.zero).get("reduce_scatter", True) else 2 * padded
+    expected = {0: 2 * psi, 1: 2 * padded, 2: case.gas * reduce_per_micro + padded}[case.stage]
     for result in results:
         total = result.comm["total"]
         assert total["volume_elements"] == expected
