@@ -57,6 +57,16 @@ class Checkpointer:
         """Block until the save in flight has committed (and uploaded); its timings."""
         return self.saver.wait() if self._saver is not None else SaveTimings()
 
+    def use_fence(self) -> None:
+        """Promise to call `fence()` before every update of the saved state, so async saves copy the
+        state in the background too ([Note: snapshot fence] in saver.py)."""
+        self.saver.fenced = True
+
+    def fence(self) -> None:
+        """Wait, if needed, until the save in flight has copied the state; call before updating it."""
+        if self._saver is not None:
+            self._saver.fence()
+
     def load(self, load_dir: str | os.PathLike | None, needed: Iterable[ShardSpec], tag: str | None = None,
              restore_rng: bool = True) -> LoadedCheckpoint:
         """Choose, fetch and verify the checkpoint to resume from; restores this rank's RNG state."""

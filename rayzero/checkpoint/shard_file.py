@@ -22,6 +22,8 @@ from typing import Iterable
 import torch
 import xxhash
 
+from rayzero.checkpoint.direct_io import DirectWriter, read_file
+
 # safetensors dtype codes <-> torch dtypes
 _TO_CODE = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -86,7 +88,7 @@ class SafetensorsWriter:
         self.order = [(name, header[name]["data_offsets"][1] - header[name]["data_offsets"][0]) for name, _, _ in entries]
         self.size = 8 + len(header_bytes) + offset
         self.digest = xxhash.xxh3_128()
-        self.out = open(path + ".tmp", "wb", buffering=0)
+        self.out = DirectWriter(path + ".tmp", fsync)  # [Note: direct I/O]
         self._emit(memoryview(struct.pack("<Q", len(header_bytes)) + header_bytes))
 
     def _emit(self, data: memoryview) -> None:
@@ -106,8 +108,6 @@ class SafetensorsWriter:
     def close(self) -> WrittenFile:
         if self.order:
             raise ValueError(f"safetensors writer closed before {self.order[0][0]!r} was written")
-        if self.fsync:
-            os.fsync(self.out.fileno())
         self.out.close()
         os.replace(self.path + ".tmp", self.path)
         return WrittenFile(os.path.basename(self.path), self.size, self.digest.hexdigest())
@@ -155,20 +155,13 @@ class LoadedShardFile:
     @classmethod
     def read(cls, path: str, expected_checksum: str | None = None) -> "LoadedShardFile":
         """Read `path`; raise `CorruptShardError` when its checksum differs from the manifest's."""
-        size = os.path.getsize(path)
-        data = torch.empty(size, dtype=torch.uint8)
-        view = memoryview(data.numpy()).cast("B") if size else memoryview(b"")
         digest = xxhash.xxh3_128()
-        with open(path, "rb", buffering=0) as source:
-            position = 0
-            while position < size:
-                count = source.readinto(view[position:position + _CHUNK])
-                if not count:
-                    break
-                digest.update(view[position:position + count])
-                position += count
-        if position != size or (expected_checksum is not None and digest.hexdigest() != expected_checksum):
-            raise CorruptShardError(path, expected_checksum, digest.hexdigest() if position == size else "truncated")
+        try:
+            data = read_file(path, digest.update)  # [Note: direct I/O]
+        except OSError as error:
+            raise CorruptShardError(path, expected_checksum, f"unreadable ({error})") from error
+        if expected_checksum is not None and digest.hexdigest() != expected_checksum:
+            raise CorruptShardError(path, expected_checksum, digest.hexdigest())
         return cls(os.path.basename(path), data)
 
     @classmethod

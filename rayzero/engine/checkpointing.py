@@ -28,7 +28,12 @@ logger = logging.getLogger(__name__)
 def checkpointer_of(engine: Any) -> Checkpointer:
     """The engine's Checkpointer, built from its config's `checkpoint` section on first use."""
     if getattr(engine, "checkpointer", None) is None:
-        engine.checkpointer = Checkpointer(CheckpointOptions.from_config(engine.config))
+        checkpointer = Checkpointer(CheckpointOptions.from_config(engine.config))
+        # Every update of the saved state goes through the optimizer step (the engine publishes
+        # compute weights from the masters after it), so one pre-hook is the snapshot fence.
+        engine.optimizer.register_step_pre_hook(lambda optimizer, args, kwargs: checkpointer.fence())
+        checkpointer.use_fence()
+        engine.checkpointer = checkpointer
     return engine.checkpointer
 
 
