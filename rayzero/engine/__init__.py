@@ -11,7 +11,7 @@ from typing import Any
 _LAZY = {"initialize": "rayzero.engine.api", "init_distributed": "rayzero.engine.distributed",
          "ZeroEngine": "rayzero.engine.engine"}
 
-__all__ = sorted(_LAZY)
+__all__ = ["ZeroEngine", "init_distributed", "initialize"]
 
 
 def __getattr__(name: str) -> Any:

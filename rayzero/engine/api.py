@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -18,10 +18,10 @@ from rayzero.engine.schedulers import build_scheduler
 from rayzero.engine.strategy import StrategyContext, build_strategy
 
 
-def initialize(model: Optional[torch.nn.Module] = None, config: Any = None,
-               model_parameters: Any = None, optimizer: Optional[torch.optim.Optimizer] = None,
+def initialize(model: torch.nn.Module | None = None, config: Any = None,
+               model_parameters: Any = None, optimizer: torch.optim.Optimizer | None = None,
                lr_scheduler: Any = None, training_data: Any = None, collate_fn: Any = None,
-               process_group: Optional[dist.ProcessGroup] = None,
+               process_group: dist.ProcessGroup | None = None,
                ) -> tuple[ZeroEngine, torch.optim.Optimizer, Any, Any]:
     """Wrap `model` for ZeRO training: returns `(engine, optimizer, dataloader, lr_scheduler)`.
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import collections
 import json
 import os
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any
 
 import torch
 
@@ -23,7 +24,7 @@ TESTED_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 whole parameters. Others (LAMB, Adafactor, Shampoo...) may read whole-tensor statistics."""
 
 
-def detect_hidden_size(model: torch.nn.Module) -> Optional[int]:
+def detect_hidden_size(model: torch.nn.Module) -> int | None:
     """`model.config.hidden_size` if present, else the most common Linear `in_features`."""
     hidden = getattr(getattr(model, "config", None), "hidden_size", None)
     if isinstance(hidden, int):
@@ -61,7 +62,7 @@ def _has_auto(value: Any) -> bool:
 
 
 def trainable_param_groups(model: torch.nn.Module, model_parameters: Any,
-                           client_optimizer: Optional[torch.optim.Optimizer]) -> list[dict]:
+                           client_optimizer: torch.optim.Optimizer | None) -> list[dict]:
     """Optimizer groups of trainable parameters, each parameter once (tied weights deduplicated).
 
     Source, in order: the client optimizer's groups, `model_parameters` (parameters or group dicts),
@@ -104,7 +105,7 @@ def _config_optimizer_class(kind: str, params: dict, allow_untested: bool) -> ty
         "with zero_allow_untested_optimizer=true, or pass optimizer= to rayzero.initialize")
 
 
-def optimizer_factory(cfg: RayZeroConfig, client: Optional[torch.optim.Optimizer],
+def optimizer_factory(cfg: RayZeroConfig, client: torch.optim.Optimizer | None,
                       offload: OffloadBackend) -> OptimizerFactory:
     """How the strategy builds its optimizer over its fp32 master tensors."""
     stage = cfg.zero_optimization.stage
@@ -142,8 +143,8 @@ def optimizer_factory(cfg: RayZeroConfig, client: Optional[torch.optim.Optimizer
     return build
 
 
-def build_dataloader(training_data: Any, micro_batch_size: Optional[int], comm: Communicator,
-                     collate_fn: Any = None) -> Optional[torch.utils.data.DataLoader]:
+def build_dataloader(training_data: Any, micro_batch_size: int | None, comm: Communicator,
+                     collate_fn: Any = None) -> torch.utils.data.DataLoader | None:
     """A loader giving each rank its share of `training_data` in micro batches (DeepSpeed's)."""
     if training_data is None:
         return None
@@ -162,7 +163,7 @@ def named_parameter_ids(model: torch.nn.Module) -> dict[int, str]:
 
 
 def broadcast_module_state(model: torch.nn.Module, comm: Communicator,
-                           tensors: Optional[Iterable[torch.Tensor]] = None) -> None:
+                           tensors: Iterable[torch.Tensor] | None = None) -> None:
     """Make every rank start from rank 0's parameters and buffers (DeepSpeed does the same)."""
     if not comm.distributed:
         return

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -53,7 +52,7 @@ class Communicator:
     network. That keeps the engine free of `if world_size == 1` branches.
     """
 
-    def __init__(self, group: Optional[dist.ProcessGroup] = None) -> None:
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
         initialized = dist.is_available() and dist.is_initialized()
         # Without a process group the engine runs as a world of one (unit tests, notebooks).
         self.group = (group or dist.group.WORLD) if initialized else None

@@ -18,8 +18,9 @@ import enum
 import logging
 import math
 import resource
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 
@@ -47,7 +48,7 @@ class StepPolicy:
     gradient_accumulation_steps: int
     gradient_clipping: float
     """Global norm cap, 0 = off."""
-    micro_batch_size: Optional[int]
+    micro_batch_size: int | None
 
 
 class ZeroEngine:
@@ -68,7 +69,7 @@ class ZeroEngine:
         self.micro_steps = 0  # backward passes completed by step()
         self.skipped_steps = 0  # fp16 overflows
         self.last_step_overflowed = False
-        self.last_grad_norm: Optional[float] = None  # unscaled, before clipping; None when not computed
+        self.last_grad_norm: float | None = None  # unscaled, before clipping; None when not computed
         self.phase = Phase.IDLE
 
     # ---- DeepSpeed-shaped API ---------------------------------------------------------------
@@ -89,11 +90,11 @@ class ZeroEngine:
     def get_lr(self) -> list[float]:
         return [group["lr"] for group in self.optimizer.param_groups]
 
-    def train(self, mode: bool = True) -> "ZeroEngine":
+    def train(self, mode: bool = True) -> ZeroEngine:
         self.module.train(mode)
         return self
 
-    def eval(self) -> "ZeroEngine":
+    def eval(self) -> ZeroEngine:
         return self.train(False)
 
     def __call__(self, *inputs: Any, **kwargs: Any) -> Any:

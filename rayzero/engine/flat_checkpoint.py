@@ -9,7 +9,8 @@ shard: it travels in `engine.extra_state()` (optim_state.scalar_state).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,12 +21,12 @@ if TYPE_CHECKING:
     from rayzero.engine.flat_strategy import BucketedStrategy
 
 
-def _module_tensors(strategy: "BucketedStrategy") -> Iterator[tuple[str, torch.Tensor]]:
+def _module_tensors(strategy: BucketedStrategy) -> Iterator[tuple[str, torch.Tensor]]:
     yield from strategy.module.named_parameters()
     yield from strategy.module.named_buffers()
 
 
-def _pieces(strategy: "BucketedStrategy") -> Iterator[tuple[str, tuple, object, torch.Tensor, int]]:
+def _pieces(strategy: BucketedStrategy) -> Iterator[tuple[str, tuple, object, torch.Tensor, int]]:
     """(name, shape, piece, the bucket master tensor, bucket index) for every owned master piece."""
     for index, bucket in enumerate(strategy.buckets):
         for slot, param in zip(bucket.layout.slots, bucket.params):
@@ -35,7 +36,7 @@ def _pieces(strategy: "BucketedStrategy") -> Iterator[tuple[str, tuple, object, 
             yield strategy.param_names[id(param)], tuple(param.shape), piece, bucket.master, index
 
 
-def state_shards(strategy: "BucketedStrategy") -> list[ShardedTensor]:
+def state_shards(strategy: BucketedStrategy) -> list[ShardedTensor]:
     out: list[ShardedTensor] = []
     for name, tensor in _module_tensors(strategy):
         spec = ShardSpec(f"module/{name}", tuple(tensor.shape), tensor.dtype, 0, tensor.numel())
@@ -54,7 +55,7 @@ def state_shards(strategy: "BucketedStrategy") -> list[ShardedTensor]:
     return out
 
 
-def load_state_shards(strategy: "BucketedStrategy", read: Callable[[ShardSpec], torch.Tensor]) -> None:
+def load_state_shards(strategy: BucketedStrategy, read: Callable[[ShardSpec], torch.Tensor]) -> None:
     """Install module tensors, master pieces and optimizer state for this rank's current layout.
 
     Masters are read as fp32 when the checkpoint has them (DeepSpeed's load_from_fp32_weights);

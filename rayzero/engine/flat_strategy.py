@@ -18,8 +18,9 @@ backward continues; they are waited for before the step or before the next backw
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, ClassVar, Optional
+from typing import ClassVar
 
 import torch
 
@@ -47,8 +48,8 @@ class Bucket:
     """Compute-dtype flat buffer (padded) that the module's parameters are views of."""
     master: torch.Tensor
     """This rank's fp32 master piece of the bucket (a view of param_buffer when fp32 on-device)."""
-    master_grad: Optional[torch.Tensor] = None
-    grad_buffer: Optional[torch.Tensor] = None
+    master_grad: torch.Tensor | None = None
+    grad_buffer: torch.Tensor | None = None
     """Stages 0-1: compute-dtype flat gradients that `param.grad` are views of."""
     grad_views: list[torch.Tensor] = field(default_factory=list)
     fired: list[bool] = field(default_factory=list)
@@ -247,7 +248,7 @@ class BucketedStrategy(ZeroStrategy):
         self.comm.discard_current()
 
     def memory_stats(self) -> dict[str, int]:
-        def nbytes(t: Optional[torch.Tensor]) -> int:
+        def nbytes(t: torch.Tensor | None) -> int:
             return 0 if t is None else t.numel() * t.element_size()
 
         tracked = {id(p) for bucket in self.buckets for p in bucket.params}

@@ -85,9 +85,7 @@ def scalar_state(optimizer: torch.optim.Optimizer) -> list[dict[str, float]]:
         entry: dict[str, float] = {}
         for param in group["params"]:
             for key, value in optimizer.state.get(param, {}).items():
-                if isinstance(value, torch.Tensor) and value.dim() == 0:
-                    entry[key] = float(value)
-                elif isinstance(value, (int, float)):
+                if isinstance(value, torch.Tensor) and value.dim() == 0 or isinstance(value, (int, float)):
                     entry[key] = float(value)
             if entry:
                 break

@@ -31,7 +31,7 @@ class MixedPrecisionPolicy:
     """Master weights and optimizer state: fp32 always, as in DeepSpeed."""
 
     @classmethod
-    def from_config(cls, cfg: Any) -> "MixedPrecisionPolicy":
+    def from_config(cls, cfg: Any) -> MixedPrecisionPolicy:
         fp16 = bool(getattr(getattr(cfg, "fp16", None), "enabled", False))
         bf16 = bool(getattr(getattr(cfg, "bf16", None), "enabled", False))
         if fp16 and bf16:
@@ -61,10 +61,10 @@ class ReducePolicy:
     ignore_unused_parameters: bool
 
     @classmethod
-    def from_config(cls, zero: Any) -> "ReducePolicy":
+    def from_config(cls, zero: Any) -> ReducePolicy:
         bucket = getattr(zero, "reduce_bucket_size", 500_000_000)
         if not isinstance(bucket, int):
-            raise ValueError(
+            raise ValueError(  # noqa: TRY004 - a config value, reported like every config error
                 f"zero_optimization.reduce_bucket_size={bucket!r} was not resolved to an element count: "
                 "pass hidden_size to load_config or set a number")
         overlap = getattr(zero, "overlap_comm", None)

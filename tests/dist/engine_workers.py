@@ -4,9 +4,8 @@ from __future__ import annotations
 import json
 import os
 
-import torch
-
 import harness as H
+import torch
 
 
 def _engine(case: H.Case, **kwargs):

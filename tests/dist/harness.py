@@ -18,8 +18,9 @@ import os
 import socket
 import tempfile
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -44,7 +45,7 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, payload: Any, ou
         torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size,
                                              timeout=datetime.timedelta(seconds=120))
         result = ("ok", fn(rank, world_size, payload))
-    except BaseException:  # report everything: the parent shows it
+    except BaseException:  # noqa: BLE001 - report everything: the parent shows it
         result = ("error", traceback.format_exc())
     finally:
         if torch.distributed.is_initialized():

@@ -4,21 +4,21 @@ One spawned 2-rank group runs all the behaviour checks; fp16 runs once per stage
 from __future__ import annotations
 
 import functools
-
-import pytest
+import itertools
 
 import engine_workers as W
 import harness as H
+import pytest
 
 WORLD = 2
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def behaviours() -> dict:
     return H.spawn(WORLD, W.behaviours)[0]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def fp16(stage: int) -> list[dict]:
     return H.spawn(WORLD, W.fp16_overflow, stage)
 
@@ -57,7 +57,7 @@ def test_config_from_environment_with_scheduler_and_dataloader() -> None:
     lrs = result["env_lrs"]
     # DeepSpeed's linear warmup, stepped once per optimizer step: 0 -> 0.01 over 4 iterations.
     assert lrs[0] == 0.0 and lrs[-1] == pytest.approx(0.01)
-    assert all(a < b for a, b in zip(lrs[1:], lrs[2:])), lrs
+    assert all(a < b for a, b in itertools.pairwise(lrs[1:])), lrs
     assert result["env_samples_seen"] == 30 // WORLD, "DistributedSampler: each rank sees its half"
     assert result["gas_api"] == (1, 5)
 

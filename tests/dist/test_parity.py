@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import functools
 
+import harness as H
 import pytest
 import torch
 
-import harness as H
 from rayzero.engine.partition import plan_buckets
 
 WORLDS = (1, 2, 3)
@@ -41,14 +41,14 @@ KNOBS = [
 CASES += KNOBS
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def world_results(world: int) -> list[list[H.CaseResult]]:
     """results[case_index][rank]; one spawn per world size for all cases."""
     per_rank = H.spawn(world, H.run_cases, CASES)
     return [[per_rank[r][i] for r in range(world)] for i in range(len(CASES))]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference(world: int, gas: int, steps: int, micro: int, optimizer: str):
     return H.reference_run(world, H.Case(stage=0, gas=gas, steps=steps, micro_batch=micro,
                                          optimizer=optimizer))
