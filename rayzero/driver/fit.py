@@ -79,12 +79,15 @@ def _run_locations(run: RunConfig) -> tuple[str, str, str]:
 
 
 def ship_by_value(function: Callable[..., Any]) -> None:
-    """Make the workers receive the loop's module by value when they could not import it.
+    """Make the workers receive the loop's code by value when they could not import it.
 
     A loop defined in a script, a test file or a project directory is importable on the driver only
-    (through its sys.path); the workers would fail with `No module named ...`. Installed packages
-    (site-packages, rayzero itself) stay by reference.
+    (through its sys.path); the workers would fail with `No module named ...`. So the loop's module,
+    and every module already imported from the same project (its directory or the working
+    directory), travel by value. Installed code (site-packages, the interpreter's own, rayzero) stays
+    by reference. Under `ray job submit --working-dir` both work: Ray puts the directory on the path.
     """
+    import os
     import sys
 
     import ray.cloudpickle
@@ -92,10 +95,21 @@ def ship_by_value(function: Callable[..., Any]) -> None:
     module = sys.modules.get(getattr(function, "__module__", "") or "")
     file = getattr(module, "__file__", None)
     if module is None or file is None or module.__name__ == "__main__":
-        return  # __main__ is pickled by value already
-    installed = any(part in ("site-packages", "dist-packages") for part in Path(file).parts)
-    if not installed and not module.__name__.startswith("rayzero."):
-        ray.cloudpickle.register_pickle_by_value(module)
+        roots = [Path.cwd()]  # __main__ is pickled by value already; its imports may not be
+    else:
+        roots = [Path(file).resolve().parent, Path.cwd()]
+    installed = {Path(p).resolve() for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
+    for name, candidate in list(sys.modules.items()):
+        path = getattr(candidate, "__file__", None)
+        if not path or name == "__main__" or name.split(".")[0] in ("rayzero", "ray"):
+            continue
+        resolved = Path(path).resolve()
+        if any(part in ("site-packages", "dist-packages") for part in resolved.parts):
+            continue
+        if any(prefix in resolved.parents for prefix in installed):
+            continue
+        if any(root in resolved.parents for root in roots if str(root) != os.sep):
+            ray.cloudpickle.register_pickle_by_value(candidate)
 
 
 def connect_ray() -> bool:
@@ -143,6 +157,8 @@ def fit(
         "RAYZERO_RUN_NAME": name,
         "RAYZERO_STORAGE": run_uri,
         "RAYZERO_CHECKPOINT_DIR": checkpoint_dir,
+        # the engine's own bound for groups it creates (e.g. the checkpoint writer's)
+        "RAYZERO_COLLECTIVE_TIMEOUT_S": str(failure.process_group_timeout_s),
     }
     if ds_config is not None:
         run_env["RAYZERO_CONFIG"] = json.dumps(ds_config)

@@ -1,0 +1,72 @@
+"""`rayzero run` and `rayzero demo` in-process on the shared local Ray (the job-submit test runs them
+as a Ray job)."""
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pyarrow.parquet as pq
+
+from rayzero.driver import cli, demo
+
+LOOP = textwrap.dedent(
+    """
+    import rayzero
+    from helper_module import scale
+
+
+    def loop(config):
+        steps = int(config["argv"][config["argv"].index("--steps") + 1])
+        for step in range(steps):
+            rayzero.report({"step": step, "value": scale(step)})
+    """
+)
+
+
+def _project(tmp_path):
+    (tmp_path / "helper_module.py").write_text("def scale(x):\n    return 10 * x\n")
+    (tmp_path / "train.py").write_text(LOOP)
+    (tmp_path / "ds.json").write_text(json.dumps({"train_micro_batch_size_per_gpu": 2}))
+    return tmp_path
+
+
+def test_run_a_file_target_with_loop_args(local_ray, tmp_path, capsys):
+    project = _project(tmp_path)
+    code = cli.main([f"{project}/train.py:loop", "--config", str(project / "ds.json"), "--workers", "2",
+                     "--storage", (tmp_path / "runs").as_uri(), "--name", "cli", "--", "--steps", "4"])
+    assert code == 0, capsys.readouterr().err
+    table = pq.read_table(str(tmp_path / "runs" / "cli" / "metrics.parquet")).to_pydict()
+    rank0 = [v for r, v in zip(table["rank"], table["value"]) if r == 0]
+    assert rank0 == [0, 10, 20, 30]
+    assert "[rayzero] finished: 4 report(s)" in capsys.readouterr().out
+
+
+def test_run_a_module_target_from_the_working_directory(local_ray, tmp_path, monkeypatch, capsys):
+    project = _project(tmp_path)
+    monkeypatch.chdir(project)
+    code = cli.main(["train:loop", "--config", "ds.json", "--workers", "2", "--", "--steps", "2"])
+    assert code == 0, capsys.readouterr().err
+    assert list((project / "runs").glob("rayzero-*/metrics.parquet"))  # default storage: ./runs
+
+
+def test_run_rejects_a_bad_target_and_a_bad_config_without_starting_workers(local_ray, tmp_path, capsys):
+    project = _project(tmp_path)
+    assert cli.main([f"{project}/train.py:nope", "--config", str(project / "ds.json")]) == 2
+    assert "has no function 'nope'" in capsys.readouterr().err
+    (project / "bad.json").write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "zero_optimisation": {}}))
+    assert cli.main([f"{project}/train.py:loop", "--config", str(project / "bad.json")]) == 2
+    err = capsys.readouterr().err
+    assert "no worker was started" in err and "zero_optimization" in err  # names the nearest valid key
+
+
+def test_demo_writes_its_summary_as_json(local_ray, tmp_path, capsys):
+    summary_path = tmp_path / "summary.json"
+    code = demo.main(["--steps", "12", "--workers", "2", "--json", str(summary_path),
+                      "--storage", (tmp_path / "runs").as_uri()])
+    assert code == 0, capsys.readouterr().err
+    summary = json.loads(summary_path.read_text())
+    assert summary["steps"] == 12 and summary["workers"] == 2
+    assert summary["final_loss"] < summary["initial_loss"] - 0.5
+    assert summary["checkpoint"] and summary["tokens_per_s"] > 0
+    out = capsys.readouterr().out
+    assert "loss 4." in out and "metrics:" in out
