@@ -227,5 +227,14 @@ class ZeroEngine:
         from rayzero.engine import checkpointing
         return checkpointing.load_checkpoint(self, *args, **kwargs)
 
+    def save_16bit_model(self, *args: Any, **kwargs: Any) -> Any:
+        from rayzero.engine import checkpointing
+        return checkpointing.save_16bit_model(self, *args, **kwargs)
+
+    def wait_for_checkpoint(self) -> Any:
+        """Block until the async save in flight is committed (and uploaded); its phase timings."""
+        from rayzero.engine import checkpointing
+        return checkpointing.wait_for_checkpoint(self)
+
     def close(self) -> None:
         self.strategy.close()
