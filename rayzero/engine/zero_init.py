@@ -116,6 +116,7 @@ class Init:
     def _on_child(self, parent: torch.nn.Module, name: str, child: torch.nn.Module | None) -> None:
         # A module is registered into its parent right after its own __init__ (and so its
         # reset_parameters) finished: this is the construction-completion order.
+        self._note(parent)  # a parent without parameters of its own may be the root
         if child is not None and all(done is not child for done in self._completed):
             self._completed.append(child)
 
