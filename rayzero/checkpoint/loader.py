@@ -51,7 +51,9 @@ class LoadedCheckpoint:
         return name in self.manifest.tensors
 
     def read(self, spec: ShardSpec) -> torch.Tensor:
-        """Elements [flat_start, flat_end) of `spec.name`, as `spec.dtype`, assembled from the saved pieces."""
+        """Elements [flat_start, flat_end) of `spec.name`, as `spec.dtype`, assembled from the saved pieces.
+
+        May be a read-only view into the loaded file: copy it into the live state, do not keep it."""
         entry = self.manifest.tensors.get(spec.name)
         if entry is None:
             raise KeyError(f"checkpoint {self.path} holds no tensor {spec.name!r} (it has "
@@ -59,9 +61,13 @@ class LoadedCheckpoint:
         if tuple(entry.shape) != tuple(spec.global_shape):
             raise ValueError(f"checkpoint {self.path}: {spec.name!r} has shape {tuple(entry.shape)}, the model now "
                              f"has {tuple(spec.global_shape)}; load into the same model architecture")
-        out = torch.empty(spec.flat_end - spec.flat_start, dtype=spec.dtype)
         stored = dtype_from_name(entry.dtype)
-        for step in plan_read(spec.name, entry, spec.flat_start, spec.flat_end):
+        steps = plan_read(spec.name, entry, spec.flat_start, spec.flat_end)
+        if len(steps) == 1 and stored == spec.dtype:  # the common case: a view, no copy (caller copies)
+            step = steps[0]
+            return self.files[step.piece.file].tensor(spec.name)[step.source_start:step.source_end]
+        out = torch.empty(spec.flat_end - spec.flat_start, dtype=spec.dtype)
+        for step in steps:
             source = self.files[step.piece.file].tensor(spec.name)[step.source_start:step.source_end]
             target = out[step.target_start:step.target_start + (step.source_end - step.source_start)]
             target.copy_(source if stored == spec.dtype else source.to(spec.dtype))

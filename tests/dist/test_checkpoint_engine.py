@@ -13,6 +13,9 @@ import os
 import torch
 import torch.distributed as dist
 
+from safetensors.torch import load_file
+
+from rayzero.checkpoint.cli import main as checkpoint_cli
 from rayzero.engine import checkpointing
 from rayzero.engine.api import initialize
 
@@ -33,7 +36,7 @@ def make_engine(stage: int, world: int, init_seed: int):
         "optimizer": {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}},
         "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.05,
                                                      "warmup_num_steps": 8}},
-        "zero_optimization": {"stage": stage},
+        "zero_optimization": {"stage": stage, "stage3_gather_16bit_weights_on_model_save": True},
         "checkpoint": {"use_node_local_storage": False},
     }
     engine, *_ = initialize(model=model, config=config)
@@ -78,6 +81,9 @@ def _two_ranks_stage3(rank: int, world: int, root: str, out: str) -> None:
     train(engine, 0, SAVE_AT, rank, world, noise=False)
     engine.save_checkpoint(os.path.join(root, "clean"), asynchronous=False)
     reference = train(engine, SAVE_AT, TOTAL_STEPS, rank, world, noise=False)
+    # 3. the final stage-3 state: a checkpoint to consolidate offline, and DeepSpeed's 16-bit export
+    engine.save_checkpoint(os.path.join(root, "final"), asynchronous=False)
+    assert engine.save_16bit_model(os.path.join(root, "export"))
     if rank == 0:
         with open(out, "w") as handle:
             json.dump(reference, handle)
@@ -107,3 +113,22 @@ def test_resume_bitwise_then_reshard_across_stages(tmp_path):
     losses = train(engine, RESHARD_UNTIL, TOTAL_STEPS, 0, 1, noise=False)
     for got, want in zip(losses, reference[RESHARD_UNTIL - SAVE_AT:]):
         assert abs(got - want) <= 1e-4 * abs(want), (losses, reference)
+
+    # consolidated weights equal the gathered parameters exactly
+    engine.save_checkpoint(os.path.join(root, "stage0"), asynchronous=False)
+    out = str(tmp_path / "stage0.safetensors")
+    assert checkpoint_cli(["consolidate", os.path.join(root, "stage0"), out]) == 0
+    consolidated = load_file(out)
+    parameters = dict(engine.module.named_parameters())
+    assert set(consolidated) == set(parameters)
+    for name, parameter in parameters.items():
+        assert torch.equal(consolidated[name], parameter.detach()), name
+    # stage 3 on 2 ranks: the offline consolidation equals save_16bit_model's on-line gather
+    out = str(tmp_path / "final.pt")
+    assert checkpoint_cli(["consolidate", os.path.join(root, "final"), out, "--format", "torch"]) == 0
+    consolidated = torch.load(out, weights_only=True)
+    exported = torch.load(os.path.join(root, "export", "pytorch_model.bin"), weights_only=True)
+    assert set(consolidated) == set(exported) == set(parameters)
+    for name in parameters:
+        assert torch.equal(consolidated[name], exported[name]), name
+    assert checkpoint_cli(["verify", os.path.join(root, "final")]) == 0
