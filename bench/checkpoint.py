@@ -26,9 +26,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from rayzero.checkpoint.checkpointer import Checkpointer  # noqa: E402
-from rayzero.checkpoint.options import CheckpointOptions  # noqa: E402
-from rayzero.checkpoint.types import ShardedTensor, ShardSpec  # noqa: E402
+from rayzero.checkpoint.checkpointer import Checkpointer
+from rayzero.checkpoint.options import CheckpointOptions
+from rayzero.checkpoint.types import ShardedTensor, ShardSpec
 
 
 def dd_bandwidth(path: str, size_mb: int) -> tuple[float, float]:

@@ -6,7 +6,8 @@ are collective: every rank of the job calls them with the same arguments.
 from __future__ import annotations
 
 import os
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from rayzero.checkpoint import rng
 from rayzero.checkpoint.comm import CheckpointComm, Topology

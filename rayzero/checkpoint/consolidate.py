@@ -16,7 +16,7 @@ import torch
 
 from rayzero.checkpoint.manifest import Manifest, read_manifest, resolve_tag_dir
 from rayzero.checkpoint.reshard import plan_read
-from rayzero.checkpoint.shard_file import SafetensorsWriter, _FROM_CODE, dtype_from_name
+from rayzero.checkpoint.shard_file import _FROM_CODE, SafetensorsWriter, dtype_from_name
 
 
 class ShardFileIndex:

@@ -13,7 +13,7 @@ cannot resume mid-epoch at all, and DCP does not reshard the data position (torc
 """
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 

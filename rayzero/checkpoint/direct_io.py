@@ -64,7 +64,7 @@ class DirectWriter:
                     written = 0
                     while written < length:
                         written += os.write(self.fd, view[written:])
-            except BaseException as error:  # re-raised by close()
+            except BaseException as error:  # noqa: BLE001 - re-raised by close() in the caller's thread
                 self._error = error
             finally:
                 self._free.put(buffer)

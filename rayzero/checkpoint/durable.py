@@ -9,8 +9,8 @@ parallel instead of one object at a time. Each rank uploads the files it wrote; 
 from __future__ import annotations
 
 import posixpath
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Iterable
 
 import pyarrow.fs as pafs
 

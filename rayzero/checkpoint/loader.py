@@ -17,8 +17,8 @@ from __future__ import annotations
 import logging
 import os
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 import torch
 
@@ -162,7 +162,7 @@ def _try_candidate(comm: CheckpointComm, topology: Topology, root: str, tag: str
         os.makedirs(tag_dir, exist_ok=True)
         failures: list[tuple[str, str]] = []
         try:
-            in_tag = lambda transfer: os.path.join(tag_dir, transfer.name)  # noqa: E731
+            in_tag = lambda transfer: os.path.join(tag_dir, transfer.name)
             run_transfers(comm, transfers, in_tag, in_tag)
             for transfer in transfers:
                 present.setdefault(topology.locations[transfer.target], set()).add(transfer.name)

@@ -95,7 +95,7 @@ class Manifest:
         return json.dumps(body, indent=1, sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str) -> "Manifest":
+    def from_json(cls, text: str) -> Manifest:
         body = json.loads(text)
         if body.get("format") != FORMAT:
             raise ValueError(f"not a rayzero checkpoint manifest (format {body.get('format')!r}, expected {FORMAT!r})")
@@ -182,9 +182,9 @@ def apply_retention(root: str, keep_last: int, keep: set[str] = frozenset()) -> 
     committed = [tag for _, tag in committed_tags(root)]
     doomed = committed[keep_last:] if keep_last > 0 else []
     for entry in os.scandir(root) if os.path.isdir(root) else []:
-        if entry.is_dir() and entry.name not in committed and entry.name not in keep:
-            if any(name.endswith(".safetensors") or name.endswith(".tmp") for name in os.listdir(entry.path)):
-                doomed.append(entry.name)  # a save that died before its commit
+        uncommitted = entry.is_dir() and entry.name not in committed and entry.name not in keep
+        if uncommitted and any(name.endswith((".safetensors", ".tmp")) for name in os.listdir(entry.path)):
+            doomed.append(entry.name)  # a save that died before its commit
     for tag in doomed:
         # Remove the manifest first so a crash halfway through deletion leaves an invisible tag.
         try:

@@ -48,7 +48,7 @@ class CheckpointOptions:
             raise ValueError(f"checkpoint.upload_threads = {self.upload_threads}: must be >= 1")
 
     @classmethod
-    def from_config(cls, config: Any = None, **overrides: Any) -> "CheckpointOptions":
+    def from_config(cls, config: Any = None, **overrides: Any) -> CheckpointOptions:
         """Options from a RayZeroConfig (or None), its `checkpoint` section, then the environment."""
         section = getattr(config, "checkpoint", None)
         values: dict[str, Any] = {}

@@ -5,8 +5,8 @@ which stored pieces assemble a requested range. Unit-tested on their own.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 from rayzero.checkpoint.manifest import Piece, TensorEntry, shard_file_name
 from rayzero.checkpoint.shard_file import dtype_name

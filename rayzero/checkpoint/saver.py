@@ -29,8 +29,15 @@ import torch
 from rayzero.checkpoint import rng
 from rayzero.checkpoint.comm import CheckpointComm, Topology, Transfer, run_transfers
 from rayzero.checkpoint.durable import DurableStore
-from rayzero.checkpoint.manifest import (MANIFEST, FileEntry, Manifest, apply_retention, commit, set_latest,
-                                         shard_file_name)
+from rayzero.checkpoint.manifest import (
+    MANIFEST,
+    FileEntry,
+    Manifest,
+    apply_retention,
+    commit,
+    set_latest,
+    shard_file_name,
+)
 from rayzero.checkpoint.options import CheckpointOptions
 from rayzero.checkpoint.reshard import build_tensor_entries, choose_writers
 from rayzero.checkpoint.shard_file import write_shard_file
@@ -216,7 +223,7 @@ class CheckpointSaver:
             transfers = [Transfer(rank, target, shard_file_name(rank), files[shard_file_name(rank)].size,
                                   files[shard_file_name(rank)].checksum)
                          for rank in range(comm.world_size) for target in topology.replica_targets(rank, options.replicas)]
-            in_tag = lambda transfer: os.path.join(tag_dir, transfer.name)  # noqa: E731
+            in_tag = lambda transfer: os.path.join(tag_dir, transfer.name)
             run_transfers(comm, transfers, in_tag, in_tag)
         job.timings.replicate = time.perf_counter() - phase
 

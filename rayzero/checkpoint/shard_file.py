@@ -16,8 +16,8 @@ from __future__ import annotations
 import json
 import os
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 import torch
 import xxhash
@@ -43,7 +43,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 def dtype_from_name(name: str) -> torch.dtype:
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r} in a checkpoint manifest")
+        raise ValueError(f"unknown dtype {name!r} in a checkpoint manifest")  # noqa: TRY004 - a bad value
     return dtype
 
 
@@ -153,7 +153,7 @@ class LoadedShardFile:
         self.data_start = 8 + header_len
 
     @classmethod
-    def read(cls, path: str, expected_checksum: str | None = None) -> "LoadedShardFile":
+    def read(cls, path: str, expected_checksum: str | None = None) -> LoadedShardFile:
         """Read `path`; raise `CorruptShardError` when its checksum differs from the manifest's."""
         digest = xxhash.xxh3_128()
         try:
@@ -165,7 +165,7 @@ class LoadedShardFile:
         return cls(os.path.basename(path), data)
 
     @classmethod
-    def from_bytes(cls, name: str, data: torch.Tensor, expected_checksum: str | None) -> "LoadedShardFile":
+    def from_bytes(cls, name: str, data: torch.Tensor, expected_checksum: str | None) -> LoadedShardFile:
         """A file received from a peer rank: checksum it before trusting it."""
         actual = xxhash.xxh3_128_hexdigest(tensor_bytes(data))
         if expected_checksum is not None and actual != expected_checksum:

@@ -12,7 +12,7 @@ import json
 import logging
 import os
 import warnings
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -56,9 +56,9 @@ def _json_able(value: Any, what: str) -> dict[str, Any]:
                          "as part of the model") from error
 
 
-def save_checkpoint(engine: Any, save_dir: Optional[str] = None, tag: Optional[str] = None,
-                    client_state: Optional[dict[str, Any]] = None, save_latest: bool = True,
-                    exclude_frozen_parameters: bool = False, asynchronous: Optional[bool] = None) -> bool:
+def save_checkpoint(engine: Any, save_dir: str | None = None, tag: str | None = None,
+                    client_state: dict[str, Any] | None = None, save_latest: bool = True,
+                    exclude_frozen_parameters: bool = False, asynchronous: bool | None = None) -> bool:
     """Save a sharded checkpoint to save_dir/tag (default `global_step{N}`); collective.
 
     With `checkpoint.async_save` (default) this returns once the state is snapshotted; the files
@@ -85,10 +85,10 @@ def wait_for_checkpoint(engine: Any) -> SaveTimings:
     return checkpointer_of(engine).wait()
 
 
-def load_checkpoint(engine: Any, load_dir: Optional[str] = None, tag: Optional[str] = None,
+def load_checkpoint(engine: Any, load_dir: str | None = None, tag: str | None = None,
                     load_module_strict: bool = True, load_optimizer_states: bool = True,
                     load_lr_scheduler_states: bool = True, load_module_only: bool = False,
-                    custom_load_fn: Any = None) -> tuple[Optional[str], Optional[dict[str, Any]]]:
+                    custom_load_fn: Any = None) -> tuple[str | None, dict[str, Any] | None]:
     """Resume from the newest checkpoint complete in some tier (or `tag`), at this engine's world
     size and stage; returns (checkpoint path, client_state), or (None, None) when there is none."""
     if custom_load_fn is not None:
@@ -131,7 +131,7 @@ def load_checkpoint(engine: Any, load_dir: Optional[str] = None, tag: Optional[s
     return loaded.path, dict(manifest.client_state)
 
 
-def _restore_data_position(engine: Any, position: Optional[dict[str, Any]]) -> None:
+def _restore_data_position(engine: Any, position: dict[str, Any] | None) -> None:
     loader = getattr(engine, "training_dataloader", None)
     sampler = getattr(loader, "sampler", None)
     if position is None or not hasattr(sampler, "set_position"):
@@ -206,4 +206,4 @@ def _tied_aliases(module: torch.nn.Module) -> dict[str, str]:
     return aliases
 
 
-__all__ = ["save_checkpoint", "load_checkpoint", "save_16bit_model", "wait_for_checkpoint"]
+__all__ = ["load_checkpoint", "save_16bit_model", "save_checkpoint", "wait_for_checkpoint"]

@@ -9,17 +9,16 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 
 import torch
 import torch.distributed as dist
-
 from safetensors.torch import load_file
+from test_checkpoint_reshard import run_group
 
 from rayzero.checkpoint.cli import main as checkpoint_cli
 from rayzero.engine import checkpointing
 from rayzero.engine.api import initialize
-
-from test_checkpoint_reshard import run_group
 
 GLOBAL_BATCH = 12
 TOTAL_STEPS = 20
@@ -90,9 +89,9 @@ def _two_ranks_stage3(rank: int, world: int, root: str, out: str) -> None:
 
 
 def _three_ranks_stage2(rank: int, world: int, root: str, out: str) -> None:
-    reference = json.load(open(out))
+    reference = json.loads(pathlib.Path(out).read_text())
     engine = make_engine(2, world, init_seed=1)
-    path, _ = engine.load_checkpoint(os.path.join(root, "clean"))
+    engine.load_checkpoint(os.path.join(root, "clean"))
     assert engine.global_steps == SAVE_AT and engine.lr_scheduler.last_epoch == SAVE_AT
     losses = train(engine, SAVE_AT, RESHARD_UNTIL, rank, world, noise=False)
     for got, want in zip(losses, reference[:RESHARD_UNTIL - SAVE_AT]):
@@ -106,7 +105,7 @@ def test_resume_bitwise_then_reshard_across_stages(tmp_path):
     run_group(2, _two_ranks_stage3, root, out)
     run_group(3, _three_ranks_stage2, root, out)
     # 1 rank, stage 0, no process group: continue from the 3-rank checkpoint of step 16
-    reference = json.load(open(out))
+    reference = json.loads(pathlib.Path(out).read_text())
     engine = make_engine(0, 1, init_seed=2)
     path, _ = engine.load_checkpoint(os.path.join(root, "clean"))
     assert path.endswith(f"global_step{RESHARD_UNTIL}")

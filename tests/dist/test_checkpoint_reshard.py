@@ -12,7 +12,6 @@ import socket
 import warnings
 import zlib
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp

@@ -16,7 +16,7 @@ import sys
 import pytest
 
 ray = pytest.importorskip("ray")
-from ray.cluster_utils import Cluster  # noqa: E402
+from ray.cluster_utils import Cluster
 
 GLOBAL_BATCH = 12
 

@@ -9,8 +9,17 @@ from safetensors import safe_open
 
 from rayzero.checkpoint.comm import Topology
 from rayzero.checkpoint.data_position import ResumableSampler
-from rayzero.checkpoint.manifest import (Manifest, Piece, TensorEntry, apply_retention, commit, committed_tags,
-                                         read_latest, read_manifest, set_latest)
+from rayzero.checkpoint.manifest import (
+    Manifest,
+    Piece,
+    TensorEntry,
+    apply_retention,
+    commit,
+    committed_tags,
+    read_latest,
+    read_manifest,
+    set_latest,
+)
 from rayzero.checkpoint.reshard import build_tensor_entries, choose_writers, files_for, plan_read
 from rayzero.checkpoint.shard_file import CorruptShardError, LoadedShardFile, file_checksum, write_shard_file
 from rayzero.checkpoint.types import ShardSpec

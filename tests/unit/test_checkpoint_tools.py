@@ -92,6 +92,6 @@ def test_user_errors_name_the_fix(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="replicas"):
         CheckpointOptions(replicas=-1)
     with pytest.raises(ValueError, match="durable_uri"):
-        Checkpointer(CheckpointOptions(durable_uri="nosuchscheme://x")).saver
+        _ = Checkpointer(CheckpointOptions(durable_uri="nosuchscheme://x")).saver
     with pytest.raises(ValueError, match="RAYZERO_CHECKPOINT_DIR"):
         Checkpointer().resolve_dir(None)
