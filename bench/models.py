@@ -51,7 +51,7 @@ QUICK = {
     "mlp": MLPSpec(width=512, depth=4, batch_per_rank=32),
 }
 FULL = {
-    "gpt": GPTSpec(vocab_size=2048, width=384, depth=6, heads=6, sequence_length=128, batch_per_rank=8),
+    "gpt": GPTSpec(vocab_size=2048, width=256, depth=4, heads=4, sequence_length=128, batch_per_rank=8),
     "mlp": MLPSpec(width=1024, depth=4, batch_per_rank=64),
 }
 
