@@ -148,6 +148,7 @@ def merge_rounds(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         row["rounds"] = len(good)
         row["step_time_round_medians_s"] = [r["step_time_median_s"] for r in good]
         row["step_time_median_s"] = statistics.median(row["step_time_round_medians_s"])
+        row["step_time_min_s"] = min(r["step_time_min_s"] for r in good)
         merged.append(row)
     return merged
 
@@ -185,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
 
     multiprocessing.set_forkserver_preload(FORK_SERVER_PRELOAD)
     began = time.monotonic()
+    load_at_start = os.getloadavg()  # timings are only as good as the machine was quiet: recorded
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="rayzero-bench-") as scratch:
         for job in jobs:
@@ -206,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
         "meta": {
             "quick": args.quick,
             "total_wall_s": round(time.monotonic() - began, 1),
+            "load_average_1_5_15_min_at_start": [round(x, 2) for x in load_at_start],
+            "load_average_1_5_15_min_at_end": [round(x, 2) for x in os.getloadavg()],
             "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
             "dtype": "float32", "backend": "gloo", "device": "cpu", "threads_per_rank": 1,
             "machine": report.machine_description(),

@@ -118,7 +118,10 @@ def comparisons(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 add("speed", target, None, False, note=f"not measured: {missing or 'row missing'} failed")
                 continue
             value = theirs["step_time_median_s"] / mine["step_time_median_s"]
-            add("speed", target, round(value, 3), value >= minimum)
+            # The ratio of fastest steps is less sensitive to load from other processes; `met` is
+            # decided on the medians, as the target states, the other is a noise check.
+            fastest = theirs["step_time_min_s"] / mine["step_time_min_s"]
+            add("speed", target, round(value, 3), value >= minimum, value_from_fastest_steps=round(fastest, 3))
     for row in rows:
         if not row["system"].startswith("rayzero") or "error" in row:
             continue
@@ -173,7 +176,9 @@ def table(rows: list[dict[str, Any]], found: list[dict[str, Any]]) -> str:
     for comparison in found:
         mark = "met" if comparison["met"] else "NOT met"
         value = "-" if comparison["value"] is None else comparison["value"]
-        lines.append(f"  [{mark:7}] {comparison['target']}: {value} {comparison.get('note', '')}".rstrip())
+        fastest = comparison.get("value_from_fastest_steps")
+        note = comparison.get("note", "") + (f"(fastest steps: {fastest})" if fastest is not None else "")
+        lines.append(f"  [{mark:7}] {comparison['target']}: {value} {note}".rstrip())
     return "\n".join(lines)
 
 
