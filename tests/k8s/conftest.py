@@ -28,7 +28,7 @@ from kubernetes import client, config  # noqa: E402
 from kubernetes.client.exceptions import ApiException  # noqa: E402
 
 CHART = REPO / "helm" / "rayzero-operator"
-RELEASE = "rzo"
+RELEASE = "rzo"  # deploy/rbac.yaml is rendered with the same release name
 RELEASE_NAMESPACE = "rayzero-system"
 SERVICE_ACCOUNT = "rzo-rayzero-operator"
 RESYNC_SECONDS = 1.0
@@ -100,7 +100,8 @@ class OperatorProcess:
         self.process: Optional[subprocess.Popen] = None
         self.runs = 0
 
-    def start(self, **extra_env: str) -> "OperatorProcess":
+    def start(self, *namespaces: str, **extra_env: str) -> "OperatorProcess":
+        """Start it watching `namespaces` (default: all) with `extra_env` added."""
         assert self.process is None or self.process.poll() is not None, "operator already running"
         self.runs += 1
         port = k8s_envtest.free_port()
@@ -110,7 +111,7 @@ class OperatorProcess:
         self.log_path = self.log_dir / f"operator-{self.runs}.log"
         self.process = subprocess.Popen(
             [sys.executable, "-m", "rayzero_operator", "--verbose",
-             f"--liveness=http://127.0.0.1:{port}/healthz"],
+             f"--liveness=http://127.0.0.1:{port}/healthz", *(f"--namespace={ns}" for ns in namespaces)],
             env=env, stdout=open(self.log_path, "wb"), stderr=subprocess.STDOUT, cwd=str(REPO),
             start_new_session=True)
         import urllib.request

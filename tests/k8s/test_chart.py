@@ -1,0 +1,116 @@
+"""The Helm chart through helm-python-sdk (Helm v4, no helm binary): lint, render per template,
+install into the real apiserver (the session's `release` fixture), values schema enforced, and the
+checked-in deploy/ manifests up to date with the chart and the models."""
+from __future__ import annotations
+
+import pathlib
+
+import helm_python
+import pytest
+import yaml
+from conftest import CHART, RELEASE, RELEASE_NAMESPACE, SERVICE_ACCOUNT
+from kubernetes import client
+
+from rayzero_operator import crd as crd_module
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+TEMPLATES = "rayzero-operator/templates/"
+
+
+def _render(values: dict | None = None) -> dict[str, list[dict]]:
+    rendered = helm_python.Chart.load(str(CHART)).render(values, name=RELEASE, namespace=RELEASE_NAMESPACE,
+                                                         is_install=True)
+    return {path[len(TEMPLATES):]: [doc for doc in yaml.safe_load_all(text) if doc]
+            for path, text in rendered.items() if path.endswith(".yaml")}
+
+
+def test_the_chart_lints_clean():
+    report = helm_python.lint(str(CHART), strict=True, kube_version="v1.20.2")
+    assert report["errors"] == []
+    assert [m for m in report["messages"] if m["severity"] >= 2] == []
+
+
+def test_each_template_holds_one_kind_of_resource():
+    kinds = {path: sorted({doc["kind"] for doc in docs}) for path, docs in _render().items()}
+    assert kinds == {"serviceaccount.yaml": ["ServiceAccount"], "clusterrole.yaml": ["ClusterRole"],
+                     "clusterrolebinding.yaml": ["ClusterRoleBinding"], "deployment.yaml": ["Deployment"],
+                     "rolebindings.yaml": []}
+
+
+def test_the_clusterrole_grants_exactly_what_the_operator_uses():
+    (role,) = _render()["clusterrole.yaml"]
+    granted = {(group, resource, verb) for rule in role["rules"] for group in rule["apiGroups"]
+               for resource in rule["resources"] for verb in rule["verbs"]}
+    uses = {
+        ("rayzero.io", "rayzerojobs", verb) for verb in ("get", "list", "watch", "patch")} | {
+        ("rayzero.io", "rayzerojobs/status", "patch"), ("rayzero.io", "rayzerojobs/finalizers", "update")} | {
+        ("ray.io", "rayjobs", verb) for verb in ("list", "watch", "create", "patch", "delete")} | {
+        ("", "configmaps", verb) for verb in ("get", "create", "patch", "delete")} | {("", "events", "create")}
+    assert granted == uses
+
+
+def test_watch_namespaces_binds_the_role_only_there():
+    rendered = _render({"watchNamespaces": ["team-a", "team-b"]})
+    assert rendered["clusterrolebinding.yaml"] == []
+    assert [doc["metadata"]["namespace"] for doc in rendered["rolebindings.yaml"]] == ["team-a", "team-b"]
+    (deployment,) = rendered["deployment.yaml"]
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--namespace=team-a" in args and "--namespace=team-b" in args
+
+
+def test_values_reach_the_deployment():
+    (deployment,) = _render({"image": {"repository": "r.example/op", "tag": "9.9", "pullPolicy": "Always"},
+                             "resyncSeconds": 7, "verbose": True})["deployment.yaml"]
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert container["image"] == "r.example/op:9.9" and container["imagePullPolicy"] == "Always"
+    assert {"name": "RAYZERO_OPERATOR_RESYNC_SECONDS", "value": "7"} in container["env"]
+    assert "--verbose" in container["args"]
+    assert deployment["spec"]["strategy"]["type"] == "Recreate"
+
+
+@pytest.mark.parametrize("values,where", [
+    ({"resyncSeconds": "often"}, "/resyncSeconds"),
+    ({"image": {"repository": "x", "pullPolicy": "Sometimes"}}, "/image/pullPolicy"),
+    ({"watchNamespaces": "team-a"}, "/watchNamespaces"),
+    ({"resyncSecond": 5}, "resyncSecond"),
+])
+def test_the_values_schema_refuses_wrong_values(values, where):
+    with pytest.raises(helm_python.HelmValuesError) as raised:
+        helm_python.Chart.load(str(CHART)).validate_schema(values)
+    assert where in str(raised.value)
+
+
+def test_the_chart_installed_into_the_apiserver(release, admin):
+    assert release["name"] == RELEASE
+    rbac = client.RbacAuthorizationV1Api(admin)
+    role = rbac.read_cluster_role(f"{RELEASE}-rayzero-operator")
+    assert {rule.api_groups[0] for rule in role.rules} == {"rayzero.io", "ray.io", ""}
+    binding = rbac.read_cluster_role_binding(f"{RELEASE}-rayzero-operator")
+    assert binding.subjects[0].name == SERVICE_ACCOUNT
+    client.CoreV1Api(admin).read_namespaced_service_account(SERVICE_ACCOUNT, RELEASE_NAMESPACE)
+    client.AppsV1Api(admin).read_namespaced_deployment(f"{RELEASE}-rayzero-operator", RELEASE_NAMESPACE)
+    crd = client.ApiextensionsV1Api(admin).read_custom_resource_definition("rayzerojobs.rayzero.io")
+    columns = [column.name for column in crd.spec.versions[0].additional_printer_columns]
+    assert columns == ["Phase", "Workers", "Restarts", "RayJob", "Age"]
+    assert crd.spec.names.short_names == ["rzj"] and crd.spec.versions[0].subresources.status is not None
+
+
+def test_an_install_with_a_wrong_typed_value_is_refused(envtest, release, admin):
+    helm = helm_python.Config(kubeconfig_path=str(envtest.admin_kubeconfig), namespace="wrong-values")
+    with pytest.raises(helm_python.HelmError) as raised:
+        helm.install(helm_python.Chart.load(str(CHART)), "wrong", {"livenessPort": "http"},
+                     namespace="wrong-values", create_namespace=True, timeout=30)
+    assert "livenessPort" in str(raised.value)
+    assert client.AppsV1Api(admin).list_namespaced_deployment("wrong-values").items == []
+
+
+def test_checked_in_crds_are_generated_from_the_models():
+    assert crd_module.main(["--check"]) == 0, "run `python -m rayzero_operator.crd --write`"
+
+
+def test_deploy_rbac_is_the_rendered_chart_rbac():
+    rendered = _render()
+    expected = [*rendered["serviceaccount.yaml"], *rendered["clusterrole.yaml"],
+                *rendered["clusterrolebinding.yaml"]]
+    checked_in = [doc for doc in yaml.safe_load_all((REPO / "deploy" / "rbac.yaml").read_text()) if doc]
+    assert checked_in == expected, "regenerate deploy/rbac.yaml: python scripts/k8s_envtest_render.py"
