@@ -20,6 +20,7 @@ from rayzero.checkpoint.checkpointer import Checkpointer
 from rayzero.checkpoint.loader import NoCheckpointError
 from rayzero.checkpoint.options import CheckpointOptions, config_digest
 from rayzero.checkpoint.saver import SaveTimings
+from rayzero.engine.optim_state import ensure_optimizer_state
 from rayzero.checkpoint.types import ShardSpec
 
 logger = logging.getLogger(__name__)
@@ -95,6 +96,8 @@ def load_checkpoint(engine: Any, load_dir: str | None = None, tag: str | None = 
         raise ValueError("load_checkpoint(custom_load_fn=...) is not supported: rayzero reshards the "
                          "checkpoint itself; load the state you need with engine.load_state_shards")
     checkpointer = checkpointer_of(engine)
+    # A fresh optimizer has no state yet; create it (zeros) so the specs list every optim/ range.
+    ensure_optimizer_state(engine.optimizer)
     current = {shard.spec.name: shard for shard in engine.state_shards()}
     keep_optimizer = load_module_only or not load_optimizer_states
     needed = [shard.spec for name, shard in current.items()
@@ -106,8 +109,10 @@ def load_checkpoint(engine: Any, load_dir: str | None = None, tag: str | None = 
         return None, None
 
     def read(spec: ShardSpec) -> torch.Tensor:
-        if spec.name.startswith("optim/") and keep_optimizer:
-            return current[spec.name].local.detach().clone()  # unchanged
+        if spec.name.startswith("optim/") and keep_optimizer:  # unchanged
+            if spec.name in current:
+                return current[spec.name].local.detach().clone()
+            return torch.zeros(spec.flat_end - spec.flat_start, dtype=spec.dtype)  # created empty by the engine
         if spec.name.startswith("master/") and (load_module_only or not loaded.has(spec.name)):
             raise KeyError(spec.name)  # the engine rebuilds masters from the loaded module weights
         if not loaded.has(spec.name) and spec.name.startswith("module/") and not load_module_strict:

@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from test_checkpoint_reshard import run_group
 
 from rayzero.checkpoint.cli import main as checkpoint_cli
+from rayzero.checkpoint.manifest import read_manifest
 from rayzero.engine import checkpointing
 from rayzero.engine.api import initialize
 
@@ -131,3 +132,42 @@ def test_resume_bitwise_then_reshard_across_stages(tmp_path):
     for name in parameters:
         assert torch.equal(consolidated[name], exported[name]), name
     assert checkpoint_cli(["verify", os.path.join(root, "final")]) == 0
+
+
+def test_load_flags_module_only_and_without_optimizer(tmp_path):
+    """One process: what load_optimizer_states / load_lr_scheduler_states / load_module_only keep."""
+    root = str(tmp_path / "ckpt")
+    trained = make_engine(1, 1, init_seed=0)
+    train(trained, 0, 5, 0, 1, noise=False)
+    trained.save_checkpoint(root, client_state={"epoch": 2}, asynchronous=False)
+    weights = {name: p.detach().clone() for name, p in trained.module.named_parameters()}
+    momentum = {s.spec.name: s.local.clone() for s in trained.state_shards() if s.spec.name.startswith("optim/")}
+    assert momentum and all(value.abs().sum() > 0 for value in momentum.values())
+
+    def optim_state(engine):
+        return {s.spec.name: s.local.clone() for s in engine.state_shards() if s.spec.name.startswith("optim/")}
+
+    fresh = make_engine(1, 1, init_seed=1)
+    path, client = fresh.load_checkpoint(root, load_optimizer_states=False, load_lr_scheduler_states=False)
+    assert client == {"epoch": 2} and fresh.global_steps == 5
+    assert fresh.lr_scheduler.last_epoch == 0  # scheduler not restored
+    assert all(torch.equal(p, weights[name]) for name, p in fresh.module.named_parameters())
+    assert all(value.abs().sum() == 0 for value in optim_state(fresh).values())  # momentum not restored
+
+    module_only = make_engine(1, 1, init_seed=2)
+    module_only.load_checkpoint(root, load_module_only=True)
+    assert module_only.global_steps == 0
+    assert all(torch.equal(p, weights[name]) for name, p in module_only.module.named_parameters())
+    masters = {s.spec.name.removeprefix("master/"): s.local for s in module_only.state_shards()
+               if s.spec.name.startswith("master/")}
+    assert all(torch.equal(masters[name], weights[name].reshape(-1)) for name in weights)  # rebuilt from weights
+
+    full = make_engine(1, 1, init_seed=3)
+    full.load_checkpoint(root)
+    assert full.lr_scheduler.last_epoch == 5
+    assert all(torch.equal(value, momentum[name]) for name, value in optim_state(full).items())
+    # data position: global steps x global batch
+    manifest = read_manifest(path)
+    assert manifest.extra_state["data_position"] == {"consumed_samples": 5 * GLOBAL_BATCH,
+                                                     "train_batch_size": GLOBAL_BATCH}
+    assert manifest.stage == 1 and manifest.world_size == 1 and manifest.step == 5
