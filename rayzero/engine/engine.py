@@ -81,8 +81,23 @@ class ZeroEngine:
     def device(self) -> torch.device:
         return next(iter(self.module.parameters())).device
 
+    @property
+    def world_size(self) -> int:
+        return self.comm.world_size
+
+    @property
+    def global_rank(self) -> int:
+        return self.comm.rank
+
     def gradient_accumulation_steps(self) -> int:
         return self.step_policy.gradient_accumulation_steps
+
+    def train_micro_batch_size_per_gpu(self) -> int | None:
+        return self.step_policy.micro_batch_size
+
+    def train_batch_size(self) -> int | None:
+        micro = self.step_policy.micro_batch_size
+        return None if micro is None else micro * self.gradient_accumulation_steps() * self.world_size
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return (self.micro_steps + 1) % self.step_policy.gradient_accumulation_steps == 0

@@ -1,6 +1,7 @@
 """Worker bodies for test_engine_behaviour.py (run inside harness.spawn; one spawn, many checks)."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 
@@ -127,5 +128,48 @@ def behaviours(rank: int, world: int, _: object) -> dict:
         _train_step(engine, rank, world, step, 2)
     out["boundaries"] = flags
     out["after_six_micro"] = engine.global_steps
+    out["batch_sizes"] = (engine.train_micro_batch_size_per_gpu(), engine.train_batch_size())
+    engine.close()
+
+    # 6. No process group yet: initialize() builds one from RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT.
+    torch.distributed.destroy_process_group()
+    engine, *_ = _engine(H.Case(stage=1))
+    _train_step(engine, rank, world, 0, 2)
+    out["env_group"] = (torch.distributed.is_initialized(), engine.world_size, engine.global_rank,
+                        engine.comm_stats()["reduce_scatter"]["calls"] > 0)
     engine.close()
     return out
+
+
+def resume(rank: int, world: int, payload: dict) -> dict:
+    """Train steps [first, last) of `case`, first loading `pieces`/`extra` (another run's
+    state_shards / extra_state) through the engine's checkpoint seam when given."""
+    case, first, last = payload["case"], payload["first"], payload["last"]
+    engine, *_ = _engine(case)
+    if payload.get("pieces") is not None:
+        engine.load_state_shards(functools.partial(read_from_pieces, payload["pieces"]))
+        engine.load_extra_state(payload["extra"])
+    losses = [_train_step(engine, rank, world, step, case.micro_batch) for step in range(first, last)]
+    shards = [(s.spec, s.local.detach().clone()) for s in engine.state_shards()]
+    out = {"losses": losses, "shards": shards, "extra": engine.extra_state(),
+           "global_steps": engine.global_steps}
+    engine.close()
+    return out
+
+
+def read_from_pieces(pieces: list, spec) -> torch.Tensor:
+    """Assemble `spec`'s flat range from pieces (ShardSpec, tensor) written by any layout."""
+    out = torch.full((spec.flat_end - spec.flat_start,), float("nan"), dtype=torch.float64)
+    found = False
+    for have, values in pieces:
+        if have.name != spec.name:
+            continue
+        found = True
+        lo, hi = max(have.flat_start, spec.flat_start), min(have.flat_end, spec.flat_end)
+        if lo < hi:
+            out[lo - spec.flat_start:hi - spec.flat_start] = values[lo - have.flat_start:hi - have.flat_start].double()
+    if not found:
+        raise KeyError(spec.name)
+    if torch.isnan(out).any():
+        raise AssertionError(f"{spec.name}[{spec.flat_start}:{spec.flat_end}] not fully covered")
+    return out.to(spec.dtype)

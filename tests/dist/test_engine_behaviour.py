@@ -73,3 +73,9 @@ def test_accumulation_boundaries() -> None:
     result = behaviours()
     assert result["boundaries"] == [False, False, True, False, False, True]
     assert result["after_six_micro"] == 2
+    assert result["batch_sizes"] == (2, 2 * 3 * WORLD)
+
+
+def test_initialize_creates_the_process_group_from_the_environment() -> None:
+    initialized, world, rank, reduced = behaviours()["env_group"]
+    assert initialized and world == WORLD and rank == 0 and reduced
