@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: venv demo test test-unit test-dist test-ray test-k8s lint docs-check bench clean
+.PHONY: venv demo test test-unit test-dist test-ray test-k8s lint docs-check crd-check k8s-envtest bench clean
 
 venv: $(STAMP)
 
@@ -28,8 +28,17 @@ lint: $(STAMP)
 docs-check: $(STAMP)
 	$(BIN)/python -m rayzero.config.docs --check docs/config.md
 
-test: $(STAMP)
-	$(MAKE) lint docs-check
+# The RayZeroJob CRD is generated from rayzero/config/k8s_job.py, deploy/rbac.yaml from the chart.
+crd-check: $(STAMP)
+	$(BIN)/python -m rayzero_operator.crd --check
+	$(BIN)/python scripts/k8s_envtest_render.py --check
+
+# Builds kube-apiserver 1.20 from Debian's source once (~5 min), cached in ~/.cache/rayzero; installs etcd.
+k8s-envtest:
+	bash scripts/k8s_envtest_build.sh
+
+test: $(STAMP) k8s-envtest
+	$(MAKE) lint docs-check crd-check
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 test-unit: $(STAMP)
@@ -41,7 +50,7 @@ test-dist: $(STAMP)
 test-ray: $(STAMP)
 	$(BIN)/python -m pytest -m ray $(PYTEST_ARGS)
 
-test-k8s: $(STAMP)
+test-k8s: $(STAMP) k8s-envtest
 	$(BIN)/python -m pytest -m k8s $(PYTEST_ARGS)
 
 bench: $(STAMP)
