@@ -71,6 +71,7 @@ class ZeroEngine:
         self.last_step_overflowed = False
         self.last_grad_norm: float | None = None  # unscaled, before clipping; None when not computed
         self.phase = Phase.IDLE
+        self.checkpointer = None  # built by rayzero.engine.checkpointing on the first save/load
 
     # ---- DeepSpeed-shaped API ---------------------------------------------------------------
     @property
