@@ -37,41 +37,52 @@ class Stage3Strategy(ZeroStrategy):
         self.offload = ctx.offload
         self.knobs = Stage3Knobs.from_config(ctx.zero_config)
         self.partitions = ParamPartitions(ctx.comm, ctx.device)
-        trainable = {id(p) for group in ctx.param_groups for p in group["params"]}
-        fp32_pieces: dict[int, torch.Tensor] = {}
-        persistent_budget = self.knobs.model_persistence_threshold
+        # fp32 compute on the device where masters live: a trainable parameter's shard *is* its
+        # master window (no second fp32 copy), as stages 0-2 alias their buffers.
+        self.aliased = (ctx.precision.param_dtype == torch.float32
+                        and ctx.offload.device == torch.device(ctx.device))
         with torch.no_grad():
+            pieces = {}
+            persistent_budget = self.knobs.model_persistence_threshold
             for name, param in ctx.module.named_parameters():
                 piece, shape = self._fp32_piece(param)
-                numel = shape.numel()
-                persistent = numel < self.knobs.param_persistence_threshold and numel <= persistent_budget
+                persistent = shape.numel() < self.knobs.param_persistence_threshold and \
+                    shape.numel() <= persistent_budget
                 if persistent:
-                    persistent_budget -= numel
-                shard = self.offload.allocate(StateKind.PARAM_SHARD, piece.numel(), self.precision.param_dtype)
-                shard.copy_(piece)
-                entry = self.partitions.add(param, ctx.param_names.get(id(param), name), shard, shape, persistent)
-                if id(param) in trainable:
-                    fp32_pieces[id(entry)] = piece
-            self._cast_buffers()
-            self.groups: list[tuple[list[PartitionedParam], torch.Tensor, torch.Tensor]] = []
-            master_grad_views: dict[int, torch.Tensor] = {}
+                    persistent_budget -= shape.numel()
+                pieces[id(param)] = (ctx.param_names.get(id(param), name), param, piece, shape, persistent)
+            masters: dict[int, torch.Tensor] = {}
+            master_grads: dict[int, torch.Tensor] = {}
+            self.groups: list[tuple[list[torch.nn.Parameter], torch.Tensor, torch.Tensor]] = []
             optimizer_groups = []
-            by_param = {id(e.param): e for e in self.partitions.entries}
             for group in ctx.param_groups:
-                entries = [by_param[id(p)] for p in group["params"]]
-                total = sum(e.shard_numel for e in entries)
+                total = sum(pieces[id(p)][2].numel() for p in group["params"])
                 master = self.offload.allocate(StateKind.MASTER, total, torch.float32)
                 master_grad = self.offload.allocate(StateKind.MASTER_GRAD, total, torch.float32)
                 offset = 0
-                for entry in entries:
-                    window = slice(offset, offset + entry.shard_numel)
-                    master[window].copy_(fp32_pieces[id(entry)])
-                    entry.master = master[window]
-                    master_grad_views[id(entry)] = master_grad[window]
-                    offset += entry.shard_numel
-                self.groups.append((entries, master, master_grad))
+                for param in group["params"]:
+                    width = pieces[id(param)][2].numel()
+                    masters[id(param)] = master[offset:offset + width]
+                    master_grads[id(param)] = master_grad[offset:offset + width]
+                    masters[id(param)].copy_(pieces[id(param)][2])  # from fp32 values, before any downcast
+                    offset += width
+                self.groups.append((list(group["params"]), master, master_grad))
                 hyper = {k: v for k, v in group.items() if k != "params"}
                 optimizer_groups.append({**hyper, "params": [master]})
+            for name, param, piece, shape, persistent in pieces.values():
+                if self.aliased and id(param) in masters:
+                    shard = masters[id(param)]
+                else:
+                    shard = self.offload.allocate(StateKind.PARAM_SHARD, piece.numel(), self.precision.param_dtype)
+                    shard.copy_(piece)
+                entry = self.partitions.add(param, name, shard, shape, persistent)
+                entry.master = masters.get(id(param))
+            del pieces
+            self._cast_buffers()
+        by_param = {id(e.param): e for e in self.partitions.entries}
+        self.groups = [([by_param[id(p)] for p in params], master, master_grad)
+                       for params, master, master_grad in self.groups]
+        master_grad_views = {id(by_param[key]): view for key, view in master_grads.items()}
         self.optimizer = ctx.build_optimizer(optimizer_groups)
         self.reducer = GradientReducer(ctx.comm, ctx.reduce.reduce_bucket_size, ctx.precision.reduce_dtype,
                                        ctx.reduce.overlap_comm, master_grad_views)
@@ -127,8 +138,9 @@ class Stage3Strategy(ZeroStrategy):
     def _publish(self) -> None:
         """Updated masters -> compute-dtype shards; persistent parameters are re-gathered."""
         with torch.no_grad():
-            for entry in self._trainable_entries:
-                entry.shard.copy_(entry.master)
+            if not self.aliased:
+                for entry in self._trainable_entries:
+                    entry.shard.copy_(entry.master)
             self.partitions.refresh_persistent([e for e in self._trainable_entries if e.persistent])
 
     def zero_grad(self) -> None:
@@ -217,7 +229,7 @@ class Stage3Strategy(ZeroStrategy):
         return {
             "params": sum(nbytes(e.shard) for e in entries) + persistent_full,
             "grads": sum(nbytes(g) for _, _, g in self.groups),
-            "master_weights": sum(nbytes(m) for _, m, _ in self.groups),
+            "master_weights": 0 if self.aliased else sum(nbytes(m) for _, m, _ in self.groups),
             "optimizer_state": sum(nbytes(v) for state in self.optimizer.state.values()
                                    for v in state.values() if isinstance(v, torch.Tensor)),
             "buffers": sum(nbytes(b) for b in self.module.buffers()),

@@ -183,19 +183,23 @@ class Stage3Coordinator:
         budget = self.knobs.prefetch_bucket_size
         if budget <= 0:
             return
-        issued = 0
+        batch: list[PartitionedParam] = []
+        issued, live = 0, self.partitions.live_elements
         for event in self.trace.upcoming():
             for index in event.params:
                 entry = self.partitions.entries[index]
-                if entry.state is not ParamState.RELEASED:
+                if entry.state is not ParamState.RELEASED or any(entry is e for e in batch):
                     continue
-                if issued + entry.numel > budget:
-                    return
-                if self.partitions.live_elements + entry.numel > self.knobs.max_live_parameters:
-                    return
-                self.partitions.gather([entry])
+                if issued + entry.numel > budget or live + entry.numel > self.knobs.max_live_parameters:
+                    break
+                batch.append(entry)
                 issued += entry.numel
-                self.prefetched_elements += entry.numel
+                live += entry.numel
+            else:
+                continue
+            break
+        self.partitions.gather(batch)  # one collective ([Note: coalesced gathers])
+        self.prefetched_elements += issued
 
     def _release_or_keep(self, entry: PartitionedParam) -> None:
         if entry.persistent or entry.users > 0:
