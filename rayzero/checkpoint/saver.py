@@ -74,6 +74,8 @@ class _SaveJob:
     client_state: dict[str, Any]
     rng_state: dict[str, Any]
     started: float
+    manifest: Manifest | None = None
+    """Set once committed."""
     deferred_snapshot: bool = False
     """The live tensors still have to be copied (by the background thread, before writing)."""
     timings: SaveTimings = field(default_factory=SaveTimings)
@@ -127,8 +129,11 @@ class CheckpointSaver:
             self._thread = threading.Thread(target=self._run, args=(job,), name="rayzero-checkpoint", daemon=False)
             self._thread.start()
         else:
-            self._run(job)
-            self.wait()
+            self._run(job, until_commit=True)
+            self.wait()  # raises if the commit failed
+            # Committed and durable on local disk: retention and the upload need not hold the caller.
+            self._thread = threading.Thread(target=self._finish, args=(job,), name="rayzero-checkpoint", daemon=False)
+            self._thread.start()
         return os.path.join(root, tag)
 
     def fence(self) -> None:
@@ -180,7 +185,7 @@ class CheckpointSaver:
     def in_flight(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def _run(self, job: _SaveJob) -> None:
+    def _run(self, job: _SaveJob, until_commit: bool = False) -> None:
         try:
             if job.deferred_snapshot:
                 try:
@@ -191,6 +196,29 @@ class CheckpointSaver:
             self._write(job)
         except BaseException as error:  # surfaced by wait() in the training thread
             log.exception("checkpoint save of %s failed on rank %d", job.tag, self.comm.rank)
+            self._error = error
+            return
+        if not until_commit:
+            self._finish(job)
+
+    def _finish(self, job: _SaveJob) -> None:
+        """After the commit: retention, then the durable copy (its manifest once every rank uploaded)."""
+        comm, options, topology = self.comm, self.options, self.topology
+        try:
+            if comm.rank == topology.leader(topology.locations[comm.rank]):
+                apply_retention(job.root, options.keep_last, keep={job.tag})
+            if self.durable is not None:
+                phase = time.perf_counter()
+                written = shard_file_name(comm.rank)
+                self.durable.upload(job.tag, [(os.path.join(job.root, job.tag, written), written)])
+                comm.barrier()
+                if comm.rank == 0:
+                    self.durable.commit(job.manifest)
+                    self.durable.apply_retention(options.keep_last)
+                job.timings.upload = time.perf_counter() - phase
+            self.timings = job.timings
+        except BaseException as error:  # surfaced by wait() in the training thread
+            log.exception("checkpoint retention/upload of %s failed on rank %d", job.tag, comm.rank)
             self._error = error
 
     def _write(self, job: _SaveJob) -> None:
@@ -238,17 +266,7 @@ class CheckpointSaver:
         if leader:
             commit(tag_dir, manifest)
             set_latest(job.root, job.tag)
-            apply_retention(job.root, options.keep_last, keep={job.tag})
         comm.barrier()  # load_checkpoint right after save_checkpoint sees the commit on every node
         job.timings.commit = time.perf_counter() - phase
         job.timings.total = time.perf_counter() - job.started
-
-        if self.durable is not None:
-            phase = time.perf_counter()
-            self.durable.upload(job.tag, [(os.path.join(tag_dir, written.name), written.name)])
-            comm.barrier()
-            if comm.rank == 0:
-                self.durable.commit(manifest)
-                self.durable.apply_retention(options.keep_last)
-            job.timings.upload = time.perf_counter() - phase
-        self.timings = job.timings
+        job.manifest = manifest

@@ -56,4 +56,5 @@ def test_killed_save_is_invisible_and_previous_loads(tmp_path):
     assert loaded.manifest.step == 10 and torch.equal(loaded.read(spec), torch.arange(8, dtype=torch.float32))
     # the next save's retention pass clears the dead save's files
     checkpointer.save(root, "global_step30", 30, 1, [ShardedTensor(spec, torch.zeros(8))])
+    checkpointer.wait()  # retention runs after the commit, off the caller's path
     assert not os.path.exists(os.path.join(root, "global_step20"))
