@@ -12,6 +12,7 @@ gloo point-to-point works with any main backend (NCCL included).
 """
 from __future__ import annotations
 
+import datetime
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -25,6 +26,8 @@ from rayzero.checkpoint.shard_file import CorruptShardError
 
 _CHUNK = 32 << 20  # bytes per message: bounds the memory a transfer holds at once
 NODE_ID_ENV = "RAYZERO_NODE_ID"
+TIMEOUT_ENV = "RAYZERO_CHECKPOINT_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 1800.0
 
 
 class CheckpointComm:
@@ -36,7 +39,10 @@ class CheckpointComm:
         self.rank = dist.get_rank() if self.distributed else 0
         self.world_size = dist.get_world_size() if self.distributed else 1
         # see [Note: checkpoint process group]
-        self.group = dist.new_group(backend="gloo") if self.distributed and self.world_size > 1 else None
+        # Generous by default: a barrier here waits for the slowest rank's whole shard write.
+        timeout = datetime.timedelta(seconds=float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S)))
+        self.group = (dist.new_group(backend="gloo", timeout=timeout)
+                      if self.distributed and self.world_size > 1 else None)
         self.node_ids: list[str] = self.all_gather_object(os.environ.get(NODE_ID_ENV, "node0"))
 
     def all_gather_object(self, value: Any) -> list[Any]:

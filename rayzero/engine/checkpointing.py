@@ -20,8 +20,8 @@ from rayzero.checkpoint.checkpointer import Checkpointer
 from rayzero.checkpoint.loader import NoCheckpointError
 from rayzero.checkpoint.options import CheckpointOptions, config_digest
 from rayzero.checkpoint.saver import SaveTimings
-from rayzero.engine.optim_state import ensure_optimizer_state
 from rayzero.checkpoint.types import ShardSpec
+from rayzero.engine.optim_state import ensure_optimizer_state
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +83,9 @@ def save_checkpoint(engine: Any, save_dir: str | None = None, tag: str | None = 
 
 def wait_for_checkpoint(engine: Any) -> SaveTimings:
     """Block until the background save (if any) is committed and uploaded; its phase timings."""
-    return checkpointer_of(engine).wait()
+    if getattr(engine, "checkpointer", None) is None:  # never saved: nothing to wait for, no group to build
+        return SaveTimings()
+    return engine.checkpointer.wait()
 
 
 def load_checkpoint(engine: Any, load_dir: str | None = None, tag: str | None = None,
