@@ -26,7 +26,7 @@ from rayzero.engine.stage3_trace import FetchEvent, ModuleTrace
 
 def _count(value: Any, field: str) -> int:
     if not isinstance(value, int):
-        raise ValueError(
+        raise ValueError(  # noqa: TRY004 - a config value the user must fix, not a programming error
             f"zero_optimization.{field}={value!r} was not resolved to an element count: pass "
             "hidden_size when loading the config or set a number")
     if value < 0:
@@ -180,24 +180,36 @@ class Stage3Coordinator:
             self.partitions.wait(entry)
 
     def _prefetch(self) -> None:
+        """Keep the next `prefetch_bucket_size` elements of the trace gathered or in flight.
+
+        Elements already gathered count toward the budget, so the scan stops within one budget's
+        worth of trace instead of walking to its end on every fetch.
+        """
         budget = self.knobs.prefetch_bucket_size
         if budget <= 0:
             return
         batch: list[PartitionedParam] = []
-        issued, live = 0, self.partitions.live_elements
+        chosen: set[int] = set()
+        ahead, issued, live = 0, 0, self.partitions.live_elements
         for event in self.trace.upcoming():
             for index in event.params:
                 entry = self.partitions.entries[index]
-                if entry.state is not ParamState.RELEASED or any(entry is e for e in batch):
+                if entry.persistent or index in chosen:
                     continue
-                if issued + entry.numel > budget or live + entry.numel > self.knobs.max_live_parameters:
+                if entry.state is not ParamState.RELEASED:
+                    ahead += entry.numel
+                elif ahead + entry.numel <= budget and live + entry.numel <= self.knobs.max_live_parameters:
+                    batch.append(entry)
+                    chosen.add(index)
+                    ahead += entry.numel
+                    issued += entry.numel
+                    live += entry.numel
+                else:
+                    ahead = budget
+                if ahead >= budget:
                     break
-                batch.append(entry)
-                issued += entry.numel
-                live += entry.numel
-            else:
-                continue
-            break
+            if ahead >= budget:
+                break
         self.partitions.gather(batch)  # one collective ([Note: coalesced gathers])
         self.prefetched_elements += issued
 

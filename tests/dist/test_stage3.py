@@ -5,6 +5,8 @@ One spawned group per world size runs every case for it (spawning costs seconds;
 """
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -115,7 +117,29 @@ KNOB_SETTINGS = {
 
 
 # ---- GatheredParameters and Init (inside workers) --------------------------------------------
+class ExternalUse(torch.nn.Module):
+    """The root's forward reads `embed.weight` directly (an output projection tied by use)."""
+
+    def __init__(self) -> None:
+        from rayzero.zero import register_external_parameter
+
+        super().__init__()
+        self.embed = torch.nn.Embedding(11, 7)
+        self.mix = torch.nn.Linear(7, 7)
+        register_external_parameter(self, self.embed.weight)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(torch.tanh(self.mix(self.embed(tokens))), self.embed.weight)
+        return F.cross_entropy(logits.reshape(-1, 11), targets.reshape(-1))
+
+
+def external_batch(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(rank)
+    return torch.randint(0, 11, (2, 3), generator=gen), torch.randint(0, 11, (2, 3), generator=gen)
+
+
 def gathered_checks(rank: int, world: int) -> dict:
+    import rayzero
     from rayzero.zero import GatheredParameters
 
     engine = tower_engine({"stage3_param_persistence_threshold": 0})  # default 1e5 keeps all whole
@@ -130,13 +154,25 @@ def gathered_checks(rank: int, world: int) -> dict:
     piece = masters["layers.0.weight"]
     out["gathered_matches_master"] = bool(torch.equal(full.reshape(-1)[piece.spec.flat_start:piece.spec.flat_end],
                                                       piece.local))
-    with GatheredParameters(engine.module.layers[0].parameters(), modifier_rank=world - 1):
-        with torch.no_grad():
-            weight.fill_(0.5 if rank == world - 1 else 7.0)  # only the modifier rank's values count
+    with GatheredParameters(engine.module.layers[0].parameters(), modifier_rank=world - 1), torch.no_grad():
+        weight.fill_(0.5 if rank == world - 1 else 7.0)  # only the modifier rank's values count
     with GatheredParameters(weight):
         out["after_modify_all_half"] = bool((weight == 0.5).all())
     master = next(s for s in engine.state_shards() if s.spec.name == "master/layers.0.weight")
     out["master_modified"] = bool((master.local == 0.5).all())
+    external = ExternalUse()
+    expected = float(copy.deepcopy(external)(*external_batch(rank)))
+    engine2 = rayzero.initialize(model=external, config={
+        "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}})[0]
+    losses = []
+    for _ in range(2):
+        loss = engine2(*external_batch(rank))
+        engine2.backward(loss)
+        engine2.step()
+        losses.append(float(loss.detach()))
+    out["external_losses"] = (expected, losses)
+    engine2.close()
     plain = torch.nn.Parameter(torch.ones(3))
     with GatheredParameters([plain], modifier_rank=0):
         plain.data.mul_(2)
@@ -352,6 +388,8 @@ def test_gathered_parameters_read_and_modify(world):
         assert checks["after_modify_all_half"], rank  # the modifier rank's values reached everyone
         assert checks["master_modified"], rank  # ... including the fp32 master piece
         assert checks["plain_untouched_by_context"] == [2.0, 2.0, 2.0]  # no-op for plain params
+        expected, losses = checks["external_losses"]  # a registered external parameter is gathered
+        assert losses[0] == pytest.approx(expected, rel=1e-6) and losses[1] < losses[0]
 
 
 @pytest.mark.parametrize("world", [2, 3])
