@@ -26,7 +26,6 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from typing import Optional
 
 SCRIPTS = pathlib.Path(__file__).resolve().parent
 CACHE = pathlib.Path(os.environ.get("RAYZERO_CACHE", pathlib.Path.home() / ".cache" / "rayzero"))
@@ -62,7 +61,7 @@ class EnvTest:
         return f"https://127.0.0.1:{self.port}"
 
     def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
-        log = open(self.dir / f"{name}.log", "wb")
+        log = open(self.dir / f"{name}.log", "wb")  # noqa: SIM115 (the child process keeps it)
         process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self.processes.append(process)
         return process
@@ -77,7 +76,7 @@ class EnvTest:
                        check=True, capture_output=True)
         (self.dir / "tokens.csv").write_text(f'{self.admin_token},admin,admin-uid,"system:masters"\n')
 
-    def start(self, timeout: float = 60.0) -> "EnvTest":
+    def start(self, timeout: float = 60.0) -> EnvTest:
         ensure_binaries()
         self._certificates()
         etcd_port, peer_port, self.port = free_port(), free_port(), free_port()
@@ -106,8 +105,8 @@ class EnvTest:
         self._ensure_namespace("default")
         return self
 
-    def _request(self, method: str, path: str, body: Optional[dict] = None,
-                 token: Optional[str] = None) -> dict:
+    def _request(self, method: str, path: str, body: dict | None = None,
+                 token: str | None = None) -> dict:
         context = ssl.create_default_context(cafile=str(self.ca_file))
         request = urllib.request.Request(
             self.server + path, method=method, data=None if body is None else json.dumps(body).encode(),

@@ -10,12 +10,11 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from typing import Any, Optional
+from typing import Any
 
 import kopf
 
 from rayzero.config.k8s_job import CONFIG_FILE_NAME, GROUP, PLURAL, VERSION
-
 from rayzero_operator import manifests
 from rayzero_operator.kube import KubeApi, load_client
 from rayzero_operator.plan import Observed, plan
@@ -46,7 +45,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
 
 
 @kopf.on.login()
-def login(**kwargs: Any) -> Optional[kopf.ConnectionInfo]:
+def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
     """The same credentials as our own client: in-cluster ServiceAccount or kubeconfig."""
     return kopf.login_via_client(**kwargs)
 
@@ -57,7 +56,7 @@ def _crash_point(memo: kopf.Memo, step: str) -> None:
         os._exit(CRASH_EXIT_CODE)
 
 
-def reconcile(memo: kopf.Memo, namespace: str, name: str) -> Optional[float]:
+def reconcile(memo: kopf.Memo, namespace: str, name: str) -> float | None:
     """Bring one RayZeroJob's RayJobs and status in line with its spec; seconds until a requeue."""
     api: KubeApi = memo.api
     lock = memo.locks.setdefault((namespace, name), threading.Lock())

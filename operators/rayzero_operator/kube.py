@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
-from typing import Any, Optional
+from typing import Any
 
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
 from rayzero.config.k8s_job import GROUP, KIND, PLURAL, VERSION
-
 from rayzero_operator import manifests
 
 logger = logging.getLogger(__name__)
@@ -38,7 +37,7 @@ class KubeApi:
 
     # --- reads ------------------------------------------------------------------------------------
 
-    def get_job(self, namespace: str, name: str) -> Optional[dict[str, Any]]:
+    def get_job(self, namespace: str, name: str) -> dict[str, Any] | None:
         try:
             return self.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
         except ApiException as error:
@@ -52,7 +51,7 @@ class KubeApi:
             label_selector=f"{manifests.LABEL_JOB}={job_name}")
         return list(found.get("items", []))
 
-    def read_config_text(self, namespace: str, name: str, key: str) -> Optional[str]:
+    def read_config_text(self, namespace: str, name: str, key: str) -> str | None:
         try:
             config_map = self.core.read_namespaced_config_map(name, namespace)
         except ApiException as error:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import shlex
-from typing import Any, Optional
+from typing import Any
 
 import yaml
 
@@ -47,7 +47,7 @@ def config_map_name(job_name: str) -> str:
     return f"{job_name}-deepspeed"
 
 
-def resume_uri(spec: RayZeroJobSpec, job_name: str) -> Optional[str]:
+def resume_uri(spec: RayZeroJobSpec, job_name: str) -> str | None:
     """Where the run's checkpoints live durably: `rayzero run --storage URI --name NAME` writes them
     under URI/NAME, so a retried attempt resumes from there. None without durable storage."""
     if spec.storage.durable_uri is None:
@@ -68,7 +68,7 @@ def owner_reference(job: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def labels(job_name: str, attempt: Optional[int] = None) -> dict[str, str]:
+def labels(job_name: str, attempt: int | None = None) -> dict[str, str]:
     result = {"app.kubernetes.io/managed-by": MANAGED_BY, "app.kubernetes.io/part-of": "rayzero",
               LABEL_JOB: job_name}
     if attempt is not None:
@@ -93,10 +93,16 @@ def config_map(job: dict[str, Any], spec: RayZeroJobSpec) -> dict[str, Any]:
 
 
 def entrypoint(spec: RayZeroJobSpec, job_name: str) -> str:
-    """The `rayzero run` command line the RayJob submits (shell-quoted: KubeRay runs it in a shell)."""
+    """The `rayzero run` command line the RayJob submits (shell-quoted: KubeRay runs it in a shell).
+
+    `--workers` is the world size: one rank per GPU of every worker pod (one per pod without GPUs).
+    `--max-failures` stays at its default 0: a failure ends the RayJob and the operator's restart
+    budget decides what happens next ([Note: one retry budget])."""
     command = ["rayzero", "run", spec.entrypoint.target,
                "--config", f"{CONFIG_MOUNT_DIR}/{CONFIG_FILE_NAME}",
-               "--workers", str(spec.workers.replicas)]
+               "--workers", str(spec.world_size())]
+    if spec.gpus_per_worker() > 0:
+        command += ["--gpus-per-worker", "1"]  # one rank per GPU
     if spec.storage.durable_uri is not None:
         command += ["--storage", spec.storage.durable_uri]
     command += ["--name", job_name]
@@ -105,7 +111,7 @@ def entrypoint(spec: RayZeroJobSpec, job_name: str) -> str:
     return shlex.join(command)
 
 
-def runtime_env_yaml(resume_from: Optional[str]) -> Optional[str]:
+def runtime_env_yaml(resume_from: str | None) -> str | None:
     """Ray runtime env of the driver: how RAYZERO_RESUME_FROM reaches `rayzero run`."""
     if resume_from is None:
         return None
@@ -166,7 +172,7 @@ def _container(spec: RayZeroJobSpec, job_name: str, attempt: int, name: str, res
 
 
 def ray_job(job: dict[str, Any], spec: RayZeroJobSpec, attempt: int,
-            resume_from: Optional[str]) -> dict[str, Any]:
+            resume_from: str | None) -> dict[str, Any]:
     """The KubeRay RayJob of one attempt; `resume_from` is set from the second attempt on."""
     meta = job["metadata"]
     name = meta["name"]

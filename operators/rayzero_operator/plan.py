@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import datetime as dt
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import yaml
 
 from rayzero.config.k8s_job import RayZeroJobSpec
-
 from rayzero_operator import manifests
 from rayzero_operator.spec import SpecProblem, deepspeed_problems, parse_spec
 
@@ -35,7 +34,7 @@ class Observed:
     """The RayZeroJob object (metadata, spec, status)."""
     ray_jobs: list[dict[str, Any]]
     """The RayJobs labelled as this job's attempts."""
-    config_map_text: Optional[str] = None
+    config_map_text: str | None = None
     """The referenced ConfigMap's config text; None when absent or not referenced."""
     now: dt.datetime = field(default_factory=lambda: dt.datetime.now(dt.timezone.utc))
 
@@ -46,13 +45,13 @@ class Plan:
 
     create: list[dict[str, Any]] = field(default_factory=list)
     """Objects to create (the ConfigMap before the RayJob); AlreadyExists is success."""
-    patch_ray_job: Optional[tuple[str, dict[str, Any]]] = None
+    patch_ray_job: tuple[str, dict[str, Any]] | None = None
     """(RayJob name, merge patch), for suspend and un-suspend."""
     status: dict[str, Any] = field(default_factory=dict)
     """The full status to write (camelCase, as stored)."""
     events: list[tuple[str, str, str]] = field(default_factory=list)
     """(type, reason, message) Events about the RayZeroJob."""
-    requeue_after: Optional[float] = None
+    requeue_after: float | None = None
     """Seconds until the operator must look again even without an event (backoff)."""
 
 
@@ -76,7 +75,7 @@ def attempt_state(ray_job: dict[str, Any]) -> str:
     return "pending"
 
 
-def _timestamp(text: Optional[str]) -> Optional[dt.datetime]:
+def _timestamp(text: str | None) -> dt.datetime | None:
     if not text:
         return None
     return dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
@@ -121,7 +120,7 @@ def plan(observed: Observed) -> Plan:
                 "spec.deepspeed.configMapRef", f"ConfigMap {ref.name!r} with key {ref.key!r} was not found "
                 f"in namespace {job['metadata']['namespace']!r}", "create it, or fix the name and key"))
         else:
-            problems += deepspeed_problems(observed.config_map_text, spec.workers.replicas,
+            problems += deepspeed_problems(observed.config_map_text, spec.world_size(),
                                            f"spec.deepspeed.configMapRef({ref.name}/{ref.key})")
 
     by_attempt = {attempt_of(ray_job): ray_job for ray_job in observed.ray_jobs}
@@ -190,19 +189,19 @@ def plan(observed: Observed) -> Plan:
 
 
 def _start(result: Plan, job: dict[str, Any], spec: RayZeroJobSpec, attempt: int,
-           resume: Optional[str]) -> None:
+           resume: str | None) -> None:
     if spec.deepspeed.config is not None:
         result.create.append(manifests.config_map(job, spec))
     result.create.append(manifests.ray_job(job, spec, attempt, resume))
     verb = "started" if attempt == 1 else "restarted"
     where = f", resuming from {resume}" if resume else (
         ", from step 0: no spec.storage.durableUri to resume from" if attempt > 1 else "")
-    result.events.append(("Normal" if attempt == 1 or resume else "Warning", "RayJobCreated",
-                          f"{verb} as RayJob {manifests.ray_job_name(job['metadata']['name'], attempt)}"
-                          f" (attempt {attempt}){where}"))
+    name = manifests.ray_job_name(job["metadata"]["name"], attempt)
+    message = f"{verb} as RayJob {name} (attempt {attempt}){where}"
+    result.events.append(("Normal" if attempt == 1 or resume else "Warning", "RayJobCreated", message))
 
 
-def _follow(result: Plan, observed: Observed, spec: Optional[RayZeroJobSpec], problems: list[SpecProblem],
+def _follow(result: Plan, observed: Observed, spec: RayZeroJobSpec | None, problems: list[SpecProblem],
             attempt: int, latest: dict[str, Any], state: str) -> tuple[str, str, str]:
     """Phase, reason and message from the newest attempt's RayJob; may start the next attempt."""
     job = observed.job
@@ -247,7 +246,7 @@ def _follow(result: Plan, observed: Observed, spec: Optional[RayZeroJobSpec], pr
     return "Pending", "WaitingForRayJob", f"waiting for RayJob {ray_job_name} to start"
 
 
-def _restarting_since(job: dict[str, Any]) -> Optional[dt.datetime]:
+def _restarting_since(job: dict[str, Any]) -> dt.datetime | None:
     for condition in (job.get("status") or {}).get("conditions") or []:
         if condition.get("type") == "Ready" and condition.get("reason") == "BackingOff":
             return _timestamp(condition.get("lastTransitionTime"))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -123,7 +123,7 @@ def deepspeed_problems(config: Any, world_size: int, where: str) -> list[SpecPro
     return []
 
 
-def parse_spec(raw: dict[str, Any]) -> tuple[Optional[RayZeroJobSpec], list[SpecProblem]]:
+def parse_spec(raw: dict[str, Any]) -> tuple[RayZeroJobSpec | None, list[SpecProblem]]:
     """The parsed spec (None when it does not parse) and every problem found without the cluster.
 
     A referenced ConfigMap is checked separately (`deepspeed_problems`) once it has been read.
@@ -134,5 +134,5 @@ def parse_spec(raw: dict[str, Any]) -> tuple[Optional[RayZeroJobSpec], list[Spec
         return None, _pydantic_problems(error)
     problems = _cross_field_problems(spec)
     if spec.deepspeed.config is not None:
-        problems += deepspeed_problems(spec.deepspeed.config, spec.workers.replicas, "spec.deepspeed.config")
+        problems += deepspeed_problems(spec.deepspeed.config, spec.world_size(), "spec.deepspeed.config")
     return spec, problems

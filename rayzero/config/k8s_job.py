@@ -17,7 +17,7 @@ forbid extra keys, so the operator reports the typo (with the nearest valid key)
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema
 from pydantic.alias_generators import to_camel
@@ -31,6 +31,7 @@ SHORT_NAMES = ["rzj"]
 
 CONFIG_MOUNT_DIR = "/etc/rayzero"
 """Where the generated ConfigMap is mounted in every Ray pod."""
+GPU_RESOURCE = "nvidia.com/gpu"
 CONFIG_FILE_NAME = "ds_config.json"
 """The key of the DeepSpeed config in the generated ConfigMap; `rayzero run --config` reads it."""
 
@@ -42,9 +43,10 @@ QUANTITY_PATTERN = (
 DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 
 
-def _check_quantity(value: Union[int, str]) -> Union[int, str]:
+def _check_quantity(value: int | str) -> int | str:
     if isinstance(value, bool):
-        raise ValueError("expected a quantity such as 2, \"500m\" or \"16Gi\", got a boolean")
+        # ValueError, not TypeError: pydantic turns only ValueError into a validation message.
+        raise ValueError("expected a quantity such as 2, \"500m\" or \"16Gi\", got a boolean")  # noqa: TRY004
     if isinstance(value, int):
         if value < 0:
             raise ValueError(f"a resource quantity cannot be negative, got {value}")
@@ -55,7 +57,7 @@ def _check_quantity(value: Union[int, str]) -> Union[int, str]:
 
 
 Quantity = Annotated[
-    Union[int, str],
+    int | str,
     AfterValidator(_check_quantity),
     WithJsonSchema({"x-kubernetes-int-or-string": True, "pattern": QUANTITY_PATTERN}),
 ]
@@ -97,10 +99,10 @@ class ConfigMapKeyRef(K8sModel):
 class DeepSpeedSource(K8sModel):
     """The DeepSpeed config: inline or a ConfigMap reference (exactly one)."""
 
-    config: Optional[FreeForm] = None
+    config: FreeForm | None = None
     """The DeepSpeed JSON config inline, as an object. Validated by the operator with the same models
     as `rayzero config validate`."""
-    config_map_ref: Optional[ConfigMapKeyRef] = None
+    config_map_ref: ConfigMapKeyRef | None = None
     """A ConfigMap holding the DeepSpeed JSON config."""
 
 
@@ -117,10 +119,11 @@ class Workers(K8sModel):
     """The Ray worker group: one training worker per pod."""
 
     replicas: int = Field(ge=1, le=10000)
-    """Workers to start with (the training world size)."""
-    min_replicas: Optional[int] = Field(default=None, ge=1, le=10000)
+    """Worker pods to start with. Each runs one training rank per GPU (one rank when CPU-only), so
+    the world size is replicas × GPUs per pod."""
+    min_replicas: int | None = Field(default=None, ge=1, le=10000)
     """Fewest workers training may continue with (elastic); defaults to `replicas`."""
-    max_replicas: Optional[int] = Field(default=None, ge=1, le=10000)
+    max_replicas: int | None = Field(default=None, ge=1, le=10000)
     """Most workers training may grow to (elastic); defaults to `replicas`."""
     resources: Resources = Field(default_factory=Resources)
     """Resources of each worker pod."""
@@ -139,9 +142,9 @@ class NodeLocal(K8sModel):
     """Fast node-local disk for the first checkpoint tier and NVMe offload: a hostPath or a local
     volume (a generic ephemeral volume from a local-storage StorageClass) — exactly one."""
 
-    host_path: Optional[str] = Field(default=None, pattern=r"^/")
+    host_path: str | None = Field(default=None, pattern=r"^/")
     """A directory on every node (e.g. an NVMe mount prepared as in workers/README.md)."""
-    storage_class_name: Optional[str] = Field(default=None, min_length=1)
+    storage_class_name: str | None = Field(default=None, min_length=1)
     """A StorageClass of local PersistentVolumes; each pod gets its own claim of `size`."""
     size: Quantity = "100Gi"
     """The claim size when `storageClassName` is used."""
@@ -152,12 +155,12 @@ class NodeLocal(K8sModel):
 class Storage(K8sModel):
     """Where checkpoints go: node-local disk first, then durable storage."""
 
-    node_local: Optional[NodeLocal] = None
+    node_local: NodeLocal | None = None
     """Node-local volume; without it pods use an emptyDir (lost with the pod)."""
-    durable_uri: Optional[str] = Field(default=None, pattern=r"^[a-z][a-z0-9+.-]*://")
+    durable_uri: str | None = Field(default=None, pattern=r"^[a-z][a-z0-9+.-]*://")
     """Durable storage for checkpoints (`s3://bucket/prefix`, `gs://…`, `file:///shared/…`).
     Needed to resume after a restart: without it a retried attempt starts from step 0."""
-    credentials_secret: Optional[str] = Field(default=None, max_length=253, pattern=DNS_SUBDOMAIN_PATTERN)
+    credentials_secret: str | None = Field(default=None, max_length=253, pattern=DNS_SUBDOMAIN_PATTERN)
     """A Secret whose keys become environment variables of every Ray pod (e.g. AWS_ACCESS_KEY_ID)."""
 
 
@@ -192,10 +195,23 @@ class RayZeroJobSpec(K8sModel):
     """Restarts and backoff."""
     suspend: bool = False
     """true stops the run (its Ray cluster is deleted by KubeRay); false resumes it."""
-    ttl_seconds_after_finished: Optional[int] = Field(default=None, ge=0)
+    ttl_seconds_after_finished: int | None = Field(default=None, ge=0)
     """Delete the finished Ray cluster this long after the run ends (KubeRay's TTL)."""
     ray_version: str = Field(default="2.60.0", pattern=r"^[0-9]+\.[0-9]+\.[0-9]+$")
     """Ray version in `image`, for KubeRay."""
+
+    def gpus_per_worker(self) -> int:
+        """GPUs of each worker pod (`nvidia.com/gpu` in limits, else requests); 0 for CPU workers."""
+        resources = self.workers.resources
+        value = resources.limits.get(GPU_RESOURCE, resources.requests.get(GPU_RESOURCE, 0))
+        try:
+            return int(value)
+        except ValueError:
+            return 0  # a fractional or suffixed GPU quantity is not schedulable anyway
+
+    def world_size(self) -> int:
+        """Training ranks at the start: one per GPU (one per pod for CPU workers)."""
+        return self.workers.replicas * max(self.gpus_per_worker(), 1)
 
     def world_bounds(self) -> tuple[int, int]:
         """(minReplicas, maxReplicas) with the defaults applied."""
@@ -223,7 +239,7 @@ class Condition(K8sModel):
     """One CamelCase word a program can match on."""
     message: str = ""
     """What happened and what to do, for a human."""
-    last_transition_time: Optional[str] = None
+    last_transition_time: str | None = None
     """When `status` last changed (RFC 3339)."""
 
 
@@ -234,19 +250,19 @@ class RayZeroJobStatus(K8sModel):
         alias_generator=to_camel, populate_by_name=True, extra="ignore", use_attribute_docstrings=True
     )
 
-    phase: Optional[Phase] = None
+    phase: Phase | None = None
     """Pending, Running, Restarting, Succeeded, Failed or Suspended."""
     restarts: int = Field(default=0, ge=0)
     """Restarts used from `failurePolicy.maxRestarts`."""
     attempt: int = Field(default=0, ge=0)
     """The current attempt (1 for the first RayJob)."""
-    ray_job_name: Optional[str] = None
+    ray_job_name: str | None = None
     """The RayJob of the current attempt."""
     workers: int = Field(default=0, ge=0)
     """Workers requested for the current attempt."""
-    resume_from: Optional[str] = None
+    resume_from: str | None = None
     """The durable checkpoint location the current attempt resumes from, if any."""
-    observed_generation: Optional[int] = None
+    observed_generation: int | None = None
     """The spec generation this status describes."""
     conditions: list[Condition] = Field(default_factory=list)
     """Ready, InvalidSpec, Suspended, Restarting, Succeeded, Failed."""

@@ -12,7 +12,8 @@ import subprocess
 import sys
 import time
 import uuid
-from typing import Any, Callable, Iterator, Optional
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import yaml
@@ -21,11 +22,10 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "scripts"))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-import k8s_envtest  # noqa: E402
-import kuberay_crds  # noqa: E402
-
-from kubernetes import client, config  # noqa: E402
-from kubernetes.client.exceptions import ApiException  # noqa: E402
+import k8s_envtest
+import kuberay_crds
+from kubernetes import client, config
+from kubernetes.client.exceptions import ApiException
 
 CHART = REPO / "helm" / "rayzero-operator"
 RELEASE = "rzo"  # deploy/rbac.yaml is rendered with the same release name
@@ -97,10 +97,10 @@ class OperatorProcess:
     def __init__(self, kubeconfig: pathlib.Path, log_dir: pathlib.Path) -> None:
         self.kubeconfig = kubeconfig
         self.log_dir = log_dir
-        self.process: Optional[subprocess.Popen] = None
+        self.process: subprocess.Popen | None = None
         self.runs = 0
 
-    def start(self, *namespaces: str, **extra_env: str) -> "OperatorProcess":
+    def start(self, *namespaces: str, **extra_env: str) -> OperatorProcess:
         """Start it watching `namespaces` (default: all) with `extra_env` added."""
         assert self.process is None or self.process.poll() is not None, "operator already running"
         self.runs += 1
@@ -112,7 +112,7 @@ class OperatorProcess:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "rayzero_operator", "--verbose",
              f"--liveness=http://127.0.0.1:{port}/healthz", *(f"--namespace={ns}" for ns in namespaces)],
-            env=env, stdout=open(self.log_path, "wb"), stderr=subprocess.STDOUT, cwd=str(REPO),
+            env=env, stdout=open(self.log_path, "wb"),  # noqa: SIM115 (the child keeps it) stderr=subprocess.STDOUT, cwd=str(REPO),
             start_new_session=True)
         import urllib.request
 
@@ -185,7 +185,7 @@ class Cluster:
         return self.custom.create_namespaced_custom_object("rayzero.io", "v1alpha1", self.namespace,
                                                            "rayzerojobs", body)
 
-    def job(self, name: str) -> Optional[dict[str, Any]]:
+    def job(self, name: str) -> dict[str, Any] | None:
         try:
             return self.custom.get_namespaced_custom_object("rayzero.io", "v1alpha1", self.namespace,
                                                             "rayzerojobs", name)
@@ -221,7 +221,7 @@ class Cluster:
         self.custom.patch_namespaced_custom_object_status("ray.io", "v1", self.namespace, "rayjobs", name,
                                                           {"status": status})
 
-    def config_map(self, name: str) -> Optional[client.V1ConfigMap]:
+    def config_map(self, name: str) -> client.V1ConfigMap | None:
         try:
             return self.core.read_namespaced_config_map(name, self.namespace)
         except ApiException as error:

@@ -3,7 +3,8 @@ rest with an InvalidSpec condition and Event naming the field and the fix, and c
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 from conftest import example, wait_for

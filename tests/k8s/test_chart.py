@@ -10,7 +10,6 @@ import pytest
 import yaml
 from conftest import CHART, RELEASE, RELEASE_NAMESPACE, SERVICE_ACCOUNT
 from kubernetes import client
-
 from rayzero_operator import crd as crd_module
 
 REPO = pathlib.Path(__file__).resolve().parents[2]

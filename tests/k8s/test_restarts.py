@@ -6,7 +6,6 @@ import time
 
 import pytest
 from conftest import RESYNC_SECONDS, example, wait_for
-
 from rayzero_operator.handlers import CRASH_AFTER_ENV, CRASH_EXIT_CODE
 
 
