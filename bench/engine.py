@@ -149,6 +149,7 @@ def merge_rounds(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         row["step_time_round_medians_s"] = [r["step_time_median_s"] for r in good]
         row["step_time_median_s"] = statistics.median(row["step_time_round_medians_s"])
         row["step_time_min_s"] = min(r["step_time_min_s"] for r in good)
+        row["step_cpu_time_median_s"] = statistics.median(r["step_cpu_time_median_s"] for r in good)
         merged.append(row)
     return merged
 

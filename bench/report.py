@@ -121,7 +121,9 @@ def comparisons(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             # The ratio of fastest steps is less sensitive to load from other processes; `met` is
             # decided on the medians, as the issue's target states, the other is a noise check.
             fastest = theirs["step_time_min_s"] / mine["step_time_min_s"]
-            add("speed", target, round(value, 3), value >= minimum, value_from_fastest_steps=round(fastest, 3))
+            cpu = theirs["step_cpu_time_median_s"] / mine["step_cpu_time_median_s"]
+            add("speed", target, round(value, 3), value >= minimum, value_from_fastest_steps=round(fastest, 3),
+                value_from_cpu_time=round(cpu, 3))
     for row in rows:
         if not row["system"].startswith("rayzero") or "error" in row:
             continue
@@ -159,14 +161,15 @@ def table(rows: list[dict[str, Any]], found: list[dict[str, Any]]) -> str:
     def number(value: Any, spec: str) -> str:
         return "-" if value is None else format(value, spec)
 
-    lines = [f"{'system':18} {'ws':>2} {'model':5} {'step ms':>8} {'state MB':>9} {'state/formula':>13} "
-             f"{'comm/ideal':>10}  note"]
+    lines = [f"{'system':18} {'ws':>2} {'model':5} {'step ms':>8} {'cpu ms':>7} {'state MB':>9} "
+             f"{'state/formula':>13} {'comm/ideal':>10}  note"]
     for row in sorted(rows, key=lambda r: (r["world_size"] != 2, r["world_size"], r["model"], r["system"])):
-        median = row.get("step_time_median_s")
+        median, cpu = row.get("step_time_median_s"), row.get("step_cpu_time_median_s")
         state = row.get("model_state_bytes_per_rank")
         lines.append(
             f"{row['system']:18} {row['world_size']:>2} {row['model']:5} "
             f"{number(None if median is None else median * 1e3, '8.1f'):>8} "
+            f"{number(None if cpu is None else cpu * 1e3, '7.1f'):>7} "
             f"{number(None if state is None else state / 2**20, '9.2f'):>9} "
             f"{number(row.get('model_state_bytes_ratio'), '13.3f'):>13} {number(row.get('comm_ratio'), '10.3f'):>10}  "
             + (("ERROR " + row["error"][:70]) if "error" in row else "")
@@ -176,8 +179,8 @@ def table(rows: list[dict[str, Any]], found: list[dict[str, Any]]) -> str:
     for comparison in found:
         mark = "met" if comparison["met"] else "NOT met"
         value = "-" if comparison["value"] is None else comparison["value"]
-        fastest = comparison.get("value_from_fastest_steps")
-        note = comparison.get("note", "") + (f"(fastest steps: {fastest})" if fastest is not None else "")
+        fastest, cpu = comparison.get("value_from_fastest_steps"), comparison.get("value_from_cpu_time")
+        note = comparison.get("note", "") + (f"(fastest steps: {fastest}, cpu time: {cpu})" if fastest else "")
         lines.append(f"  [{mark:7}] {comparison['target']}: {value} {note}".rstrip())
     return "\n".join(lines)
 

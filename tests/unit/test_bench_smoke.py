@@ -44,7 +44,8 @@ def test_communication_uses_the_engines_paper_unit_total() -> None:
 
 def _row(system: str, seconds: float, **extra) -> dict:
     return {"system": system, "world_size": 2, "model": "mlp", "trainable_parameters": 100,
-            "step_time_median_s": seconds, "step_time_min_s": seconds, "losses": [1.0, 0.5], **extra}
+            "step_time_median_s": seconds, "step_time_min_s": seconds,
+            "step_cpu_time_median_s": seconds, "losses": [1.0, 0.5], **extra}
 
 
 def test_comparisons_compute_throughput_ratios_and_flag_failures() -> None:
