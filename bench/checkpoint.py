@@ -126,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None, help="write the result here too")
     parser.add_argument("--size-mb", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--skip-engine", action="store_true", help="bandwidth only, no engine run")
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="directory on the disk to measure")
     args = parser.parse_args(argv)
     work = tempfile.mkdtemp(prefix="rayzero-bench-ckpt-", dir=args.dir)
@@ -134,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         nbytes = sum(shard.local.numel() * shard.local.element_size() for shard in state)
         specs = [shard.spec for shard in state]
         checkpointer = Checkpointer(CheckpointOptions(keep_last=1, async_save=False))
-        disk_write, disk_read, saves, loads, write_phase = [], [], [], [], []
+        disk_write, disk_read, saves, loads, write_phase, async_saves = [], [], [], [], [], []
         for repeat in range(args.repeats):
             write, read = dd_bandwidth(os.path.join(work, "dd.bin"), args.size_mb)
             disk_write.append(write)
@@ -144,7 +145,11 @@ def main(argv: list[str] | None = None) -> int:
             saves.append(nbytes / (time.perf_counter() - started))
             timings = checkpointer.wait()  # retention of the previous one, off the measured path
             write_phase.append(nbytes / timings.write)
-            evict(os.path.join(work, f"sync{repeat}"))
+            # async: snapshot into page-aligned buffers, then the background write needs no copy
+            checkpointer.save(work, f"async{repeat}", repeat, 0, state, asynchronous=True)
+            timings = checkpointer.wait()
+            async_saves.append(nbytes / (timings.total - timings.blocking))
+            evict(os.path.join(work, f"async{repeat}"))
             started = time.perf_counter()
             loaded = checkpointer.load(work, specs, restore_rng=False)
             for spec in specs:
@@ -152,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
             loads.append(nbytes / (time.perf_counter() - started))
             loaded.release()
         del state
-        engine_result = async_vs_sync(work, args.size_mb, args.repeats)
+        engine_result = {} if args.skip_engine else async_vs_sync(work, args.size_mb, args.repeats)
         result = {
             "bytes": nbytes,
             "repeats": args.repeats,
@@ -160,16 +165,19 @@ def main(argv: list[str] | None = None) -> int:
             "disk_read_bytes_per_s": statistics.median(disk_read),
             "save_bytes_per_s": statistics.median(saves),
             "save_write_phase_bytes_per_s": statistics.median(write_phase),
+            "async_save_bytes_per_s": statistics.median(async_saves),
+            "async_save_vs_disk": statistics.median(async_saves) / statistics.median(disk_write),
             "load_bytes_per_s": statistics.median(loads),
             "save_vs_disk": statistics.median(saves) / statistics.median(disk_write),
             "load_vs_disk": statistics.median(loads) / statistics.median(disk_read),
             **engine_result,
-            "samples": {"disk_write": disk_write, "disk_read": disk_read, "save": saves, "load": loads},
+            "samples": {"disk_write": disk_write, "disk_read": disk_read, "save": saves, "load": loads,
+                        "async_save": async_saves},
         }
         result["goals"] = {
             "save_ge_0.80_disk": result["save_vs_disk"] >= 0.80,
             "load_ge_0.80_disk": result["load_vs_disk"] >= 0.80,
-            "blocking_le_0.10_sync": result["blocking_vs_sync"] <= 0.10,
+            "blocking_le_0.10_sync": result.get("blocking_vs_sync", float("inf")) <= 0.10,
         }
         text = json.dumps(result, indent=2)
         print(text)

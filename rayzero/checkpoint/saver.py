@@ -28,6 +28,7 @@ import torch
 
 from rayzero.checkpoint import rng
 from rayzero.checkpoint.comm import CheckpointComm, Topology, Transfer, run_transfers
+from rayzero.checkpoint.direct_io import aligned_empty
 from rayzero.checkpoint.durable import DurableStore
 from rayzero.checkpoint.manifest import (
     MANIFEST,
@@ -163,7 +164,9 @@ class CheckpointSaver:
             local = shard.local.detach().reshape(-1)
             buffer = self._staging.get(shard.spec.name)
             if buffer is None or buffer.shape != local.shape or buffer.dtype != local.dtype:
-                buffer = torch.empty(local.shape, dtype=local.dtype, pin_memory=on_accelerator)
+                # pinned memory is page-aligned too: either way the shard file is written from it with no copy
+                buffer = (torch.empty(local.shape, dtype=local.dtype, pin_memory=True) if on_accelerator
+                          else aligned_empty(local.numel(), local.dtype))
                 self._staging[shard.spec.name] = buffer
             buffer.copy_(local, non_blocking=on_accelerator)
             snapshot.append(ShardedTensor(shard.spec, buffer))

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import xxhash
 
-from rayzero.checkpoint.direct_io import DirectWriter, read_file
+from rayzero.checkpoint.direct_io import BLOCK, DirectWriter, read_file
 
 # safetensors dtype codes <-> torch dtypes
 _TO_CODE = {
@@ -33,6 +33,8 @@ _TO_CODE = {
 _FROM_CODE = {code: dtype for dtype, code in _TO_CODE.items()}
 _ALIGN = 8  # safetensors pads the header so tensor data starts 8-byte aligned
 _CHUNK = 64 << 20  # bytes per write/read call: large enough for full disk bandwidth
+_ALIGN_AT_BYTES = 1 << 20  # tensors this large start on a block boundary in shard files
+PAD_PREFIX = "__pad__/"  # padding tensors (zeros); never part of the checkpoint's state
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -72,38 +74,51 @@ class SafetensorsWriter:
     `close()` fsyncs and renames into place: a reader sees nothing or the whole file.
     """
 
-    def __init__(self, path: str, entries: list[tuple[str, torch.dtype, tuple[int, ...]]], fsync: bool = True) -> None:
+    def __init__(self, path: str, entries: list[tuple[str, torch.dtype, tuple[int, ...]]], fsync: bool = True,
+                 align_large: bool = False) -> None:
         self.path, self.fsync = path, fsync
         header: dict[str, object] = {}
+        self.order: list[tuple[str, int]] = []
         offset = 0
         for name, dtype, shape in entries:
             numel = 1
             for dim in shape:
                 numel *= dim
             size = numel * dtype.itemsize
+            gap = -offset % BLOCK
+            if align_large and size >= _ALIGN_AT_BYTES and gap:
+                # [Note: direct I/O]: a padding tensor puts this one on a block boundary of the file,
+                # so it can be written straight from (page-aligned) memory with no copy.
+                pad = f"{PAD_PREFIX}{len(self.order)}"
+                header[pad] = {"dtype": "U8", "shape": [gap], "data_offsets": [offset, offset + gap]}
+                self.order.append((pad, gap))
+                offset += gap
             header[name] = {"dtype": _TO_CODE[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+            self.order.append((name, size))
             offset += size
         header_bytes = json.dumps(header, separators=(",", ":")).encode()
-        header_bytes += b" " * (-(8 + len(header_bytes)) % _ALIGN)
-        self.order = [(name, header[name]["data_offsets"][1] - header[name]["data_offsets"][0]) for name, _, _ in entries]
+        header_bytes += b" " * (-(8 + len(header_bytes)) % (BLOCK if align_large else _ALIGN))
         self.size = 8 + len(header_bytes) + offset
         self.digest = xxhash.xxh3_128()
         self.out = DirectWriter(path + ".tmp", fsync)  # [Note: direct I/O]
         self._emit(memoryview(struct.pack("<Q", len(header_bytes)) + header_bytes))
 
-    def _emit(self, data: memoryview) -> None:
+    def _emit(self, data: memoryview, address: int | None = None) -> None:
         for start in range(0, len(data), _CHUNK):
             chunk = data[start:start + _CHUNK]
             self.digest.update(chunk)
-            self.out.write(chunk)
+            self.out.write(chunk, None if address is None else address + start)
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
+        while self.order and self.order[0][0].startswith(PAD_PREFIX):
+            self._emit(memoryview(bytes(self.order.pop(0)[1])))
         expected_name, expected_size = self.order.pop(0)
-        data = tensor_bytes(tensor.detach().contiguous())
+        tensor = tensor.detach().contiguous()
+        data = tensor_bytes(tensor)
         if name != expected_name or len(data) != expected_size:
             raise ValueError(f"safetensors writer: got {name!r} ({len(data)} bytes), expected "
                              f"{expected_name!r} ({expected_size} bytes)")
-        self._emit(data)
+        self._emit(data, tensor.data_ptr() if tensor.numel() else None)
 
     def close(self) -> WrittenFile:
         if self.order:
@@ -122,7 +137,8 @@ def write_shard_file(path: str, tensors: Iterable[tuple[str, torch.Tensor]], fsy
     # Widest dtypes first: every tensor then starts at a multiple of its element size, so the
     # reader can view it in place (safetensors forbids padding between tensors).
     items.sort(key=lambda item: -item[1].element_size())
-    writer = SafetensorsWriter(path, [(name, tensor.dtype, (tensor.numel(),)) for name, tensor in items], fsync)
+    writer = SafetensorsWriter(path, [(name, tensor.dtype, (tensor.numel(),)) for name, tensor in items], fsync,
+                               align_large=True)
     for name, tensor in items:
         writer.write(name, tensor)
     return writer.close()

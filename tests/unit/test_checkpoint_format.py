@@ -8,6 +8,7 @@ import torch
 from safetensors import safe_open
 
 from rayzero.checkpoint.comm import Topology
+from rayzero.checkpoint.direct_io import aligned_empty
 from rayzero.checkpoint.data_position import ResumableSampler
 from rayzero.checkpoint.manifest import (
     Manifest,
@@ -26,8 +27,11 @@ from rayzero.checkpoint.types import ShardSpec
 
 
 def test_shard_file_is_standard_safetensors_and_checksummed(tmp_path):
+    aligned = aligned_empty((3 << 18) + 5, torch.float32)  # > 1 MiB, page-aligned: written with no copy
+    aligned.copy_(torch.randn(aligned.numel()))
     tensors = {"module/a": torch.randn(7).to(torch.bfloat16), "optim/step/a": torch.arange(3),
-               "master/a": torch.randn(5), "module/flag": torch.tensor([True, False, True])}
+               "master/a": torch.randn(5), "module/flag": torch.tensor([True, False, True]),
+               "master/big": aligned, "module/big": torch.randn((1 << 19) + 3).to(torch.bfloat16)}
     path = str(tmp_path / "rank00000.safetensors")
     written = write_shard_file(path, list(tensors.items()))
     assert written.size == os.path.getsize(path) and written.checksum == file_checksum(path)
