@@ -55,7 +55,7 @@ def run_torchrun(steps: int, workers: int) -> dict:
             [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={workers}",
              f"--master-port={port}", "--master-addr=127.0.0.1", __file__, "--torchrun-worker",
              "--steps", str(steps), "--out", out, "--started-at", repr(started)],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            check=False, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
         if launched.returncode != 0:
             raise RuntimeError(f"torchrun failed ({launched.returncode}):\n{launched.stdout[-4000:]}")

@@ -30,7 +30,7 @@ class ScalingConfig(_Settings):
     """How long to wait for the cluster to fit every bundle before failing with the reason."""
 
     @model_validator(mode="after")
-    def _gpu_resources_agree(self) -> "ScalingConfig":
+    def _gpu_resources_agree(self) -> ScalingConfig:
         resources = self.resources_per_worker or {}
         gpus = resources.get("GPU", 0)
         if gpus and not self.use_gpu:
@@ -68,7 +68,7 @@ class RunConfig(_Settings):
     """Seconds between progress lines on the driver; 0 prints one per rank-0 report."""
 
     @model_validator(mode="after")
-    def _name_is_a_directory_name(self) -> "RunConfig":
+    def _name_is_a_directory_name(self) -> RunConfig:
         if self.name is not None and (not self.name or "/" in self.name or self.name in (".", "..")):
             raise ValueError(f"RunConfig.name={self.name!r} must be a plain directory name (no '/')")
         return self

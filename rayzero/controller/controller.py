@@ -9,8 +9,9 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from rayzero.controller.errors import TrainingFailedError
 from rayzero.controller.state import Fail, Failure, FailureKind, FailurePolicy, Retry, RunState
@@ -88,7 +89,7 @@ class Controller:
         assert self._group is not None
         try:
             timings = self._group.start()
-        except Exception as error:  # every start-up failure goes through the policy
+        except Exception as error:  # noqa: BLE001 - every start-up failure goes through the policy
             self._on_failure(setup_failure(error))
             return
         self.timings.update({f"attempt{self.attempt}_{k}" if self.attempt else k: v for k, v in timings.items()})
@@ -186,7 +187,7 @@ class ControllerActor:
         while not controller.state.is_terminal:
             try:
                 controller.step()
-            except Exception as error:  # a controller bug must still end the run with a reason
+            except Exception as error:  # noqa: BLE001 - a controller bug must still end the run with a reason
                 import traceback
 
                 controller.error = TrainingFailedError(

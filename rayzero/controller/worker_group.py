@@ -6,9 +6,11 @@ machine with a fake group.
 """
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -20,6 +22,8 @@ from rayzero.controller.state import Failure, FailureKind
 from rayzero.workers.actor import NodeInfo, TrainWorker, WorkerOutcome
 from rayzero.workers.errors import WorkerSetupError
 from rayzero.workers.session import Report
+
+logger = logging.getLogger("rayzero.controller")
 
 # How long one worker-side poll waits for a report; bounds how late the controller sees a finish.
 _WORKER_POLL_S = 1.0
@@ -231,8 +235,8 @@ class RayWorkerGroup:
         if self._workers and all(w is not None for w in self._workers):
             try:  # leave the process group cleanly when the loops ended; bounded
                 ray.get([w.shutdown.remote() for w in self._workers], timeout=10)
-            except Exception:
-                pass
+            except Exception as error:  # noqa: BLE001 - the actors are killed next either way
+                logger.debug("worker shutdown before kill failed: %s", error)
         for worker in self._workers:
             if worker is not None:
                 ray.kill(worker)
@@ -261,7 +265,7 @@ def _unschedulable_message(scaling: ScalingConfig, bundle: dict[str, float]) -> 
     try:
         total = {k: v for k, v in ray.cluster_resources().items() if not k.startswith("node:")}
         free = {k: v for k, v in ray.available_resources().items() if not k.startswith("node:")}
-    except Exception:  # the message matters more than the numbers
+    except Exception:  # noqa: BLE001 - the message matters more than the numbers
         total, free = {}, {}
     needed = {key: value * scaling.num_workers for key, value in bundle.items()}
     return (

@@ -4,8 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, time, width = x.shape
         q, k, v = self.qkv(self.ln_1(x)).split(width, dim=2)
-        heads = lambda t: t.view(batch, time, self.n_head, width // self.n_head).transpose(1, 2)  # noqa: E731
+        heads = lambda t: t.view(batch, time, self.n_head, width // self.n_head).transpose(1, 2)
         attended = F.scaled_dot_product_attention(heads(q), heads(k), heads(v), is_causal=True)
         x = x + self.proj(attended.transpose(1, 2).reshape(batch, time, width))
         return x + self.mlp_out(F.gelu(self.mlp_in(self.ln_2(x))))

@@ -47,7 +47,7 @@ def _wait_for_checkpoint(engine: Any) -> None:
 
         if not hasattr(checkpointing, "wait_for_checkpoint"):
             return
-        wait = lambda: checkpointing.wait_for_checkpoint(engine)  # noqa: E731
+        wait = lambda: checkpointing.wait_for_checkpoint(engine)
     wait()
 
 

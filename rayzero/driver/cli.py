@@ -13,8 +13,9 @@ import importlib.util
 import inspect
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from rayzero.controller.configs import FailureConfig, RunConfig, ScalingConfig
 from rayzero.controller.errors import TrainingFailedError
@@ -71,7 +72,8 @@ def load_target(target: str) -> Callable[..., Any]:
         by_value = file.startswith(os.getcwd() + os.sep) and not module_part.startswith("rayzero.")
     function = getattr(module, function_name, None)
     if not callable(function):
-        raise ValueError(f"TARGET {target!r}: {module_part} has no function {function_name!r}")
+        raise ValueError(  # noqa: TRY004 - a user error in TARGET, reported with the usage errors
+            f"TARGET {target!r}: {module_part} has no function {function_name!r}")
     if by_value:
         ray.cloudpickle.register_pickle_by_value(module)
     return function

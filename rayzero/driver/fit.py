@@ -7,9 +7,10 @@ import logging
 import os
 import secrets
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import pyarrow.fs as pafs
 

@@ -7,7 +7,7 @@ peak (GPU max allocated on GPU, else peak RSS), stamped by the worker on every r
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from collections.abc import Callable
 
 from rayzero.workers.session import Report
 

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import datetime
 import inspect
+import logging
 import os
 import socket
 import threading
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from rayzero.workers import session as session_module
 from rayzero.workers.errors import WorkerSetupError
@@ -105,7 +107,7 @@ class TrainWorker:
                 world_size=int(env["WORLD_SIZE"]),
                 timeout=datetime.timedelta(seconds=timeout_s),
             )
-        except Exception as error:  # the controller reports it with this rank and traceback
+        except Exception as error:  # noqa: BLE001 - the controller reports it with this rank and traceback
             raise WorkerSetupError(
                 f"rank {rank} could not join the process group ({backend}, "
                 f"{env.get('MASTER_ADDR')}:{env.get('MASTER_PORT')}): {type(error).__name__}: {error}",
@@ -125,7 +127,7 @@ class TrainWorker:
             else:
                 train_loop()
             return WorkerOutcome(rank)
-        except BaseException as error:  # SystemExit from an argparse loop is a failure too
+        except BaseException as error:  # noqa: BLE001 - SystemExit from an argparse loop is a failure too
             return WorkerOutcome(rank, f"{type(error).__name__}: {error}", traceback.format_exc())
         finally:
             session_module.activate(None)
@@ -146,5 +148,5 @@ class TrainWorker:
 
             if dist.is_initialized():
                 dist.destroy_process_group()
-        except Exception:  # best effort: the actor is killed right after
-            pass
+        except Exception as error:  # noqa: BLE001 - best effort: the actor is killed right after
+            logging.getLogger("rayzero.workers").debug("destroy_process_group failed: %s", error)

@@ -18,8 +18,9 @@ import queue
 import resource
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -113,7 +114,7 @@ class WorkerSession:
     """This worker's global rank; stamped on every report."""
     dataset_shards: dict[str, Any] = field(default_factory=dict)
     """Ray Data iterators for this rank, by dataset name."""
-    reports: "queue.Queue[Report | None]" = field(default_factory=queue.Queue)
+    reports: queue.Queue[Report | None] = field(default_factory=queue.Queue)
     """Reports not yet collected by the controller; `None` wakes a waiting poll at the end."""
     _seq: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)

@@ -106,13 +106,13 @@ def ray_head(tmp_path_factory):
         f"--ray-client-server-port={client}", f"--metrics-export-port={metrics}",
         f"--runtime-env-agent-port={runtime_env}", "--disable-usage-stats",
     ]
-    log = open(tmp_path / "head.log", "w")
+    log = open(tmp_path / "head.log", "w")  # noqa: SIM115 - closed in the finally below
     head = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     address = f"http://127.0.0.1:{dashboard}"
     try:
         deadline = time.monotonic() + 120
         while True:
-            probe = subprocess.run([str(BIN / "ray"), "job", "list", "--address", address], env=env,
+            probe = subprocess.run([str(BIN / "ray"), "job", "list", "--address", address], check=False, env=env,
                                    capture_output=True, text=True)
             if probe.returncode == 0:
                 break
@@ -124,7 +124,7 @@ def ray_head(tmp_path_factory):
     finally:
         try:
             os.killpg(head.pid, signal.SIGTERM)  # the head's own process group, nobody else's
-            head.wait(timeout=30)
+            head.wait(timeout=10)
         except (ProcessLookupError, subprocess.TimeoutExpired):
             pass
         try:
@@ -151,12 +151,12 @@ def test_ray_job_submit_runs_rayzero_run_to_success(ray_head, tmp_path):
          "--working-dir", str(project), "--",
          "rayzero", "run", "train.py:loop", "--config", "ds.json", "--workers", "2",
          "--storage", (tmp_path / "runs").as_uri(), "--name", "e2e", "--", "--steps", "5"],
-        env=env, capture_output=True, text=True, timeout=300,
+        check=False, env=env, capture_output=True, text=True, timeout=300,
     )
     status = subprocess.run([str(BIN / "ray"), "job", "status", "--address", address, submission],
-                            env=env, capture_output=True, text=True, timeout=60)
+                            check=False, env=env, capture_output=True, text=True, timeout=60)
     logs = subprocess.run([str(BIN / "ray"), "job", "logs", "--address", address, submission],
-                          env=env, capture_output=True, text=True, timeout=60).stdout
+                          check=False, env=env, capture_output=True, text=True, timeout=60).stdout
     assert f"Job '{submission}' succeeded" in status.stdout, f"{status.stdout}\n{submit.stdout[-3000:]}\n{submit.stderr[-3000:]}"
     assert "JOB-LOOP-DONE world_size=2 steps=5" in logs
     assert "[rayzero] finished: 5 report(s)" in logs
@@ -174,11 +174,11 @@ def test_ray_job_submit_reports_a_bad_config_as_a_failed_job(ray_head, tmp_path)
         [str(BIN / "ray"), "job", "submit", "--address", address, "--submission-id", submission,
          "--working-dir", str(project), "--", "rayzero", "run", "train.py:loop", "--config", "ds.json",
          "--workers", "2", "--", "--steps", "5"],
-        env=env, capture_output=True, text=True, timeout=300,
+        check=False, env=env, capture_output=True, text=True, timeout=300,
     )
     status = subprocess.run([str(BIN / "ray"), "job", "status", "--address", address, submission],
-                            env=env, capture_output=True, text=True, timeout=60)
+                            check=False, env=env, capture_output=True, text=True, timeout=60)
     logs = subprocess.run([str(BIN / "ray"), "job", "logs", "--address", address, submission],
-                          env=env, capture_output=True, text=True, timeout=60).stdout
+                          check=False, env=env, capture_output=True, text=True, timeout=60).stdout
     assert f"Job '{submission}' failed" in status.stdout, status.stdout
     assert "zero_optimization.stage" in logs and "no worker was started" in logs

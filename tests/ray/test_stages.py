@@ -6,7 +6,7 @@ import pytest
 import rayzero
 
 pytest.importorskip("rayzero.engine.api")
-from rayzero.demo.train import train_loop  # noqa: E402
+from rayzero.demo.train import train_loop
 
 SMALL = {"max_chars": 200_000, "n_layer": 1, "n_embd": 64, "n_head": 4, "block_size": 32}
 
