@@ -67,6 +67,8 @@ class BucketedStrategy(ZeroStrategy):
     """Stage 2 reduces each micro-batch's gradients (nothing full-size is kept between them)."""
     keeps_full_gradients: ClassVar[bool] = True
     """Stages 0-1 accumulate into full flat gradient buffers that `param.grad` views."""
+    always_overlaps: ClassVar[bool] = False
+    """Stage 0 overlaps its all-reduces with backward like DDP (overlap_comm is a ZeRO key)."""
 
     def __init__(self, ctx: StrategyContext) -> None:
         self.comm = ctx.comm
@@ -173,8 +175,9 @@ class BucketedStrategy(ZeroStrategy):
         while self._next_bucket < len(self.buckets) and self.buckets[self._next_bucket].remaining == 0:
             bucket = self.buckets[self._next_bucket]
             self._next_bucket += 1
-            work, finish = self._reduce_bucket(bucket, async_op=self.policy.overlap_comm)
-            if self.policy.overlap_comm:
+            overlap = self.policy.overlap_comm or self.always_overlaps
+            work, finish = self._reduce_bucket(bucket, async_op=overlap)
+            if overlap:
                 self._inflight.append((work, finish))
             else:
                 finish()

@@ -1,7 +1,8 @@
 """ZeRO stage 0: plain data parallelism with bucketed all-reduce overlapped with backward.
 
 Every rank keeps full parameters, full gradients, full fp32 masters and full optimizer state;
-one all-reduce per bucket at the accumulation boundary (2Ψ per step, [Note: communication
+one asynchronous all-reduce per bucket at the accumulation boundary, launched from the
+gradient hooks while backward goes on (2Ψ per step, [Note: communication
 accounting]). Gradients accumulate locally between boundaries, like DDP's no_sync.
 """
 from __future__ import annotations
@@ -16,6 +17,7 @@ class Stage0Strategy(BucketedStrategy):
     stage = 0
     partitions_optimizer_state = False
     gradients_partitioned = False  # every rank holds the same full gradients: no norm all-reduce
+    always_overlaps = True
 
     def _init_gradient_storage(self, bucket: Bucket) -> None:
         bucket.grad_buffer = torch.zeros_like(bucket.param_buffer)
