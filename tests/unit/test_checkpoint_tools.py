@@ -95,3 +95,19 @@ def test_user_errors_name_the_fix(tmp_path, monkeypatch):
         _ = Checkpointer(CheckpointOptions(durable_uri="nosuchscheme://x")).saver
     with pytest.raises(ValueError, match="RAYZERO_CHECKPOINT_DIR"):
         Checkpointer().resolve_dir(None)
+
+
+def test_fence_holds_updates_until_the_background_snapshot_is_taken(tmp_path):
+    """With the fence promised, save() returns before copying; an update after fence() must not leak
+    into the checkpoint (it would, were the copy still running)."""
+    root = str(tmp_path / "ckpt")
+    checkpointer = Checkpointer(CheckpointOptions())
+    checkpointer.use_fence()
+    live = torch.zeros(16 << 20)  # 64 MiB: the copy takes long enough to race an unfenced update
+    spec = ShardSpec("master/w", (live.numel(),), torch.float32, 0, live.numel())
+    checkpointer.save(root, "global_step1", 1, 2, [ShardedTensor(spec, live)])
+    checkpointer.fence()  # what the engine's optimizer-step pre-hook does
+    live.fill_(1.0)  # the optimizer step
+    timings = checkpointer.wait()
+    assert timings.blocking < timings.total
+    assert torch.count_nonzero(checkpointer.load(root, [spec]).read(spec)) == 0
