@@ -97,7 +97,8 @@ class SafetensorsWriter:
             self.order.append((name, size))
             offset += size
         header_bytes = json.dumps(header, separators=(",", ":")).encode()
-        header_bytes += b" " * (-(8 + len(header_bytes)) % (BLOCK if align_large else _ALIGN))
+        any_large = align_large and any(size >= _ALIGN_AT_BYTES for _, size in self.order)
+        header_bytes += b" " * (-(8 + len(header_bytes)) % (BLOCK if any_large else _ALIGN))
         self.size = 8 + len(header_bytes) + offset
         self.digest = xxhash.xxh3_128()
         self.out = DirectWriter(path + ".tmp", fsync)  # [Note: direct I/O]
