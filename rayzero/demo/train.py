@@ -29,28 +29,6 @@ DEFAULT_DS_CONFIG: dict[str, Any] = {
 }
 
 
-def _initialize(model: torch.nn.Module, config: dict[str, Any]) -> tuple:
-    import rayzero.engine
-
-    if hasattr(rayzero.engine, "initialize"):
-        return rayzero.initialize(model=model, config=config)
-    # The ZeRO engine is not in this build: train data-parallel with plain torch instead.
-    from rayzero.demo.fallback import torch_ddp_initialize
-
-    return torch_ddp_initialize(model, config)
-
-
-def _wait_for_checkpoint(engine: Any) -> None:
-    wait = getattr(engine, "wait_for_checkpoint", None)
-    if wait is None:
-        from rayzero.engine import checkpointing
-
-        if not hasattr(checkpointing, "wait_for_checkpoint"):
-            return
-        wait = lambda: checkpointing.wait_for_checkpoint(engine)
-    wait()
-
-
 def _options(config: dict[str, Any] | None) -> dict[str, Any]:
     options = dict(config or {})
     if options.get("argv"):  # `rayzero run rayzero/demo/train.py:train_loop ... -- --steps 50`
@@ -79,10 +57,12 @@ def train_loop(config: dict[str, Any] | None = None) -> None:
         n_embd=int(options.get("n_embd", 128)),
     )
     torch.manual_seed(seed)  # every rank builds the same initial weights
-    ds_config = context.config or DEFAULT_DS_CONFIG
-    engine, _, _, _ = _initialize(model=CharGPT(gpt), config=ds_config)
-    micro_batch = int(ds_config.get("train_micro_batch_size_per_gpu", 16))
-    accumulation = int(ds_config.get("gradient_accumulation_steps", 1))
+    # Under rayzero.fit the run's config reaches the engine through the environment (config=None).
+    engine, _, _, _ = rayzero.initialize(
+        model=CharGPT(gpt), config=None if context.config else DEFAULT_DS_CONFIG
+    )
+    micro_batch = int(engine.config.train_micro_batch_size_per_gpu)  # resolved, also from train_batch_size
+    accumulation = int(engine.gradient_accumulation_steps())
     sampler = BatchSampler(ids, gpt.block_size, micro_batch, seed=seed + 1000 * context.rank)
     start_step = 0
     if context.resume_from:
@@ -105,7 +85,7 @@ def train_loop(config: dict[str, Any] | None = None) -> None:
         checkpoint = None
         if step + 1 == steps and options.get("save_checkpoint", True) and context.checkpoint_dir:
             engine.save_checkpoint(client_state={"step": steps, "sampler": sampler.state_dict()})
-            _wait_for_checkpoint(engine)  # saves are asynchronous; the process group must outlive them
+            engine.wait_for_checkpoint()  # saves are asynchronous; the process group must outlive them
             checkpoint = context.checkpoint_dir
         rayzero.report(
             {

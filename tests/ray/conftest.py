@@ -4,14 +4,25 @@ from __future__ import annotations
 import pytest
 
 
+def _start(ray) -> None:
+    # 4 logical CPUs: 2 workers x 1 CPU plus room for Ray Data's tasks.
+    ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING")
+
+
 @pytest.fixture(scope="session")
-def local_ray():
-    """A local Ray with 4 logical CPUs: 2 workers x 1 CPU plus room for Ray Data's tasks."""
+def _session_ray():
     ray = pytest.importorskip("ray")
-    started = False
-    if not ray.is_initialized():
-        ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING")
-        started = True
-    yield ray
+    started = not ray.is_initialized()
     if started:
+        _start(ray)
+    yield ray
+    if started and ray.is_initialized():
         ray.shutdown()
+
+
+@pytest.fixture
+def local_ray(_session_ray):
+    """The shared local Ray; started again if a test in between shut it down (e.g. a Cluster test)."""
+    if not _session_ray.is_initialized():
+        _start(_session_ray)
+    return _session_ray
