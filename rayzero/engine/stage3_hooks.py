@@ -173,17 +173,20 @@ class Stage3Coordinator:
         missing = sum(e.numel for e in entries if e.state is ParamState.RELEASED and not e.persistent)
         self._make_room(missing)
         self.partitions.gather(entries)
-        self._prefetch()
+        self._prefetch(event.key[1])
         for entry in entries:
             if entry.state is ParamState.GATHERING:
                 self.fetch_waits += 1
             self.partitions.wait(entry)
 
-    def _prefetch(self) -> None:
-        """Keep the next `prefetch_bucket_size` elements of the trace gathered or in flight.
+    def _prefetch(self, phase: str) -> None:
+        """Keep the next `prefetch_bucket_size` elements of this pass's trace gathered or in flight.
 
         Elements already gathered count toward the budget, so the scan stops within one budget's
-        worth of trace instead of walking to its end on every fetch.
+        worth of trace instead of walking to its end on every fetch. The scan stays within the
+        current pass (forward or backward): reaching into backward would re-gather, right away,
+        the parameters each forward module just released for their backward use — the memory of
+        keeping them without the saving of releasing them (max_reuse_distance decides that).
         """
         budget = self.knobs.prefetch_bucket_size
         if budget <= 0:
@@ -192,6 +195,8 @@ class Stage3Coordinator:
         chosen: set[int] = set()
         ahead, issued, live = 0, 0, self.partitions.live_elements
         for event in self.trace.upcoming():
+            if event.key[1] != phase:
+                break
             for index in event.params:
                 entry = self.partitions.entries[index]
                 if entry.persistent or index in chosen:
