@@ -82,7 +82,9 @@ class GradientReducer:
         offset = 0
         for entry in entries:
             width = entry.shard_numel
-            self.master_grads[id(entry)].add_(shards[offset:offset + width])
+            target = self.master_grads[id(entry)]
+            # master gradients may live off the compute device (offload backend): move, then add
+            target.add_(shards[offset:offset + width].to(target.device, non_blocking=True))
             offset += width
 
     def finish(self) -> None:

@@ -231,7 +231,22 @@ def init_checks(rank: int, world: int) -> dict:
     torch.manual_seed(5)
     with Init(config=config):
         built = InitModel()
-    out = {"max_local_numel": max(p.numel() for p in built.parameters()),
+    # Peak memory of construction: at each module's init, how many parameter elements exist whole.
+    whole_at_init: list[int] = []
+
+    def counting_init(module: torch.nn.Module) -> None:
+        module.reset_parameters()
+        if holder:
+            whole_at_init.append(sum(p.numel() for p in holder[0].parameters() if not p.is_meta))
+
+    holder: list[torch.nn.Module] = []
+    torch.manual_seed(5)
+    with Init(config=config, param_init_fn=counting_init):
+        holder.append(InitModel())
+    largest_module = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in normal.modules())
+    out = {"whole_at_init": whole_at_init, "largest_module": largest_module,
+           "model_numel": sum(p.numel() for p in normal.parameters()),
+           "max_local_numel": max(p.numel() for p in built.parameters()),
            "tied": built.head.weight is built.embed.weight,
            "buffer_equal": bool(torch.equal(built.blocks[2].offset, normal.blocks[2].offset))}
     with GatheredParameters(list(built.parameters())):
@@ -397,6 +412,9 @@ def test_init_builds_partitioned_model_identical_to_normal_build(world):
     for results in group(world):
         checks = results["init"]
         assert checks["max_local_numel"] == 0  # nothing whole survives construction
+        # while building, at most one module's parameters exist whole (the one being initialised)
+        assert len(checks["whole_at_init"]) == 6  # embed, 2 Linear, Scaled, LayerNorm, head (the tie)
+        assert max(checks["whole_at_init"]) <= checks["largest_module"] < checks["model_numel"]
         assert checks["tied"] and checks["buffer_equal"] and checks["params_equal"]
         assert checks["losses"]["init"] == checks["losses"]["normal"]
         assert "reset_parameters" in checks["no_reset_error"] and "param_init_fn" in checks["no_reset_error"]
