@@ -9,12 +9,13 @@ Tolerances:
 - fp32: max relative difference ≤ 1e-5 for every step's loss and every final parameter
   (relative to the tensor's largest magnitude; see harness.max_rel_diff).
 - bf16: the engine computes in bf16 (unit roundoff 2^-8 ≈ 3.9e-3) with fp32 masters while the
-  reference is fp32, so the comparison measures bf16 rounding, not the engine. Losses must agree to
-  2e-2 (≈ 5 roundoffs). Parameters: Adam normalises each update to ≈ lr per element, so a gradient
-  whose sign rounding flips moves an element by up to 2·lr per step; we require every parameter to
-  be within 0.25·(steps·lr) of the reference in absolute terms. The bf16 paths share every
-  reduction with fp32 (checked exactly above); this bound catches a broken cast or a master weight
-  that is not kept in fp32 (bf16 cannot represent an lr=1e-2 update of a weight near 1 faithfully).
+  reference is fp32, so the comparison measures bf16 rounding, not the engine (whose reductions
+  are checked exactly by the fp32 cases: bf16 takes the same code paths plus casts). Losses must
+  agree to 1e-2 relative (≈ 2.5 roundoffs; measured ≤ 4.5e-3). Parameters must agree to 0.05
+  absolute = 0.25·steps·lr of AdamW (Adam normalises every update to ≈ lr, so a bf16 rounding that
+  flips a small gradient component's sign moves that weight by up to 2·lr in a step; measured
+  ≤ 0.035 for AdamW, ≤ 0.01 for SGD). And the masters must really be fp32: most of their elements
+  are not representable in bf16 after training (a bf16 master would lose small updates).
 """
 from __future__ import annotations
 
@@ -76,8 +77,11 @@ def test_matches_single_process_reference(world: int, index: int) -> None:
         assert param_diff <= 1e-5, f"final parameters differ by {param_diff:.2e}"
     else:
         abs_diff = max(float((full[n] - ref_params[n]).abs().max()) for n in ref_params)
-        assert loss_diff <= 2e-2, f"bf16 loss trajectory differs by {loss_diff:.2e}"
-        assert abs_diff <= 0.25 * case.steps * case.lr, f"bf16 parameters differ by {abs_diff:.3f}"
+        assert loss_diff <= 1e-2, f"bf16 loss trajectory differs by {loss_diff:.2e}"
+        assert abs_diff <= 0.05, f"bf16 parameters differ by {abs_diff:.3f}"
+        trained = torch.cat([full[n] for n in ref_params if n != "unused"])
+        beyond_bf16 = (trained != trained.bfloat16().float()).float().mean()
+        assert beyond_bf16 > 0.5, "fp32 master weights keep precision bf16 cannot hold"
     unused = full["unused"]
     assert torch.equal(unused, ref_params["unused"].float()), "an unused parameter must not move"
     assert results[0].extra["skipped_steps"] == 0
