@@ -61,7 +61,7 @@ class EnvTest:
         return f"https://127.0.0.1:{self.port}"
 
     def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
-        log = open(self.dir / f"{name}.log", "wb")  # noqa: SIM115 (the child process keeps it)
+        log = open(self.dir / f"{name}.log", "ab")  # noqa: SIM115 (the child process keeps it)
         process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self.processes.append(process)
         return process
@@ -89,7 +89,7 @@ class EnvTest:
             "--unsafe-no-fsync",  # test data: durability is not worth the fsyncs on a shared disk
         ])
         sa_key = str(self.dir / "sa.key")
-        self._spawn("kube-apiserver", [
+        self._apiserver_argv = [
             str(APISERVER), "--etcd-servers", etcd_url, "--bind-address=127.0.0.1",
             f"--secure-port={self.port}", f"--tls-cert-file={self.ca_file}",
             f"--tls-private-key-file={self.dir / 'apiserver.key'}",
@@ -99,11 +99,21 @@ class EnvTest:
             "--api-audiences=https://kubernetes.default.svc",
             "--service-cluster-ip-range=10.0.0.0/24", "--disable-admission-plugins=ServiceAccount",
             "--cert-dir", str(self.dir / "certs"), "--logtostderr=true", "--v=0",
-        ])
+        ]
+        self._apiserver = self._spawn("kube-apiserver", self._apiserver_argv)
         self._wait_ready(timeout)
         self.admin_kubeconfig.write_text(self.kubeconfig(self.admin_token, "admin"))
         self._ensure_namespace("default")
         return self
+
+    def restart_apiserver(self, down_seconds: float = 1.0, timeout: float = 60.0) -> None:
+        """Kill the apiserver (etcd keeps the data), wait, start it again on the same port."""
+        self._apiserver.kill()  # a graceful stop waits out open watches for a minute
+        self._apiserver.wait(timeout=30)
+        self.processes.remove(self._apiserver)
+        time.sleep(down_seconds)
+        self._apiserver = self._spawn("kube-apiserver", self._apiserver_argv)
+        self._wait_ready(timeout)
 
     def _request(self, method: str, path: str, body: dict | None = None,
                  token: str | None = None) -> dict:

@@ -122,7 +122,8 @@ def ray_job_changed(labels: dict[str, str], namespace: str, memo: kopf.Memo, **_
         _reconcile_and_requeue(memo, namespace, job_name)
 
 
-@kopf.timer(GROUP, VERSION, PLURAL, interval=RESYNC_SECONDS)
+# backoff: after a failed resync (apiserver unreachable) try again at the resync pace, not kopf's 60 s.
+@kopf.timer(GROUP, VERSION, PLURAL, interval=RESYNC_SECONDS, backoff=RESYNC_SECONDS)
 def resync(name: str, namespace: str, memo: kopf.Memo, **_: Any) -> None:
     _reconcile_and_requeue(memo, namespace, name)
 

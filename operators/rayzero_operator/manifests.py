@@ -149,15 +149,15 @@ def _node_local_volume(spec: RayZeroJobSpec) -> dict[str, Any]:
     }}}}
 
 
-def _container(spec: RayZeroJobSpec, job_name: str, attempt: int, name: str, resources: Resources,
-               node_local: bool) -> dict[str, Any]:
+def _container(spec: RayZeroJobSpec, job_name: str, attempt: int, name: str, resources: Resources
+               ) -> dict[str, Any]:
     mount_path = spec.storage.node_local.mount_path if spec.storage.node_local else DEFAULT_NODE_LOCAL_MOUNT
+    # The head gets the variable too: the rayzero controller runs there and tells workers where to write.
     env = [{"name": "RAYZERO_JOB_NAME", "value": job_name},
-           {"name": "RAYZERO_ATTEMPT", "value": str(attempt)}]
-    mounts = [{"name": CONFIG_VOLUME, "mountPath": CONFIG_MOUNT_DIR, "readOnly": True}]
-    if node_local:
-        env.append({"name": ENV_NODE_LOCAL_DIR, "value": mount_path})
-        mounts.append({"name": NODE_LOCAL_VOLUME, "mountPath": mount_path})
+           {"name": "RAYZERO_ATTEMPT", "value": str(attempt)},
+           {"name": ENV_NODE_LOCAL_DIR, "value": mount_path}]
+    mounts = [{"name": CONFIG_VOLUME, "mountPath": CONFIG_MOUNT_DIR, "readOnly": True},
+              {"name": NODE_LOCAL_VOLUME, "mountPath": mount_path}]
     container: dict[str, Any] = {
         "name": name,
         "image": spec.image,
@@ -177,11 +177,11 @@ def ray_job(job: dict[str, Any], spec: RayZeroJobSpec, attempt: int,
     meta = job["metadata"]
     name = meta["name"]
     low, high = spec.world_bounds()
-    head = _container(spec, name, attempt, "ray-head", spec.head.resources, node_local=False)
+    head = _container(spec, name, attempt, "ray-head", spec.head.resources)
     head["ports"] = [{"containerPort": 6379, "name": "gcs-server"},
                      {"containerPort": 8265, "name": "dashboard"},
                      {"containerPort": 10001, "name": "client"}]
-    worker = _container(spec, name, attempt, "ray-worker", spec.workers.resources, node_local=True)
+    worker = _container(spec, name, attempt, "ray-worker", spec.workers.resources)
     worker_pod: dict[str, Any] = {"containers": [worker],
                                   "volumes": [_config_volume(spec, name), _node_local_volume(spec)]}
     if spec.workers.node_selector:
@@ -200,7 +200,9 @@ def ray_job(job: dict[str, Any], spec: RayZeroJobSpec, attempt: int,
             "headGroupSpec": {
                 "rayStartParams": {"dashboard-host": "0.0.0.0"},
                 "template": {"metadata": {"labels": labels(name, attempt)},
-                             "spec": {"containers": [head], "volumes": [_config_volume(spec, name)]}},
+                             # The head trains nothing: scratch space only, never a node-local claim.
+                             "spec": {"containers": [head], "volumes": [
+                                 _config_volume(spec, name), {"name": NODE_LOCAL_VOLUME, "emptyDir": {}}]}},
             },
             "workerGroupSpecs": [{
                 "groupName": WORKER_GROUP,

@@ -154,16 +154,17 @@ def plan(observed: Observed) -> Plan:
     else:
         phase, reason, message = _follow(result, observed, spec, problems, attempt, latest, state)
 
+    # The status describes the newest attempt: the one just planned, if any.
+    current = next((item for item in result.create if item["kind"] == "RayJob"), latest)
+    if current is not None:
+        attempt = attempt_of(current)
     restarts = max(attempt - 1, 0)
     resume_from = None
-    if latest is not None or result.create:
-        env = yaml.safe_load((latest or result.create[-1])["spec"].get("runtimeEnvYAML") or "{}") or {}
-        resume_from = (env.get("env_vars") or {}).get(manifests.ENV_RESUME_FROM)
     workers = 0
-    if latest is not None:
-        workers = latest["spec"]["rayClusterSpec"]["workerGroupSpecs"][0].get("replicas", 0)
-    elif result.create:
-        workers = result.create[-1]["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["replicas"]
+    if current is not None:
+        env = yaml.safe_load(current["spec"].get("runtimeEnvYAML") or "{}") or {}
+        resume_from = (env.get("env_vars") or {}).get(manifests.ENV_RESUME_FROM)
+        workers = current["spec"]["rayClusterSpec"]["workerGroupSpecs"][0].get("replicas", 0)
     conditions = {
         "Ready": ("True", "Running", message) if phase == "Running" else ("False", reason or phase, message),
         "InvalidSpec": ("True", "InvalidSpec", _problem_text(problems)) if problems

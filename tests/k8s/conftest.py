@@ -73,13 +73,11 @@ def release(envtest: k8s_envtest.EnvTest, admin: client.ApiClient, kuberay: None
     """The chart installed by helm-python-sdk (CRD, ServiceAccount, RBAC, Deployment)."""
     import helm_python
 
-    helm = helm_python.Config(kubeconfig_path=str(envtest.admin_kubeconfig), namespace=RELEASE_NAMESPACE)
-    try:
+    with helm_python.Config(kubeconfig_path=str(envtest.admin_kubeconfig),
+                            namespace=RELEASE_NAMESPACE) as helm:
         installed = helm.install(helm_python.Chart.load(str(CHART)), RELEASE,
                                  {"resyncSeconds": 5}, namespace=RELEASE_NAMESPACE, create_namespace=True,
                                  timeout=60)
-    finally:
-        helm.close() if hasattr(helm, "close") else None
     extensions = client.ApiextensionsV1Api(admin)
     wait_for(lambda: kuberay_crds.established(extensions, "rayzerojobs.rayzero.io"), 30, "RayZeroJob CRD")
     return installed

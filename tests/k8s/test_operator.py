@@ -54,6 +54,9 @@ def test_a_rayzerojob_becomes_the_expected_rayjob(cluster, operator):
     volumes = {volume["name"]: volume for volume in pod["volumes"]}
     assert volumes["rayzero-node-local"]["hostPath"] == {"path": "/mnt/nvme/rayzero", "type": "DirectoryOrCreate"}
     assert volumes["rayzero-config"]["configMap"]["name"] == "llm-deepspeed"
+    head_env = {item["name"]: item["value"] for item in head["containers"][0]["env"]}
+    assert head_env["RAYZERO_NODE_LOCAL_DIR"] == "/mnt/rayzero-local"  # the controller runs on the head
+    assert {"name": "rayzero-node-local", "emptyDir": {}} in head["volumes"]
 
     # The generated ConfigMap holds the inline config, owned by the job.
     config_map = cluster.config_map("llm-deepspeed")

@@ -66,3 +66,15 @@ def test_sigkill_during_a_burst_of_jobs_leaves_one_rayjob_each(cluster, operator
     time.sleep(2 * RESYNC_SECONDS)
     for name in names:
         assert [job["metadata"]["name"] for job in cluster.ray_jobs(name)] == [f"{name}-attempt-1"]
+
+
+def test_an_apiserver_restart_leaves_one_rayjob_and_the_operator_carries_on(cluster, envtest, operator):
+    cluster.create_job("steady", example("minimal"))
+    wait_for(cluster.phase_is("steady", "Pending"), what="phase Pending")
+    envtest.restart_apiserver(down_seconds=2)
+    # Watches reconnect and re-list everything: every job is seen again as if new.
+    cluster.set_ray_job_status("steady-attempt-1", jobDeploymentStatus="Running", jobStatus="RUNNING")
+    wait_for(cluster.phase_is("steady", "Running"), timeout=60, what="phase Running after the restart")
+    time.sleep(2 * RESYNC_SECONDS)
+    assert [job["metadata"]["name"] for job in cluster.ray_jobs("steady")] == ["steady-attempt-1"]
+    assert operator.running()
