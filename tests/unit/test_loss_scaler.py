@@ -124,3 +124,27 @@ def test_local_overflow_flags_inf_and_nan_only():
     assert local_overflow(finite + [torch.tensor([1.0, float("inf")])]).item() == 1.0
     assert local_overflow([torch.tensor([float("nan")], dtype=torch.bfloat16)]).item() == 1.0
     assert local_overflow([]).item() == 0.0
+
+
+def test_matches_deepspeed_on_random_overflow_patterns(monkeypatch):
+    """Where DeepSpeed is installed (`make bench`), its own DynamicLossScaler is the oracle."""
+    import random
+
+    deepspeed_scaler = pytest.importorskip("deepspeed.runtime.fp16.loss_scaler")
+    # DeepSpeed asks its comm layer for the rank only to decide whether to log.
+    monkeypatch.setattr(deepspeed_scaler.dist, "get_rank", lambda: 0)
+    rng = random.Random(0)
+    for _ in range(200):
+        window, hysteresis = rng.randint(1, 6), rng.randint(1, 4)
+        consecutive, floor = rng.random() < 0.5, rng.choice([0.25, 1.0, 4.0])
+        init = 2.0 ** rng.randint(3, 12)
+        theirs = deepspeed_scaler.DynamicLossScaler(init_scale=init, scale_window=window, min_scale=floor,
+                                                    delayed_shift=hysteresis, consecutive_hysteresis=consecutive,
+                                                    raise_error_at_min_scale=False)
+        ours = DynamicLossScaler(init_scale=init, scale_window=window, min_scale=floor, hysteresis=hysteresis,
+                                 consecutive_hysteresis=consecutive, raise_error_at_min_scale=False)
+        for _ in range(60):
+            overflow = rng.random() < 0.3
+            theirs.update_scale(overflow)
+            ours.update_scale(overflow)
+            assert (ours.cur_scale, ours.cur_hysteresis) == (theirs.cur_scale, theirs.cur_hysteresis)

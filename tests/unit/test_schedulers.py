@@ -101,10 +101,10 @@ def ds_one_cycle(i, lo, hi, first, second, stairs1, stairs2, decay_step, decay_r
 @pytest.mark.parametrize("stairs", [(0, 0), (2, 3)])
 def test_one_cycle_lr_and_momentum_match_deepspeed(stairs):
     optimizer = make_optimizer("adam")
-    args = dict(cycle_min_lr=0.01, cycle_max_lr=0.1, decay_lr_rate=0.5, cycle_first_step_size=4,
-                cycle_second_step_size=6, cycle_first_stair_count=stairs[0],
-                cycle_second_stair_count=stairs[1], decay_step_size=2, cycle_momentum=True,
-                cycle_min_mom=0.85, cycle_max_mom=0.95, decay_mom_rate=0.01)
+    args = {"cycle_min_lr": 0.01, "cycle_max_lr": 0.1, "decay_lr_rate": 0.5, "cycle_first_step_size": 4,
+                "cycle_second_step_size": 6, "cycle_first_stair_count": stairs[0],
+                "cycle_second_stair_count": stairs[1], "decay_step_size": 2, "cycle_momentum": True,
+                "cycle_min_mom": 0.85, "cycle_max_mom": 0.95, "decay_mom_rate": 0.01}
     scheduler = OneCycle(optimizer, **args)
     lrs, moms = [], []
     for _ in range(16):
@@ -176,3 +176,28 @@ def test_build_scheduler_from_config_sections():
         build_scheduler({"type": "WarmupLR", "params": {"warmup_typo": 1}}, optimizer)
     with pytest.raises(ValueError, match="warmup_type"):
         WarmupLR(optimizer, warmup_type="cosine")
+
+
+@pytest.mark.parametrize("kind, params", [
+    ("WarmupLR", {"warmup_min_lr": 0.01, "warmup_max_lr": 0.1, "warmup_num_steps": 7}),
+    ("WarmupLR", {"warmup_min_lr": 0.01, "warmup_max_lr": 0.1, "warmup_num_steps": 7, "warmup_type": "linear"}),
+    ("WarmupDecayLR", {"total_num_steps": 30, "warmup_max_lr": 0.2, "warmup_num_steps": 5}),
+    ("LRRangeTest", {"lr_range_test_min_lr": 0.002, "lr_range_test_step_size": 3,
+                     "lr_range_test_step_rate": 2.0, "lr_range_test_staircase": True}),
+    ("OneCycle", {"cycle_min_lr": 0.01, "cycle_max_lr": 0.1, "decay_lr_rate": 0.5, "cycle_first_step_size": 4,
+                  "cycle_second_step_size": 6, "cycle_first_stair_count": 2, "cycle_second_stair_count": 3,
+                  "decay_step_size": 2, "cycle_min_mom": 0.85, "cycle_max_mom": 0.95, "decay_mom_rate": 0.01}),
+])
+def test_matches_deepspeed_schedules(kind, params):
+    """Where DeepSpeed is installed (`make bench`), its own schedules are the oracle."""
+    deepspeed_schedules = pytest.importorskip("deepspeed.runtime.lr_schedules")
+    theirs_optimizer, ours_optimizer = make_optimizer(), make_optimizer()
+    theirs = getattr(deepspeed_schedules, kind)(theirs_optimizer, **params)
+    ours = build_scheduler({"type": kind, "params": params}, ours_optimizer)
+    for _ in range(40):
+        theirs_group, ours_group = theirs_optimizer.param_groups[0], ours_optimizer.param_groups[0]
+        assert ours_group["lr"] == pytest.approx(theirs_group["lr"], rel=1e-12)
+        assert ours_group["betas"][0] == pytest.approx(theirs_group["betas"][0], rel=1e-12)
+        for optimizer, scheduler in ((theirs_optimizer, theirs), (ours_optimizer, ours)):
+            optimizer.step()
+            scheduler.step()
