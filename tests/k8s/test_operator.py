@@ -2,6 +2,7 @@
 schema is KubeRay v1.7.0's: RayZeroJob -> RayJob, status following, restarts, suspend, deletion."""
 from __future__ import annotations
 
+import datetime
 import json
 import time
 
@@ -105,13 +106,14 @@ def test_a_failure_with_restarts_left_starts_exactly_one_resuming_rayjob(cluster
     wait_for(cluster.phase_is("retry", "Running"), what="phase Running")
 
     failed_at = time.monotonic()
+    end_time = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     cluster.set_ray_job_status("retry-attempt-1", jobDeploymentStatus="Failed", jobStatus="FAILED",
-                               reason="AppFailed", message="worker 3 ran out of memory")
+                               reason="AppFailed", message="worker 3 ran out of memory", endTime=end_time)
     wait_for(lambda: cluster.condition("retry", "Ready").get("reason") == "BackingOff", what="backoff")
     assert len(cluster.ray_jobs("retry")) == 1  # not before backoffSeconds
     second = wait_for(lambda: len(cluster.ray_jobs("retry")) == 2 and cluster.ray_jobs("retry")[1],
                       what="attempt 2")
-    assert time.monotonic() - failed_at >= 1.5
+    assert time.monotonic() - failed_at >= 1.0  # backoffSeconds 2, timestamps have 1 s resolution
     assert second["metadata"]["name"] == "retry-attempt-2"
     assert _uri_env(second) == {"RAYZERO_RESUME_FROM": "s3://bucket/runs/retry"}
     status = wait_for(lambda: cluster.status("retry").get("attempt") == 2 and cluster.status("retry"),
