@@ -12,7 +12,12 @@ from collections.abc import Iterable
 
 import torch
 
-from rayzero.engine.stage3_params import ParamPartitions, PartitionedParam, lookup
+from rayzero.engine.stage3_params import (
+    ParamPartitions,
+    PartitionedParam,
+    lookup,
+    register_external_parameter,
+)
 
 
 class GatheredParameters:
@@ -21,7 +26,9 @@ class GatheredParameters:
 
     `params` is a parameter or an iterable of them (e.g. `module.parameters()`); `modifier_rank` is
     the rank (in the partitions' process group) whose modifications are kept, None for read-only;
-    `enabled=False` makes the context a no-op (DeepSpeed's signature).
+    `enabled=False` makes the context a no-op (DeepSpeed's signature); `fwd_module`, as in
+    DeepSpeed, also registers the parameters as external parameters of that module, so its forward
+    gathers them later too.
     """
 
     def __init__(self, params: torch.nn.Parameter | Iterable[torch.nn.Parameter],
@@ -38,6 +45,9 @@ class GatheredParameters:
             if found is not None and id(found[1]) not in seen:
                 seen.add(id(found[1]))
                 self._items.append(found)
+        if fwd_module is not None:
+            for _, entry in self._items:
+                register_external_parameter(fwd_module, entry.param)
         if modifier_rank is not None and self._items:
             world = self._items[0][0].comm.world_size
             if not 0 <= modifier_rank < world:
