@@ -151,7 +151,9 @@ def main(argv: list[str] | None = None) -> int:
             async_saves.append(nbytes / (timings.total - timings.blocking))
             evict(os.path.join(work, f"async{repeat}"))
             started = time.perf_counter()
-            loaded = checkpointer.load(work, specs, restore_rng=False)
+            # into the (already allocated) state, as the engine does: streamed, checksummed, bounded memory
+            loaded = checkpointer.load(work, specs, restore_rng=False,
+                                       destinations={shard.spec.name: shard.local for shard in state})
             for spec in specs:
                 loaded.read(spec)
             loads.append(nbytes / (time.perf_counter() - started))

@@ -69,11 +69,13 @@ class Checkpointer:
             self._saver.fence()
 
     def load(self, load_dir: str | os.PathLike | None, needed: Iterable[ShardSpec], tag: str | None = None,
-             restore_rng: bool = True) -> LoadedCheckpoint:
-        """Choose, fetch and verify the checkpoint to resume from; restores this rank's RNG state."""
+             restore_rng: bool = True, destinations: dict[str, Any] | None = None) -> LoadedCheckpoint:
+        """Choose, fetch and verify the checkpoint to resume from; restores this rank's RNG state.
+        `destinations`: see `loader.load` (stream straight into the live state, bounded memory)."""
         self.wait()
         root = self.resolve_dir(load_dir)
-        loaded = load(self.comm, self.topology, root, needed, tag=tag, durable=self.saver.durable)
+        loaded = load(self.comm, self.topology, root, needed, tag=tag, durable=self.saver.durable,
+                      destinations=destinations)
         if restore_rng:
             rng.restore([state["rng"] for state in loaded.manifest.rank_states], self.comm.rank)
         return loaded

@@ -18,7 +18,7 @@ import logging
 import os
 import warnings
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,7 +26,13 @@ from rayzero.checkpoint.comm import CheckpointComm, Topology, Transfer, run_tran
 from rayzero.checkpoint.durable import DurableStore
 from rayzero.checkpoint.manifest import Manifest, committed_tags, read_manifest
 from rayzero.checkpoint.reshard import files_for, plan_read
-from rayzero.checkpoint.shard_file import CorruptShardError, LoadedShardFile, dtype_from_name
+from rayzero.checkpoint.shard_file import (
+    CorruptShardError,
+    LoadedShardFile,
+    dtype_from_name,
+    dtype_name,
+    scatter_file,
+)
 from rayzero.checkpoint.types import ShardSpec
 
 log = logging.getLogger(__name__)
@@ -46,6 +52,8 @@ class LoadedCheckpoint:
     files: dict[str, LoadedShardFile]
     source: str
     """Which tier supplied it: `local`, `peer` (some files from other nodes) or `durable`."""
+    filled: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Tensors already streamed into the destinations the caller passed (see `load`)."""
 
     def has(self, name: str) -> bool:
         return name in self.manifest.tensors
@@ -55,6 +63,8 @@ class LoadedCheckpoint:
 
         May be a read-only view into the loaded file: copy it into the live state, do not keep it."""
         entry = self.manifest.tensors.get(spec.name)
+        if spec.name in self.filled:  # streamed into the caller's destination already
+            return self.filled[spec.name]
         if entry is None:
             raise KeyError(f"checkpoint {self.path} holds no tensor {spec.name!r} (it has "
                            f"{len(self.manifest.tensors)} tensors, e.g. {sorted(self.manifest.tensors)[:3]})")
@@ -75,6 +85,7 @@ class LoadedCheckpoint:
 
     def release(self) -> None:
         self.files.clear()
+        self.filled.clear()
 
 
 def _local_inventory(root: str) -> dict[str, tuple[int, float, dict[str, int]]]:
@@ -92,8 +103,14 @@ def _local_inventory(root: str) -> dict[str, tuple[int, float, dict[str, int]]]:
 
 
 def load(comm: CheckpointComm, topology: Topology, root: str, needed: Iterable[ShardSpec],
-         tag: str | None = None, durable: DurableStore | None = None) -> LoadedCheckpoint:
-    """Choose, fetch and verify a checkpoint for this rank. Collective over all ranks."""
+         tag: str | None = None, durable: DurableStore | None = None,
+         destinations: dict[str, torch.Tensor] | None = None) -> LoadedCheckpoint:
+    """Choose, fetch and verify a checkpoint for this rank. Collective over all ranks.
+
+    `destinations` (spec name -> 1-D tensor for exactly that range, e.g. views of the live state)
+    lets files be streamed straight into place, checksummed on the way, in bounded memory; files
+    are otherwise read whole. On a corrupt candidate the destinations are overwritten by the next.
+    """
     needed = list(needed)
     here = topology.locations[comm.rank]
     local = _local_inventory(root)
@@ -117,7 +134,7 @@ def load(comm: CheckpointComm, topology: Topology, root: str, needed: Iterable[S
     tried = []
     for candidate in candidates:
         loaded = _try_candidate(comm, topology, root, candidate, present.get(candidate, {}), needed,
-                                durable, durable_manifests.get(candidate), here)
+                                durable, durable_manifests.get(candidate), here, destinations)
         if loaded is not None:
             if tried and comm.rank == 0:
                 warnings.warn(f"loaded checkpoint {candidate!r} instead of the newer {tried}: "
@@ -132,7 +149,8 @@ def load(comm: CheckpointComm, topology: Topology, root: str, needed: Iterable[S
 
 def _try_candidate(comm: CheckpointComm, topology: Topology, root: str, tag: str,
                    present: dict[str, set[str]], needed: list[ShardSpec], durable: DurableStore | None,
-                   durable_manifest: Manifest | None, here: str) -> LoadedCheckpoint | None:
+                   durable_manifest: Manifest | None, here: str,
+                   destinations: dict[str, torch.Tensor] | None) -> LoadedCheckpoint | None:
     tag_dir = os.path.join(root, tag)
     # The manifest: from the lowest rank holding it locally, else from the durable copy (rank 0).
     holders = [rank for rank in range(comm.world_size) if topology.locations[rank] in present]
@@ -176,17 +194,22 @@ def _try_candidate(comm: CheckpointComm, topology: Topology, root: str, tag: str
             failures.append((here, "*fetch*"))
         comm.barrier()  # fetched files are in place for every rank of the location
         files: dict[str, LoadedShardFile] = {}
+        scatters, filled = _scatter_plan(manifest, needed, destinations or {})
         for name in sorted(my_files):
             path = os.path.join(tag_dir, name)
             try:
-                files[name] = LoadedShardFile.read(path, manifest.files[name].checksum)
+                if name in scatters:
+                    scatter_file(path, manifest.files[name].checksum, scatters[name])
+                else:
+                    files[name] = LoadedShardFile.read(path, manifest.files[name].checksum)
             except (CorruptShardError, OSError) as error:
                 log.warning("rank %d: %s", comm.rank, error)
                 failures.append((here, name))
         all_failures = [failure for ranks in comm.all_gather_object(failures) for failure in ranks]
         if not all_failures:
             source = "durable" if used_durable else "peer" if used_peer else "local"
-            return LoadedCheckpoint(manifest, tag_dir, files, source)
+            return LoadedCheckpoint(manifest, tag_dir, files, source,
+                                    {name: destinations[name] for name in filled})
         files.clear()
         if any(name == "*fetch*" for _, name in all_failures):
             break
@@ -202,6 +225,38 @@ def _try_candidate(comm: CheckpointComm, topology: Topology, root: str, tag: str
     if comm.rank == 0:
         log.warning("checkpoint %s has a needed shard with no intact copy in any tier; trying an older one", tag)
     return None
+
+
+def _scatter_plan(manifest: Manifest, needed: list[ShardSpec], destinations: dict[str, torch.Tensor]
+                  ) -> tuple[dict[str, list[tuple[str, int, int, torch.Tensor]]], set[str]]:
+    """Which needed tensors stream straight into their destination (same dtype, contiguous), per file.
+
+    A file any other tensor needs whole (a dtype conversion, no destination) is read whole instead,
+    and every tensor it serves goes through `LoadedCheckpoint.read`."""
+    scatters: dict[str, list] = {}
+    whole: set[str] = set()
+    streamed: dict[str, list] = {}
+    for spec in needed:
+        entry = manifest.tensors.get(spec.name)
+        if entry is None:
+            continue
+        steps = plan_read(spec.name, entry, spec.flat_start, spec.flat_end)
+        target = destinations.get(spec.name)
+        if (target is None or target.dtype != spec.dtype or dtype_name(spec.dtype) != entry.dtype
+                or not target.is_contiguous() or target.numel() != spec.flat_end - spec.flat_start):
+            whole.update(step.piece.file for step in steps)
+            continue
+        streamed[spec.name] = [(step.piece.file, (spec.name, step.source_start, step.source_end,
+                                target[step.target_start:step.target_start + step.source_end - step.source_start]))
+                               for step in steps]
+    filled = set()
+    for name, pieces in streamed.items():
+        if any(file in whole for file, _ in pieces):
+            continue
+        filled.add(name)
+        for file, request in pieces:
+            scatters.setdefault(file, []).append(request)
+    return scatters, filled
 
 
 def _plan(topology: Topology, present: dict[str, set[str]], durable_files: set[str], manifest: Manifest,

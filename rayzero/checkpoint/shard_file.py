@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import xxhash
 
-from rayzero.checkpoint.direct_io import BLOCK, DirectWriter, read_file
+from rayzero.checkpoint.direct_io import BLOCK, DirectWriter, read_file, stream_file
 
 # safetensors dtype codes <-> torch dtypes
 _TO_CODE = {
@@ -209,3 +209,48 @@ class CorruptShardError(RuntimeError):
 
     def __reduce__(self):
         return (type(self), (self.path, self.expected, self.actual))
+
+
+def read_header(path: str) -> tuple[dict, int]:
+    """A shard file's safetensors header (padding entries included) and where its data starts."""
+    with open(path, "rb") as source:
+        (length,) = struct.unpack("<Q", source.read(8))
+        header = json.loads(source.read(length))
+    header.pop("__metadata__", None)
+    return header, 8 + length
+
+
+def scatter_file(path: str, expected_checksum: str | None,
+                 requests: list[tuple[str, int, int, torch.Tensor]]) -> None:
+    """Stream `path` once, checksumming every byte and copying elements [start, end) of each stored
+    tensor `name` into its `destination` (1-D, contiguous, the stored dtype) as the bytes pass.
+
+    Memory stays bounded by two read buffers. The destinations are written before the checksum is
+    known: on CorruptShardError their contents are garbage and the caller must load them again.
+    """
+    header, data_start = read_header(path)
+    spans = []
+    for name, start, end, destination in requests:
+        entry = header[name]
+        size = _FROM_CODE[entry["dtype"]].itemsize
+        base = data_start + entry["data_offsets"][0]
+        spans.append((base + start * size, base + end * size, destination.view(torch.uint8)))
+    spans.sort(key=lambda span: span[0])
+    digest = xxhash.xxh3_128()
+
+    def on_chunk(offset: int, chunk: torch.Tensor) -> None:
+        digest.update(tensor_bytes(chunk))
+        end = offset + chunk.numel()
+        for first, last, destination in spans:
+            if first >= end:
+                break
+            low, high = max(first, offset), min(last, end)
+            if low < high:
+                destination[low - first:high - first].copy_(chunk[low - offset:high - offset])
+
+    try:
+        stream_file(path, on_chunk)
+    except OSError as error:
+        raise CorruptShardError(path, expected_checksum, f"unreadable ({error})") from error
+    if expected_checksum is not None and digest.hexdigest() != expected_checksum:
+        raise CorruptShardError(path, expected_checksum, digest.hexdigest())

@@ -105,7 +105,10 @@ def load_checkpoint(engine: Any, load_dir: str | None = None, tag: str | None = 
     needed = [shard.spec for name, shard in current.items()
               if not (keep_optimizer and name.startswith("optim/")) and not (load_module_only and name.startswith("master/"))]
     try:
-        loaded = checkpointer.load(load_dir, needed, tag=tag, restore_rng=not load_module_only)
+        # the live state's own views: files stream straight into place (bounded memory, no copy)
+        destinations = {spec.name: current[spec.name].local for spec in needed}
+        loaded = checkpointer.load(load_dir, needed, tag=tag, restore_rng=not load_module_only,
+                                   destinations=destinations)
     except NoCheckpointError as error:
         warnings.warn(f"load_checkpoint found nothing to load: {error}", stacklevel=2)
         return None, None

@@ -125,10 +125,14 @@ def test_write_at_2_read_at_3_and_1(tmp_path):
 
 def _corrupt_body(rank: int, world: int, root: str) -> None:
     checkpointer = Checkpointer(CheckpointOptions(async_save=False))
+    specs = specs_for(rank, world)
+    # stream into preallocated "live state" (the engine's path), poisoned first
+    destinations = {spec.name: torch.full((spec.flat_end - spec.flat_start,), 7, dtype=spec.dtype) for spec in specs}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        loaded = checkpointer.load(root, specs_for(rank, world))
+        loaded = checkpointer.load(root, specs, destinations=destinations)
     assert loaded.manifest.step == 20, "the corrupt newest checkpoint must be skipped"
+    assert set(loaded.filled) == {spec.name for spec in specs}  # everything streamed into place
     _assert_reads(loaded, rank, world, 20, True)
     if rank == 0:
         assert any("corrupt" in str(warning.message) for warning in caught), [str(w.message) for w in caught]
