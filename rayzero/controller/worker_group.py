@@ -232,8 +232,11 @@ class RayWorkerGroup:
             )
 
     def shutdown(self) -> None:
-        if self._workers and all(w is not None for w in self._workers):
-            try:  # leave the process group cleanly when the loops ended; bounded
+        # Leave the process group cleanly only when every loop ended: after a failure the other
+        # ranks may sit in a collective, and both actor slots are busy (run + poll), so the call
+        # would only wait out its timeout before the kill below.
+        if self._workers and len(self._done) == len(self._workers):
+            try:
                 ray.get([w.shutdown.remote() for w in self._workers], timeout=10)
             except Exception as error:  # noqa: BLE001 - the actors are killed next either way
                 logger.debug("worker shutdown before kill failed: %s", error)
