@@ -165,6 +165,11 @@ class BucketedStrategy(ZeroStrategy):
                 view.copy_(param.grad)
                 param.grad = view
         if bucket.fired[slot_index]:
+            if self._reducing:  # its bucket may already be on the wire: this gradient would be lost
+                raise RuntimeError(
+                    f"parameter {self.param_names.get(id(param), '?')} received a gradient twice in one "
+                    "backward pass (reentrant activation checkpointing runs a nested backward); use "
+                    "torch.utils.checkpoint.checkpoint(..., use_reentrant=False)")
             return
         bucket.fired[slot_index] = True
         if self._reducing:

@@ -204,8 +204,13 @@ def train_case(rank: int, world: int, case: Case, model_factory: Callable = buil
         losses.append(total / case.gas)
     masters = [(s.spec.name[len("master/"):], s.spec.global_shape, s.spec.flat_start, s.spec.flat_end,
                 s.local.detach().clone()) for s in engine.state_shards() if s.spec.name.startswith("master/")]
+    untrained = model_factory()  # rank 0's initial weights: what every rank started from
+    frozen_kept = all(torch.equal(p.float(), q) for (n, p), (_, q) in zip(
+        model.named_parameters(), untrained.named_parameters()) if not q.requires_grad) and all(
+        torch.equal(b.float(), c) for b, c in zip(model.buffers(), untrained.buffers()))
     result = CaseResult(case, losses, masters, engine.comm_stats(), engine.memory_stats(),
-                        {"skipped_steps": engine.skipped_steps, "extra_state": engine.extra_state()})
+                        {"skipped_steps": engine.skipped_steps, "extra_state": engine.extra_state(),
+                         "frozen_kept": frozen_kept})
     engine.close()
     return result
 

@@ -79,3 +79,36 @@ def test_accumulation_boundaries() -> None:
 def test_initialize_creates_the_process_group_from_the_environment() -> None:
     initialized, world, rank, reduced = behaviours()["env_group"]
     assert initialized and world == WORLD and rank == 0 and reduced
+
+
+def test_gradient_arriving_twice_is_an_error_not_a_silent_loss() -> None:
+    """Reentrant activation checkpointing runs a nested backward: a parameter used inside and
+    outside the checkpointed region gets its gradient in two parts, after its bucket may have been
+    reduced. The engine must refuse (as DeepSpeed does) and name the fix; non-reentrant works."""
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    import rayzero
+
+    class Reused(torch.nn.Module):
+        def __init__(self, reentrant: bool) -> None:
+            super().__init__()
+            self.inner, self.outer, self.reentrant = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), reentrant
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = checkpoint(lambda t: torch.tanh(self.inner(t)), x, use_reentrant=self.reentrant)
+            return self.inner(self.outer(h)).pow(2).mean()
+
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0,
+              "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "zero_optimization": {"stage": 1}}
+    for reentrant in (False, True):
+        engine, *_ = rayzero.initialize(model=Reused(reentrant), config=config)
+        x = torch.randn(2, 4, requires_grad=True)
+        if reentrant:
+            with pytest.raises(RuntimeError, match="use_reentrant=False"):
+                engine.backward(engine(x))
+        else:
+            engine.backward(engine(x))
+            engine.step()
+            assert engine.global_steps == 1
+        engine.close()
