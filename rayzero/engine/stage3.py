@@ -78,6 +78,7 @@ class Stage3Strategy(ZeroStrategy):
                 entry = self.partitions.add(param, name, shard, shape, persistent)
                 entry.master = masters.get(id(param))
             del pieces
+            self.partitions.refresh_persistent([e for e in self.partitions.entries if e.persistent])
             self._cast_buffers()
         by_param = {id(e.param): e for e in self.partitions.entries}
         self.groups = [([by_param[id(p)] for p in params], master, master_grad)

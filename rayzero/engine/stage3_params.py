@@ -161,7 +161,8 @@ class ParamPartitions:
     # ---- building ---------------------------------------------------------------------------
     def add(self, param: torch.nn.Parameter, name: str, shard: torch.Tensor, shape: torch.Size,
             persistent: bool) -> PartitionedParam:
-        """Register `param`, whose local padded shard is `shard`; its data becomes released."""
+        """Register `param`, whose local padded shard is `shard`; its data becomes released (a
+        persistent one is gathered by the next `refresh_persistent`)."""
         numel = int(torch.Size(shape).numel())
         world = self.comm.world_size
         assert shard.numel() == padded_size(numel, world) // world, "shard of the wrong size"
@@ -174,8 +175,6 @@ class ParamPartitions:
         _REGISTRY[param] = (self, entry)
         if persistent:
             self.persistent_elements += numel
-            self.gather([entry])
-            self.wait(entry)
         return entry
 
     def local_piece(self, full_flat: torch.Tensor) -> torch.Tensor:
