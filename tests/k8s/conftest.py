@@ -110,8 +110,8 @@ class OperatorProcess:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "rayzero_operator", "--verbose",
              f"--liveness=http://127.0.0.1:{port}/healthz", *(f"--namespace={ns}" for ns in namespaces)],
-            env=env, stdout=open(self.log_path, "wb"),  # noqa: SIM115 (the child keeps it) stderr=subprocess.STDOUT, cwd=str(REPO),
-            start_new_session=True)
+            env=env, stdout=open(self.log_path, "wb"),  # noqa: SIM115 (the child keeps it)
+            stderr=subprocess.STDOUT, cwd=str(REPO), start_new_session=True)
         import urllib.request
 
         def healthy() -> bool:

@@ -221,6 +221,7 @@ def test_rbac_is_enough_and_no_more(cluster, operator_process, operator_kubeconf
         assert raised.value.status == 403
     # Everything the other tests made the operator do went through without a refusal.
     logs = operator_process.all_logs()
+    assert "POST /apis/ray.io/v1/namespaces/" in logs  # the logs hold the operator's API calls
     refusals = [line for line in logs.splitlines()
                 if "Forbidden" in line or "forbidden" in line or '" 403 ' in line or "(403)" in line]
     assert refusals == []
