@@ -72,28 +72,40 @@ def train_loop(config: dict[str, Any] | None = None) -> None:
             sampler.load_state_dict(client_state["sampler"])
 
     samples_per_step = micro_batch * accumulation * context.world_size
+    # DeepSpeed's wall_clock_breakdown: report forward / backward / optimizer time per step. The
+    # driver shows `*_ms` metrics on its progress line when the config asks for the breakdown.
+    breakdown = bool(engine.config.wall_clock_breakdown)
     for step in range(start_step, steps):
         started = time.perf_counter()
+        phases = {"forward_ms": 0.0, "backward_ms": 0.0, "optimizer_ms": 0.0}
         total = 0.0
         for _ in range(accumulation):
             inputs, targets = sampler.next()
+            mark = time.perf_counter()
             loss = engine(inputs, targets)
+            phases["forward_ms"] += (time.perf_counter() - mark) * 1000
+            mark = time.perf_counter()
             engine.backward(loss)
+            phases["backward_ms"] += (time.perf_counter() - mark) * 1000
+            mark = time.perf_counter()
             engine.step()  # DeepSpeed semantics: steps the optimizer at the accumulation boundary
+            phases["optimizer_ms"] += (time.perf_counter() - mark) * 1000
             total += loss.item() / accumulation
-        elapsed_ms = (time.perf_counter() - started) * 1000
+        metrics = {
+            "step": step + 1,
+            "loss": total,
+            "samples": (step + 1) * samples_per_step,
+            "tokens": (step + 1) * samples_per_step * gpt.block_size,
+            "step_ms": (time.perf_counter() - started) * 1000,
+        }
+        if breakdown:
+            metrics.update(phases)
         checkpoint = None
         if step + 1 == steps and options.get("save_checkpoint", True) and context.checkpoint_dir:
             engine.save_checkpoint(client_state={"step": steps, "sampler": sampler.state_dict()})
             engine.wait_for_checkpoint()  # saves are asynchronous; the process group must outlive them
             checkpoint = context.checkpoint_dir
         rayzero.report(
-            {
-                "step": step + 1,
-                "loss": total,
-                "samples": (step + 1) * samples_per_step,
-                "tokens": (step + 1) * samples_per_step * gpt.block_size,
-                "step_ms": elapsed_ms,
-            },
+            metrics,
             checkpoint=checkpoint,
         )

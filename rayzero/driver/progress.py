@@ -94,7 +94,8 @@ class Progress:
         if "tokens_per_s" in rates:
             parts.append(f"{_human_rate(rates['tokens_per_s'])} tokens/s")
         if self._phase_keys:
-            phases = [f"{k[:-3]} {v:.1f}ms" for k, v in metrics.items() if k.endswith("_ms")]
+            phases = [f"{key} {value:.1f}" for key, value in metrics.items()
+                      if key.endswith("_ms") and isinstance(value, (int, float))]
             parts.extend(phases)
         memory = " ".join(f"r{rank} {_human_bytes(self._memory[rank])}" for rank in sorted(self._memory))
         parts.append(f"mem {memory}")

@@ -39,7 +39,7 @@ def test_two_workers_report_a_falling_loss_at_every_stage(local_ray, tmp_path, s
     assert sum(losses[-3:]) / 3 < losses[0] - 0.8, losses
 
 
-def test_a_run_resumes_from_the_checkpoint_of_the_previous_one(local_ray, tmp_path):
+def test_a_run_resumes_from_the_checkpoint_of_the_previous_one(local_ray, tmp_path, capsys):
     first = rayzero.fit(
         train_loop, config=_config(3), scaling=rayzero.ScalingConfig(num_workers=2),
         run=rayzero.RunConfig(storage=tmp_path.as_uri(), name="first", progress_interval_s=30),
@@ -48,11 +48,17 @@ def test_a_run_resumes_from_the_checkpoint_of_the_previous_one(local_ray, tmp_pa
     assert first.checkpoint == str(tmp_path / "first" / "checkpoints")
     assert (tmp_path / "first" / "checkpoints" / "latest").exists()
     second = rayzero.fit(
-        train_loop, config=_config(3), scaling=rayzero.ScalingConfig(num_workers=2),
+        train_loop, config=dict(_config(3), wall_clock_breakdown=True),
+        scaling=rayzero.ScalingConfig(num_workers=2),
         run=rayzero.RunConfig(storage=tmp_path.as_uri(), name="second", resume_from=first.checkpoint,
-                              progress_interval_s=30),
+                              progress_interval_s=0),
         train_loop_config=dict(SMALL, steps=13, save_checkpoint=False),
     )
     assert [m["step"] for m in second.metrics_history] == [11, 12, 13]
     # trained weights came back: far below the untrained loss of the first run's first step
     assert _losses(second)[0] < _losses(first)[0] - 0.8
+    # wall_clock_breakdown: per-phase timings reported, and shown on the progress line
+    assert all(second.metrics[key] > 0 for key in ("forward_ms", "backward_ms", "optimizer_ms"))
+    assert "forward_ms" not in first.metrics
+    out = capsys.readouterr().out
+    assert "| forward_ms " in out and "| optimizer_ms " in out and "wall clock breakdown" in out
