@@ -62,3 +62,43 @@ def test_a_run_resumes_from_the_checkpoint_of_the_previous_one(local_ray, tmp_pa
     assert "forward_ms" not in first.metrics
     out = capsys.readouterr().out
     assert "| forward_ms " in out and "| optimizer_ms " in out and "wall clock breakdown" in out
+
+
+def crashing_loop(config):
+    import os
+
+    import torch
+
+    context = rayzero.get_context()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    engine, _, _, _ = rayzero.initialize(model=model)  # the run's config, from the environment
+    start = 0
+    if context.resume_from:
+        _, client_state = engine.load_checkpoint(context.resume_from)
+        start = client_state["step"]
+    generator = torch.Generator().manual_seed(context.rank)
+    for step in range(start + 1, 11):
+        inputs = torch.randn(16, 8, generator=generator)
+        loss = ((engine(inputs) - inputs.sum(1, keepdim=True)) ** 2).mean()
+        engine.backward(loss)
+        engine.step()
+        if step == 5 and context.attempt == 0:
+            engine.save_checkpoint(client_state={"step": step})
+            engine.wait_for_checkpoint()
+        rayzero.report({"step": step, "attempt": context.attempt, "resume_from": context.resume_from})
+        if step == 7 and context.attempt == 0 and context.rank == 1:
+            os._exit(1)  # the worker process dies, as on an OOM kill
+
+
+def test_a_dead_worker_restarts_the_group_from_the_newest_committed_checkpoint(local_ray, tmp_path):
+    result = rayzero.fit(
+        crashing_loop, config=_config(2), scaling=rayzero.ScalingConfig(num_workers=2),
+        run=rayzero.RunConfig(storage=tmp_path.as_uri(), name="crash", progress_interval_s=30),
+        failure=rayzero.FailureConfig(max_failures=1),
+    )
+    checkpoint_dir = str(tmp_path / "crash" / "checkpoints")
+    resumed = [m for m in result.metrics_history if m["attempt"] == 1]
+    assert [m["step"] for m in resumed] == [6, 7, 8, 9, 10]  # continued after the step-5 checkpoint
+    assert {m["resume_from"] for m in resumed} == {checkpoint_dir}
+    assert [m["step"] for m in result.metrics_history if m["attempt"] == 0][:5] == [1, 2, 3, 4, 5]
