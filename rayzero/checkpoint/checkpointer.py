@@ -6,6 +6,7 @@ are collective: every rank of the job calls them with the same arguments.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -91,6 +92,4 @@ class Checkpointer:
             message = f"ranks passed different checkpoint tags {sorted(set(tags))}; every rank must use the same tag"
             if mode == "Fail":
                 raise ValueError(message + " (checkpoint.tag_validation = 'Fail')")
-            import warnings
-
             warnings.warn(message, stacklevel=3)

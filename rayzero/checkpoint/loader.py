@@ -249,6 +249,16 @@ def _scatter_plan(manifest: Manifest, needed: list[ShardSpec], destinations: dic
         streamed[spec.name] = [(step.piece.file, (spec.name, step.source_start, step.source_end,
                                 target[step.target_start:step.target_start + step.source_end - step.source_start]))
                                for step in steps]
+    # A tensor touching a whole-read file is served from memory entirely, which makes its other
+    # files whole-read too: repeat until nothing changes.
+    changed = True
+    while changed:
+        changed = False
+        for pieces in streamed.values():
+            files = {file for file, _ in pieces}
+            if files & whole and not files <= whole:
+                whole |= files
+                changed = True
     filled = set()
     for name, pieces in streamed.items():
         if any(file in whole for file, _ in pieces):

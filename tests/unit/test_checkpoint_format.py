@@ -8,8 +8,8 @@ import torch
 from safetensors import safe_open
 
 from rayzero.checkpoint.comm import Topology
-from rayzero.checkpoint.direct_io import aligned_empty
 from rayzero.checkpoint.data_position import ResumableSampler
+from rayzero.checkpoint.direct_io import aligned_empty
 from rayzero.checkpoint.manifest import (
     Manifest,
     Piece,
@@ -132,3 +132,23 @@ def test_data_position_gives_same_global_batches_at_any_world_size():
     assert sampler.epoch == 1 and sampler.offset == 0 and len(sampler) == 48
     with pytest.raises(ValueError, match="multiple of the world"):
         ResumableSampler(size, 10, 0, 3)
+
+
+def test_scatter_plan_streams_what_it_can_and_reads_the_rest_whole():
+    from rayzero.checkpoint.loader import _scatter_plan
+
+    a = TensorEntry((8,), "float32", (Piece("f1", 0, 4), Piece("f2", 4, 8)))
+    b = TensorEntry((4,), "bfloat16", (Piece("f1", 0, 4),))
+    c = TensorEntry((4,), "float32", (Piece("f3", 0, 4),))
+    manifest = Manifest(tag="t", step=1, world_size=2, stage=1, config_digest="", files={},
+                        tensors={"a": a, "b": b, "c": c}, rank_states=[])
+    needed = [ShardSpec("a", (8,), torch.float32, 2, 6), ShardSpec("b", (4,), torch.float32, 0, 4),
+              ShardSpec("c", (4,), torch.float32, 0, 4)]
+    destinations = {"a": torch.empty(4), "b": torch.empty(4), "c": torch.empty(4)}
+    scatters, filled = _scatter_plan(manifest, needed, destinations)
+    # b needs a bf16 -> fp32 conversion: f1 is read whole, so a (f1 + f2) is served from memory too
+    assert filled == {"c"} and set(scatters) == {"f3"}
+    assert [(name, start, end) for name, start, end, _ in scatters["f3"]] == [("c", 0, 4)]
+    scatters, filled = _scatter_plan(manifest, needed[:1] + needed[2:], destinations)
+    assert filled == {"a", "c"}
+    assert [(name, start, end) for name, start, end, _ in scatters["f2"]] == [("a", 0, 2)]
