@@ -58,6 +58,8 @@ class Communicator:
         self.group = (group or dist.group.WORLD) if initialized else None
         self.world_size = dist.get_world_size(group) if initialized else 1
         self.rank = dist.get_rank(group) if initialized else 0
+        # NCCL gathers in place when the input is this rank's slice of the output; gloo needs a copy.
+        self.in_place_gather = initialized and dist.get_backend(self.group) == "nccl"
         self._current: dict[str, KindStats] = defaultdict(KindStats)
         self._last: dict[str, KindStats] = {}
 
@@ -122,7 +124,7 @@ class Communicator:
             if input.data_ptr() != output.data_ptr():
                 output.copy_(input)
             return _Done() if async_op else None
-        if _overlaps(input, output):
+        if not self.in_place_gather and _overlaps(input, output):
             # `input` is this rank's slice of `output` (in-place gather). NCCL handles that; gloo
             # copies input into output first, which is a self-copy — clone to keep it defined.
             input = input.clone()
