@@ -92,7 +92,7 @@ class RayWorkerGroup:
         self._run_env = dict(run_env)  # RAYZERO_* variables shared by every rank
         self._timeout_s = process_group_timeout_s
         self._datasets = dict(datasets or {})
-        self._node_local_root = node_local_root
+        self._node_local_root = node_local_root  # default; a node exporting its own wins (TrainWorker)
         self._pg = None
         self._workers: list[Any] = []  # actor handles, index = rank once started
         self._poll_refs: dict[Any, int] = {}  # outstanding poll() call -> rank

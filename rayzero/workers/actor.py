@@ -64,6 +64,9 @@ class TrainWorker:
         self._session: WorkerSession | None = None
         # Set when run() returns so a poll waiting on an empty queue returns at once.
         self._finished = threading.Event()
+        # The node's own node-local directory (e.g. the Kubernetes operator mounts a volume and exports
+        # RAYZERO_NODE_LOCAL_DIR in the pod), read before setup() overwrites the environment.
+        self._node_local_root = os.environ.get("RAYZERO_NODE_LOCAL_DIR")
 
     def node_info(self) -> NodeInfo:
         import ray
@@ -88,6 +91,11 @@ class TrainWorker:
     ) -> None:
         """Set the environment and join the process group (blocks until every rank joined)."""
         try:
+            env = dict(env)
+            if self._node_local_root and env.get("RAYZERO_NODE_ID"):
+                # Per node id under the node's root, as for the default root: two Ray nodes sharing one
+                # host path (two pods on one machine) must not share a checkpoint tier.
+                env["RAYZERO_NODE_LOCAL_DIR"] = f"{self._node_local_root}/{env['RAYZERO_NODE_ID']}"
             os.environ.update(env)
             node_local_dir = env.get("RAYZERO_NODE_LOCAL_DIR")
             if node_local_dir:

@@ -50,6 +50,7 @@ TRAIN_FILE = textwrap.dedent(
                 param.grad /= context.world_size
             optimizer.step()
             rayzero.report({"step": step + 1, "loss": loss.item()})
+        print(f"NODE-LOCAL-DIR={context.node_local_dir}", flush=True)
         if context.rank == 0:
             print(f"JOB-LOOP-DONE world_size={context.world_size} steps={steps}", flush=True)
     """
@@ -148,8 +149,10 @@ def test_ray_job_submit_runs_rayzero_run_to_success(ray_head, tmp_path):
     submission = f"rayzero-e2e-{secrets.token_hex(3)}"
     submit = subprocess.run(
         [str(BIN / "ray"), "job", "submit", "--address", address, "--submission-id", submission,
-         "--working-dir", str(project), "--",
-         "rayzero", "run", "train.py:loop", "--config", "ds.json", "--workers", "2",
+         "--working-dir", str(project),
+         # as the Kubernetes operator does for a mounted volume: the node's own node-local root
+         "--runtime-env-json", json.dumps({"env_vars": {"RAYZERO_NODE_LOCAL_DIR": str(tmp_path / "mnt")}}),
+         "--", "rayzero", "run", "train.py:loop", "--config", "ds.json", "--workers", "2",
          "--storage", (tmp_path / "runs").as_uri(), "--name", "e2e", "--", "--steps", "5"],
         check=False, env=env, capture_output=True, text=True, timeout=300,
     )
@@ -160,6 +163,7 @@ def test_ray_job_submit_runs_rayzero_run_to_success(ray_head, tmp_path):
     assert f"Job '{submission}' succeeded" in status.stdout, f"{status.stdout}\n{submit.stdout[-3000:]}\n{submit.stderr[-3000:]}"
     assert "JOB-LOOP-DONE world_size=2 steps=5" in logs
     assert "[rayzero] finished: 5 report(s)" in logs
+    assert f"NODE-LOCAL-DIR={tmp_path / 'mnt'}/" in logs  # <node root>/<node id>
     assert (tmp_path / "runs" / "e2e" / "metrics.parquet").exists()
 
 
