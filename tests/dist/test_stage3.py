@@ -6,6 +6,7 @@ One spawned group per world size runs every case for it (spawning costs seconds;
 from __future__ import annotations
 
 import copy
+import tempfile
 
 import pytest
 import torch
@@ -64,14 +65,15 @@ class Tower(torch.nn.Module):
         return F.mse_loss(self.norm(x), y)
 
 
-def tower_engine(zero: dict, seed: int = 0):
+def tower_engine(zero: dict, seed: int = 0, micro_batch: int = 4):
     import rayzero
 
     torch.manual_seed(seed)
     model = Tower()
-    config = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.0,
+    config = {"train_micro_batch_size_per_gpu": micro_batch, "gradient_clipping": 0.0,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-              "zero_optimization": {"stage": 3, "reduce_bucket_size": 1000, **zero}}
+              "zero_optimization": {"stage": 3, "reduce_bucket_size": 1000, **zero},
+              "checkpoint": {"use_node_local_storage": False}}
     engine, _, _, _ = rayzero.initialize(model=model, config=config)
     return engine
 
@@ -272,6 +274,46 @@ def init_checks(rank: int, world: int) -> dict:
     return out
 
 
+# ---- checkpoint: saved by 2 ranks, resumed by 3 (stage 3 both times) --------------------------
+GLOBAL_BATCH = 12
+
+
+def global_steps(engine, first: int, last: int, rank: int, world: int) -> list[float]:
+    """Steps on this rank's slice of a fixed global batch; the global mean loss of each."""
+    import torch.distributed as dist
+
+    losses, micro = [], GLOBAL_BATCH // world
+    for step in range(first, last):
+        gen = torch.Generator().manual_seed(step)
+        x, y = torch.randn(GLOBAL_BATCH, WIDTH, generator=gen), torch.randn(GLOBAL_BATCH, WIDTH, generator=gen)
+        window = slice(rank * micro, (rank + 1) * micro)
+        loss = engine(x[window], y[window])
+        engine.backward(loss)
+        engine.step()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / world)
+    return losses
+
+
+CHECKPOINT_ZERO = {"stage3_param_persistence_threshold": 30}  # biases persistent, weights partitioned
+
+
+def checkpoint_checks(rank: int, world: int, root: str) -> dict:
+    if world == 2:
+        engine = tower_engine(CHECKPOINT_ZERO, micro_batch=GLOBAL_BATCH // world)
+        global_steps(engine, 0, 3, rank, world)
+        engine.save_checkpoint(root, asynchronous=False)
+        reference = global_steps(engine, 3, 6, rank, world)
+        engine.close()
+        return {"reference": reference}
+    engine = tower_engine(CHECKPOINT_ZERO, seed=1, micro_batch=GLOBAL_BATCH // world)  # other init
+    engine.load_checkpoint(root)
+    out = {"global_steps": engine.global_steps, "resumed": global_steps(engine, 3, 6, rank, world)}
+    engine.close()
+    return out
+
+
 def worker(rank: int, world: int, payload: dict) -> dict:
     out = {"parity": run_cases(rank, world, payload["parity"])}
     if payload.get("stage2_bf16"):
@@ -279,6 +321,8 @@ def worker(rank: int, world: int, payload: dict) -> dict:
         out["fp16"], out["stage2_fp16"] = run_cases(rank, world, [FP16_CASE, copy_case(FP16_CASE, stage=2)])
     if payload.get("knobs"):
         out["knobs"] = {name: measure(rank, zero) for name, zero in KNOB_SETTINGS.items()}
+    if payload.get("checkpoint_dir"):
+        out["checkpoint"] = checkpoint_checks(rank, world, payload["checkpoint_dir"])
     if payload.get("extras"):
         out["gathered"] = gathered_checks(rank, world)
         out["init"] = init_checks(rank, world)
@@ -286,13 +330,17 @@ def worker(rank: int, world: int, payload: dict) -> dict:
 
 
 _GROUPS: dict[int, list[dict]] = {}
+_CHECKPOINT_DIR = tempfile.TemporaryDirectory(prefix="rayzero-stage3-")
 
 
 def group(world: int) -> list[dict]:
     """Spawn the group for `world` once per session and keep every rank's results."""
     if world not in _GROUPS:
+        if world == 3:
+            group(2)  # writes the checkpoint the 3-rank group resumes from
         payload = {"parity": parity_cases(), "knobs": world == 2, "extras": world in (2, 3),
-                   "stage2_bf16": world == 2}
+                   "stage2_bf16": world == 2,
+                   "checkpoint_dir": _CHECKPOINT_DIR.name if world in (2, 3) else None}
         _GROUPS[world] = spawn(world, worker, payload)
     return _GROUPS[world]
 
@@ -390,6 +438,15 @@ def test_prefetch_bucket_size_gathers_ahead_within_the_live_cap():
     assert on["all_gather"] == off["all_gather"]  # earlier, not more
     assert on["peak_live"] > off["peak_live"]  # the price: more gathered at once
     assert capped["prefetched"] > 0 and capped["peak_live"] <= 1300
+
+
+def test_stage3_checkpoint_from_two_ranks_resumes_on_three():
+    reference = group(2)[0]["checkpoint"]["reference"]
+    for results in group(3):
+        resumed = results["checkpoint"]
+        assert resumed["global_steps"] == 3
+        for got, want in zip(resumed["resumed"], reference):
+            assert abs(got - want) <= 1e-5 * abs(want), (resumed["resumed"], reference)
 
 
 # ---- GatheredParameters and Init -------------------------------------------------------------------
