@@ -5,15 +5,18 @@ are collective: every rank of the job calls them with the same arguments.
 """
 from __future__ import annotations
 
+import hashlib
 import os
+import tempfile
 import warnings
 from collections.abc import Iterable
 from typing import Any
 
 from rayzero.checkpoint import rng
 from rayzero.checkpoint.comm import CheckpointComm, Topology
+from rayzero.checkpoint.durable import DurableStore
 from rayzero.checkpoint.loader import LoadedCheckpoint, load
-from rayzero.checkpoint.options import CheckpointOptions, default_save_dir
+from rayzero.checkpoint.options import NODE_LOCAL_DIR_ENV, CheckpointOptions, default_save_dir
 from rayzero.checkpoint.saver import CheckpointSaver, SaveTimings
 from rayzero.checkpoint.types import ShardedTensor, ShardSpec
 
@@ -23,6 +26,7 @@ class Checkpointer:
         self.options = options or CheckpointOptions()
         self._comm: CheckpointComm | None = None
         self._saver: CheckpointSaver | None = None
+        self._durable_stores: dict[str, DurableStore] = {}  # remote save/load locations, by URI
 
     @property
     def comm(self) -> CheckpointComm:
@@ -42,18 +46,36 @@ class Checkpointer:
         return self.saver.topology
 
     def resolve_dir(self, directory: str | os.PathLike | None) -> str:
-        return os.fspath(directory) if directory is not None else default_save_dir(self.options)
+        return self.locate(directory)[0]
+
+    def locate(self, directory: str | os.PathLike | None) -> tuple[str, DurableStore | None]:
+        """(local root, durable store) for a save/load location.
+
+        A local path or file:// URI is the local root (the configured durable_uri, if any, gets the
+        copy). Any other URI (s3://, gs://, hdfs://) is the durable copy itself, staged through the
+        node's local disk: RAYZERO_NODE_LOCAL_DIR/checkpoints, else the temp directory.
+        """
+        location = os.fspath(directory) if directory is not None else default_save_dir(self.options)
+        if location.startswith("file://"):
+            location = location.removeprefix("file://")
+        if "://" not in location:
+            return location, self.saver.durable
+        if location not in self._durable_stores:
+            self._durable_stores[location] = DurableStore(location, self.options.upload_threads)
+        digest = hashlib.blake2b(location.encode(), digest_size=6).hexdigest()
+        staging_root = os.environ.get(NODE_LOCAL_DIR_ENV) or tempfile.gettempdir()
+        return os.path.join(staging_root, "checkpoints", f"staged-{digest}"), self._durable_stores[location]
 
     def save(self, save_dir: str | os.PathLike | None, tag: str, step: int, stage: int, shards: list[ShardedTensor],
              extra_state: dict[str, Any] | None = None, client_state: dict[str, Any] | None = None,
              config_digest: str = "", asynchronous: bool | None = None) -> str:
         """Snapshot and save (in the background unless `asynchronous=False`); returns the tag directory."""
-        root = self.resolve_dir(save_dir)
+        root, durable = self.locate(save_dir)
         os.makedirs(root, exist_ok=True)
         self.wait()  # the background save uses the checkpoint group; never run two collectives on it at once
         self._validate_tag(tag)
         return self.saver.save(root, tag, step, stage, config_digest, shards, extra_state or {},
-                               client_state or {}, asynchronous)
+                               client_state or {}, asynchronous, durable=durable)
 
     def wait(self) -> SaveTimings:
         """Block until the save in flight has committed (and uploaded); its timings."""
@@ -74,8 +96,8 @@ class Checkpointer:
         """Choose, fetch and verify the checkpoint to resume from; restores this rank's RNG state.
         `destinations`: see `loader.load` (stream straight into the live state, bounded memory)."""
         self.wait()
-        root = self.resolve_dir(load_dir)
-        loaded = load(self.comm, self.topology, root, needed, tag=tag, durable=self.saver.durable,
+        root, durable = self.locate(load_dir)
+        loaded = load(self.comm, self.topology, root, needed, tag=tag, durable=durable,
                       destinations=destinations)
         if restore_rng:
             rng.restore([state["rng"] for state in loaded.manifest.rank_states], self.comm.rank)

@@ -77,6 +77,8 @@ class _SaveJob:
     started: float
     manifest: Manifest | None = None
     """Set once committed."""
+    durable: DurableStore | None = None
+    """Where the durable copy goes, if anywhere."""
     deferred_snapshot: bool = False
     """The live tensors still have to be copied (by the background thread, before writing)."""
     timings: SaveTimings = field(default_factory=SaveTimings)
@@ -105,8 +107,9 @@ class CheckpointSaver:
 
     def save(self, root: str, tag: str, step: int, stage: int, config_digest: str,
              shards: list[ShardedTensor], extra_state: dict[str, Any], client_state: dict[str, Any],
-             asynchronous: bool | None = None) -> str:
-        """Save a checkpoint under root/tag; returns the tag directory. Collective over all ranks."""
+             asynchronous: bool | None = None, durable: DurableStore | None = None) -> str:
+        """Save a checkpoint under root/tag; returns the tag directory. Collective over all ranks.
+        `durable`: where the copy goes (default: the configured durable_uri)."""
         started = time.perf_counter()
         self.wait()
         asynchronous = self.options.async_save if asynchronous is None else asynchronous
@@ -123,7 +126,8 @@ class CheckpointSaver:
         else:
             shards = [ShardedTensor(s.spec, s.local.detach().cpu()) for s in shards]
         job = _SaveJob(root, tag, step, stage, config_digest, shards, dict(extra_state), dict(client_state),
-                       rng.capture(), started, deferred_snapshot=deferred)
+                       rng.capture(), started, deferred_snapshot=deferred,
+                       durable=durable if durable is not None else self.durable)
         job.timings.blocking = time.perf_counter() - started
         self._job_timings = job.timings
         if asynchronous:
@@ -210,14 +214,14 @@ class CheckpointSaver:
         try:
             if comm.rank == topology.leader(topology.locations[comm.rank]):
                 apply_retention(job.root, options.keep_last, keep={job.tag})
-            if self.durable is not None:
+            if job.durable is not None:
                 phase = time.perf_counter()
                 written = shard_file_name(comm.rank)
-                self.durable.upload(job.tag, [(os.path.join(job.root, job.tag, written), written)])
+                job.durable.upload(job.tag, [(os.path.join(job.root, job.tag, written), written)])
                 comm.barrier()
                 if comm.rank == 0:
-                    self.durable.commit(job.manifest)
-                    self.durable.apply_retention(options.keep_last)
+                    job.durable.commit(job.manifest)
+                    job.durable.apply_retention(options.keep_last)
                 job.timings.upload = time.perf_counter() - phase
             self.timings = job.timings
         except BaseException as error:  # surfaced by wait() in the training thread

@@ -111,3 +111,21 @@ def test_fence_holds_updates_until_the_background_snapshot_is_taken(tmp_path):
     timings = checkpointer.wait()
     assert timings.blocking < timings.total
     assert torch.count_nonzero(checkpointer.load(root, [spec]).read(spec)) == 0
+
+
+def test_a_remote_uri_as_save_dir_is_staged_locally_and_loaded_back(tmp_path, monkeypatch):
+    """save_checkpoint("s3://...")-style locations: local staging + durable copy; loading works with
+    the staging gone (mock:// is pyarrow's in-memory filesystem, kept per Checkpointer)."""
+    monkeypatch.setenv("RAYZERO_NODE_LOCAL_DIR", str(tmp_path / "node"))
+    checkpointer = Checkpointer(CheckpointOptions(keep_last=2))
+    for step in (1, 2):
+        _save(checkpointer, "mock:///bucket/run/checkpoints", step)
+    staged = checkpointer.resolve_dir("mock:///bucket/run/checkpoints")
+    assert staged.startswith(str(tmp_path / "node")) and os.path.isdir(os.path.join(staged, "global_step2"))
+    shutil.rmtree(staged)
+    needed = [shard.spec for shard in _shards(1)]
+    loaded = checkpointer.load("mock:///bucket/run/checkpoints", needed)
+    assert loaded.source == "durable" and loaded.manifest.step == 2
+    for shard in _shards(2):
+        assert torch.equal(loaded.read(shard.spec), shard.local)
+    assert checkpointer.resolve_dir(f"file://{tmp_path}/x") == f"{tmp_path}/x"
