@@ -113,6 +113,40 @@ def ship_by_value(function: Callable[..., Any]) -> None:
             ray.cloudpickle.register_pickle_by_value(candidate)
 
 
+def resolve_resume_from(location: str | None, explicit: bool) -> str | None:
+    """The checkpoint directory to hand the loop for a resume point given as any of:
+    a checkpoint directory (holds `latest`), a run directory (`<storage>/<name>`, what the Kubernetes
+    operator passes on a retried attempt: its `checkpoints/` is used) or a single checkpoint (holds
+    `manifest.json`). A location with no committed checkpoint yet (an attempt that failed before its
+    first save) means a fresh start, said on the driver. file:// becomes a local path, like
+    RAYZERO_CHECKPOINT_DIR; other URIs stay URIs.
+    """
+    if not location:
+        return None
+    uri = location if "://" in location else Path(location).resolve().as_uri()
+    filesystem, path = pafs.FileSystem.from_uri(uri)
+
+    def exists(relative: str) -> bool:
+        target = f"{path.rstrip('/')}/{relative}" if relative else path
+        return filesystem.get_file_info(target).type != pafs.FileType.NotFound
+
+    def as_location(relative: str) -> str:
+        base = path if uri.startswith("file://") else uri
+        return f"{base.rstrip('/')}/{relative}" if relative else base
+
+    for relative, marker in (("", "latest"), ("", "manifest.json"), ("checkpoints", "latest")):
+        if exists(f"{relative}/{marker}" if relative else marker):
+            return as_location(relative)
+    if not exists("") and explicit:
+        raise ValueError(
+            f"RunConfig.resume_from / --resume-from = {location!r} does not exist; give a checkpoint "
+            "directory (with `latest`), a run directory (<storage>/<name>) or one checkpoint"
+        )
+    print(f"[rayzero] resume point {location} holds no committed checkpoint yet: starting from scratch",
+          flush=True)
+    return None
+
+
 def connect_ray() -> bool:
     """Connect to RAYZERO_ADDRESS / RAY_ADDRESS, or start a local Ray. True if this call started it."""
     import ray
@@ -149,7 +183,9 @@ def fit(
     scaling, run, failure = scaling or ScalingConfig(), run or RunConfig(), failure or FailureConfig()
     ds_config, validated = _validated_config(config, scaling.num_workers)
     name, run_uri, checkpoint_dir = _run_locations(run)
-    resume_from = run.resume_from or os.environ.get("RAYZERO_RESUME_FROM") or None
+    resume_from = resolve_resume_from(
+        run.resume_from or os.environ.get("RAYZERO_RESUME_FROM") or None, explicit=bool(run.resume_from)
+    )
 
     connect_ray()
     ship_by_value(train_loop)

@@ -139,10 +139,14 @@ def flaky_loop(config):
 
 
 def test_a_failure_within_the_budget_restarts_the_group(local_ray, tmp_path):
-    result = rayzero.fit(flaky_loop, scaling=_two(), run=_run(tmp_path, resume_from="file:///ckpt/0"),
+    given = tmp_path / "given-checkpoints"
+    given.mkdir()
+    (given / "latest").write_text("global_step3")
+    result = rayzero.fit(flaky_loop, scaling=_two(), run=_run(tmp_path, resume_from=given.as_uri()),
                          failure=rayzero.FailureConfig(max_failures=1))
     assert [m["attempt"] for m in result.metrics_history] == [0, 1]
-    assert result.metrics["resume_from"] == "file:///ckpt/0"
+    # nothing newer was committed in between: the restart resumes from the given point again
+    assert [m["resume_from"] for m in result.metrics_history] == [str(given)] * 2
 
 
 def test_wall_clock_breakdown_prints_the_phases(local_ray, tmp_path, capsys):

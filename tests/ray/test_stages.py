@@ -50,7 +50,8 @@ def test_a_run_resumes_from_the_checkpoint_of_the_previous_one(local_ray, tmp_pa
     second = rayzero.fit(
         train_loop, config=dict(_config(3), wall_clock_breakdown=True),
         scaling=rayzero.ScalingConfig(num_workers=2),
-        run=rayzero.RunConfig(storage=tmp_path.as_uri(), name="second", resume_from=first.checkpoint,
+        # the run directory, as the Kubernetes operator passes it: its checkpoints/ is used
+        run=rayzero.RunConfig(storage=tmp_path.as_uri(), name="second", resume_from=first.path,
                               progress_interval_s=0),
         train_loop_config=dict(SMALL, steps=13, save_checkpoint=False),
     )
