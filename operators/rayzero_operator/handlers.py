@@ -13,6 +13,7 @@ import threading
 from typing import Any
 
 import kopf
+from kubernetes.client.exceptions import ApiException
 
 from rayzero.config.k8s_job import CONFIG_FILE_NAME, GROUP, PLURAL, VERSION
 from rayzero_operator import manifests
@@ -68,7 +69,15 @@ def reconcile(memo: kopf.Memo, namespace: str, name: str) -> float | None:
         ref = ((job.get("spec") or {}).get("deepspeed") or {}).get("configMapRef")
         if isinstance(ref, dict) and isinstance(ref.get("name"), str):
             text = api.read_config_text(namespace, ref["name"], str(ref.get("key", CONFIG_FILE_NAME)))
-        decided = plan(Observed(job, api.list_ray_jobs(namespace, name), text))
+        try:
+            ray_jobs, missing = api.list_ray_jobs(namespace, name), False
+        except ApiException as error:
+            if error.status != 404:
+                raise
+            ray_jobs, missing = [], True  # no RayJob API: KubeRay is not installed (yet)
+        decided = plan(Observed(job, ray_jobs, text, kuberay_missing=missing))
+        if missing:
+            decided.requeue_after = RESYNC_SECONDS
         created_ray_job = True
         for manifest in decided.create:
             made = api.create(manifest)

@@ -35,6 +35,9 @@ NODE_LOCAL_VOLUME = "rayzero-node-local"
 DEFAULT_NODE_LOCAL_MOUNT = "/mnt/rayzero-local"
 ENV_RESUME_FROM = "RAYZERO_RESUME_FROM"
 ENV_NODE_LOCAL_DIR = "RAYZERO_NODE_LOCAL_DIR"
+# KubeRay copies the RayJob name into label values (at most 63 characters): leave room for
+# "-attempt-" and a 4-digit attempt number.
+MAX_JOB_NAME_LENGTH = 63 - len("-attempt-") - 4
 
 
 def ray_job_name(job_name: str, attempt: int) -> str:

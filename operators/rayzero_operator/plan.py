@@ -36,6 +36,8 @@ class Observed:
     """The RayJobs labelled as this job's attempts."""
     config_map_text: str | None = None
     """The referenced ConfigMap's config text; None when absent or not referenced."""
+    kuberay_missing: bool = False
+    """The cluster does not serve ray.io/v1 RayJobs (KubeRay is not installed)."""
     now: dt.datetime = field(default_factory=lambda: dt.datetime.now(dt.timezone.utc))
 
 
@@ -113,6 +115,10 @@ def plan(observed: Observed) -> Plan:
     result = Plan()
 
     spec, problems = parse_spec(job.get("spec") or {})
+    if len(name) > manifests.MAX_JOB_NAME_LENGTH:
+        problems.insert(0, SpecProblem(
+            "metadata.name", f"{name!r} has {len(name)} characters; `<name>-attempt-<n>` must stay a "
+            "63-character label value for KubeRay", f"use at most {manifests.MAX_JOB_NAME_LENGTH} characters"))
     if spec is not None and spec.deepspeed.config_map_ref is not None:
         ref = spec.deepspeed.config_map_ref
         if observed.config_map_text is None:
@@ -138,7 +144,13 @@ def plan(observed: Observed) -> Plan:
                 c.get("type") == "InvalidSpec" and c.get("status") == "True" and c.get("message") == text
                 for c in old_status.get("conditions", [])):
             result.events.append(("Warning", "InvalidSpec", text))
-    if latest is None and attempt > 0 and old_status.get("phase") in TERMINAL:
+    if observed.kuberay_missing:
+        phase, reason = "Pending", "KubeRayNotInstalled"
+        message = ("this cluster does not serve ray.io/v1 RayJobs: install KubeRay (v1.1 or later); "
+                   "the job starts once it is there")
+        if not any(c.get("reason") == reason for c in old_status.get("conditions") or []):
+            result.events.append(("Warning", reason, message))
+    elif latest is None and attempt > 0 and old_status.get("phase") in TERMINAL:
         # A finished run whose RayJob was deleted by hand stays finished: never start it again.
         phase, reason, message = old_status["phase"], "RayJobDeleted", f"RayJob of attempt {attempt} is gone"
     elif latest is None:

@@ -125,3 +125,11 @@ def test_the_generated_crd_is_structural():
     assert spec["required"] == ["image", "entrypoint", "deepspeed", "workers"]
     assert spec["properties"]["deepspeed"]["properties"]["config"]["x-kubernetes-preserve-unknown-fields"]
     assert spec["x-kubernetes-preserve-unknown-fields"]  # typos reach the operator (see k8s_job.py)
+
+
+def test_a_name_too_long_for_its_rayjobs_is_refused():
+    job = _job()
+    job["metadata"]["name"] = "n" * (manifests.MAX_JOB_NAME_LENGTH + 1)
+    decided = plan(Observed(job, [], now=NOW))
+    assert decided.create == [] and decided.status["phase"] == "Failed"
+    assert "metadata.name" in decided.events[0][2]
