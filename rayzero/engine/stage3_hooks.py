@@ -83,7 +83,6 @@ class Stage3Coordinator:
         self._module_params: dict[int, list[PartitionedParam]] = {}
         # Counters that make the knobs observable (memory_stats / tests).
         self.prefetched_elements = 0
-        self.fetch_waits = 0
         self._module_index: dict[int, int] = {}
         external = external or {}
         for index, submodule in enumerate(module.modules()):
@@ -175,8 +174,6 @@ class Stage3Coordinator:
         self.partitions.gather(entries)
         self._prefetch(event.key[1])
         for entry in entries:
-            if entry.state is ParamState.GATHERING:
-                self.fetch_waits += 1
             self.partitions.wait(entry)
 
     def _prefetch(self, phase: str) -> None:

@@ -252,11 +252,6 @@ class ParamPartitions:
         for entry in persistent:
             self.wait(entry)
 
-    def release_all(self) -> None:
-        for entry in self.entries:
-            if not entry.persistent and entry.users == 0:
-                self.release(entry)
-
     def repartition_from_full(self, entry: PartitionedParam) -> None:
         """The gathered data was modified (GatheredParameters): take this rank's piece as shard."""
         flat = entry.full[: entry.numel]
