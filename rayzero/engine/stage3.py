@@ -96,6 +96,11 @@ class Stage3Strategy(ZeroStrategy):
         adopted = lookup(param)
         if adopted is not None:
             owner, entry = adopted
+            if (owner.comm.world_size, owner.comm.rank) != (self.comm.world_size, self.comm.rank):
+                raise ValueError(
+                    f"parameter {entry.name} was partitioned by rayzero.zero.Init over {owner.comm.world_size} "
+                    f"rank(s) but training runs on {self.comm.world_size}: initialise the process group "
+                    "(rayzero.init_distributed()) before entering Init, and use the same group for both")
             owner.forget(entry)
             return entry.shard.to(self.partitions.device, torch.float32), entry.shape
         return self.partitions.local_piece(param.detach().reshape(-1).float()), param.shape
