@@ -27,7 +27,7 @@ REPOSITORY = pathlib.Path(__file__).resolve().parent.parent
 if str(REPOSITORY) not in sys.path:  # `python bench/engine.py` puts bench/, not the repository, on the path
     sys.path.insert(0, str(REPOSITORY))
 
-from bench import report  # noqa: E402
+from bench import report
 
 STAGES = (0, 1, 2, 3)
 # Each DeepSpeed stage right before the same rayzero stage: compared systems run close together in

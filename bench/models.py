@@ -96,7 +96,7 @@ class GPT(nn.Module):
         self.head = nn.Linear(spec.width, spec.vocab_size, bias=False)
         # nanoGPT's scaled init keeps the residual stream's variance flat with depth.
         for name, parameter in self.named_parameters():
-            if name.endswith("proj.weight") or name.endswith("mlp.2.weight"):
+            if name.endswith(("proj.weight", "mlp.2.weight")):
                 nn.init.normal_(parameter, std=0.02 / math.sqrt(2 * spec.depth))
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

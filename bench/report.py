@@ -161,8 +161,8 @@ def table(rows: list[dict[str, Any]], found: list[dict[str, Any]]) -> str:
     def number(value: Any, spec: str) -> str:
         return "-" if value is None else format(value, spec)
 
-    lines = [f"{'system':18} {'ws':>2} {'model':5} {'step ms':>8} {'cpu ms':>7} {'state MB':>9} "
-             f"{'state/formula':>13} {'comm/ideal':>10}  note"]
+    lines = [(f"{'system':18} {'ws':>2} {'model':5} {'step ms':>8} {'cpu ms':>7} {'state MB':>9} "
+              f"{'state/formula':>13} {'comm/ideal':>10}  note")]
     for row in sorted(rows, key=lambda r: (r["world_size"] != 2, r["world_size"], r["model"], r["system"])):
         median, cpu = row.get("step_time_median_s"), row.get("step_cpu_time_median_s")
         state = row.get("model_state_bytes_per_rank")
