@@ -108,12 +108,10 @@ def _problem_text(problems: list[SpecProblem]) -> str:
     return "; ".join(str(problem) for problem in problems)
 
 
-def plan(observed: Observed) -> Plan:
+def _check(observed: Observed) -> tuple[RayZeroJobSpec | None, list[SpecProblem]]:
+    """The parsed spec and every problem with it, the referenced ConfigMap's content included."""
     job = observed.job
     name = job["metadata"]["name"]
-    old_status = job.get("status") or {}
-    result = Plan()
-
     spec, problems = parse_spec(job.get("spec") or {})
     if len(name) > manifests.MAX_JOB_NAME_LENGTH:
         problems.insert(0, SpecProblem(
@@ -128,6 +126,15 @@ def plan(observed: Observed) -> Plan:
         else:
             problems += deepspeed_problems(observed.config_map_text, spec.world_size(),
                                            f"spec.deepspeed.configMapRef({ref.name}/{ref.key})")
+    return spec, problems
+
+
+def plan(observed: Observed) -> Plan:
+    job = observed.job
+    name = job["metadata"]["name"]
+    old_status = job.get("status") or {}
+    result = Plan()
+    spec, problems = _check(observed)
 
     by_attempt = {attempt_of(ray_job): ray_job for ray_job in observed.ray_jobs}
     newest = max(by_attempt, default=0)
@@ -170,6 +177,16 @@ def plan(observed: Observed) -> Plan:
     current = next((item for item in result.create if item["kind"] == "RayJob"), latest)
     if current is not None:
         attempt = attempt_of(current)
+    result.status = _status(observed, phase, reason, message, problems, attempt, current)
+    if phase != old_status.get("phase") and phase in TERMINAL:
+        result.events.append(("Normal" if phase == "Succeeded" else "Warning", reason, message))
+    return result
+
+
+def _status(observed: Observed, phase: str, reason: str, message: str, problems: list[SpecProblem],
+            attempt: int, current: dict[str, Any] | None) -> dict[str, Any]:
+    """The whole status to write, describing attempt `attempt` whose RayJob is `current`."""
+    job = observed.job
     restarts = max(attempt - 1, 0)
     resume_from = None
     workers = 0
@@ -186,19 +203,16 @@ def plan(observed: Observed) -> Plan:
         "Succeeded": ("True", reason, message) if phase == "Succeeded" else ("False", "NotFinished", ""),
         "Failed": ("True", reason, message) if phase == "Failed" else ("False", "NotFailed", ""),
     }
-    result.status = {
+    return {
         "phase": phase,
         "restarts": restarts,
         "attempt": attempt,
-        "rayJobName": manifests.ray_job_name(name, attempt) if attempt > 0 else None,
+        "rayJobName": manifests.ray_job_name(job["metadata"]["name"], attempt) if attempt > 0 else None,
         "workers": workers,
         "resumeFrom": resume_from,
         "observedGeneration": job["metadata"].get("generation"),
-        "conditions": _conditions(old_status.get("conditions") or [], conditions, observed.now),
+        "conditions": _conditions((job.get("status") or {}).get("conditions") or [], conditions, observed.now),
     }
-    if phase != old_status.get("phase") and phase in TERMINAL:
-        result.events.append(("Normal" if phase == "Succeeded" else "Warning", reason, message))
-    return result
 
 
 def _start(result: Plan, job: dict[str, Any], spec: RayZeroJobSpec, attempt: int,
