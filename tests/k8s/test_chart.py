@@ -113,3 +113,10 @@ def test_deploy_rbac_is_the_rendered_chart_rbac():
                 *rendered["clusterrolebinding.yaml"]]
     checked_in = [doc for doc in yaml.safe_load_all((REPO / "deploy" / "rbac.yaml").read_text()) if doc]
     assert checked_in == expected, "regenerate deploy/rbac.yaml: python scripts/k8s_envtest_render.py"
+
+
+def test_notes_say_what_is_watched_and_how_to_start():
+    chart = helm_python.Chart.load(str(CHART))
+    notes = chart.render({"watchNamespaces": ["team-a"]}, name=RELEASE, namespace=RELEASE_NAMESPACE,
+                         is_install=True)["rayzero-operator/templates/NOTES.txt"]
+    assert "namespaces team-a" in notes and "KubeRay" in notes and "kubectl get rayzerojobs" in notes
