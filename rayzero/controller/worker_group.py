@@ -86,7 +86,7 @@ class RayWorkerGroup:
         run_env: dict[str, str],
         process_group_timeout_s: float,
         datasets: dict[str, Any] | None = None,
-        node_local_root: str = "/tmp/rayzero/node-local",
+        node_local_root: str = "/tmp/rayzero-node-local",  # not /tmp/rayzero: a bare `rayzero` dir in the cwd would shadow the package
     ) -> None:
         self._scaling = scaling
         self._run_env = dict(run_env)  # RAYZERO_* variables shared by every rank
