@@ -146,6 +146,8 @@ def merge_rounds(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         row = dict(good[-1])
         row.pop("round", None)
         row["rounds"] = len(good)
+        if len(good) < len(group):
+            row["rounds_failed"] = [r["error"] for r in group if "error" in r]
         row["step_time_round_medians_s"] = [r["step_time_median_s"] for r in good]
         row["step_time_median_s"] = statistics.median(row["step_time_round_medians_s"])
         row["step_time_min_s"] = min(r["step_time_min_s"] for r in good)
@@ -197,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
                           "round": job["round"], "error": f"skipped: time budget of {args.budget_s:.0f} s spent"}
                          for system in job["systems"] for model in job["models"]]
                 continue
-            deadline = min(90.0 if args.quick else 600.0, max(args.budget_s - spent, 30.0))
+            per_group = (60.0 + 30.0 * len(job["systems"])) if args.quick else 600.0 * len(job["systems"])
+            deadline = min(per_group, max(args.budget_s - spent, 30.0))
             job_rows = run_job(job, deadline, pathlib.Path(scratch))
             rows += job_rows
             print(report.progress_line(job, job_rows, time.monotonic() - began), flush=True)
