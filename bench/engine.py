@@ -28,6 +28,7 @@ if str(REPOSITORY) not in sys.path:  # `python bench/engine.py` puts bench/, not
     sys.path.insert(0, str(REPOSITORY))
 
 from bench import report
+from bench.engine_systems import deepspeed_config
 
 STAGES = (0, 1, 2, 3)
 # Each DeepSpeed stage right before the same rayzero stage: compared systems run close together in
@@ -220,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
             "python": platform.python_version(),
             "versions": report.versions(),
             "formula_assumptions": report.FORMULA_ASSUMPTIONS,
+            # What DeepSpeed and rayzero were given (stage and micro-batch vary per row).
+            "deepspeed_config_template": deepspeed_config(stage=3, micro_batch=0),
         },
     }
     print(report.table(results, comparisons))
