@@ -21,9 +21,6 @@ from rayzero.controller.state import FailurePolicy, RunState
 from rayzero.controller.worker_group import RayWorkerGroup
 from rayzero.driver.metrics_log import MetricsLog
 from rayzero.driver.progress import Progress
-from rayzero.workers.session import Report
-
-logger = logging.getLogger("rayzero.driver")
 
 
 @dataclass
@@ -220,27 +217,9 @@ def fit(
     batch = validated.get("train_batch_size")
     progress = Progress(batch if isinstance(batch, int) else None, run.progress_interval_s, wall_clock_breakdown)
     metrics_log = MetricsLog(run_uri)
-    history: list[dict[str, Any]] = []
-    last_checkpoint: str | None = None
-    error: TrainingFailedError | None = None
     print(f"[rayzero] run {name}: {scaling.num_workers} worker(s), storage {run_uri}", flush=True)
     try:
-        ray.get(controller.start.remote())
-        while True:
-            update = ray.get(controller.poll.remote(1.0))
-            for line in update.events:
-                print(f"[rayzero] {line}", flush=True)
-            for item in update.reports:
-                if "fit_to_first_report_s" not in timings:
-                    timings["fit_to_first_report_s"] = max(0.0, item.time - fit_started_wall)
-                _take(item, history, progress, metrics_log)
-                last_checkpoint = item.checkpoint or last_checkpoint
-            if update.state.is_terminal:
-                timings.update(update.timings)
-                error = update.error if update.state is RunState.ERRORED else None
-                break
-    except ray.exceptions.RayActorError as died:
-        error = TrainingFailedError(f"the rayzero controller actor died: {died}")
+        history, last_checkpoint, error = _stream(controller, progress, metrics_log, timings, fit_started_wall)
     finally:
         ray.kill(controller)  # its workers and placement group go with it (fate sharing)
         metrics_log.flush()
@@ -265,8 +244,31 @@ def fit(
     )
 
 
-def _take(item: Report, history: list[dict[str, Any]], progress: Progress, metrics_log: MetricsLog) -> None:
-    if item.rank == 0:
-        history.append(item.metrics)
-    progress.observe(item)
-    metrics_log.add(item)
+def _stream(
+    controller: Any, progress: Progress, metrics_log: MetricsLog, timings: dict[str, float], started_wall: float
+) -> tuple[list[dict[str, Any]], str | None, TrainingFailedError | None]:
+    """Long-poll the controller until the run ends: (rank 0's history, last checkpoint, error)."""
+    import ray
+
+    history: list[dict[str, Any]] = []
+    last_checkpoint: str | None = None
+    try:
+        ray.get(controller.start.remote())
+        while True:
+            update = ray.get(controller.poll.remote(1.0))
+            for line in update.events:
+                print(f"[rayzero] {line}", flush=True)
+            for item in update.reports:
+                if "fit_to_first_report_s" not in timings:
+                    timings["fit_to_first_report_s"] = max(0.0, item.time - started_wall)
+                if item.rank == 0:
+                    history.append(item.metrics)
+                progress.observe(item)
+                metrics_log.add(item)
+                last_checkpoint = item.checkpoint or last_checkpoint
+            if update.state.is_terminal:
+                timings.update(update.timings)
+                error = update.error if update.state is RunState.ERRORED else None
+                return history, last_checkpoint, error
+    except ray.exceptions.RayActorError as died:
+        return history, last_checkpoint, TrainingFailedError(f"the rayzero controller actor died: {died}")
