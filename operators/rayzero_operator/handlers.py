@@ -75,7 +75,9 @@ def reconcile(memo: kopf.Memo, namespace: str, name: str) -> float | None:
             if error.status != 404:
                 raise
             ray_jobs, missing = [], True  # no RayJob API: KubeRay is not installed (yet)
-        decided = plan(Observed(job, ray_jobs, text, kuberay_missing=missing))
+        generated = api.config_map_labels(namespace, manifests.config_map_name(name))
+        decided = plan(Observed(job, ray_jobs, text, kuberay_missing=missing,
+                                generated_config_map_labels=generated))
         if missing:
             decided.requeue_after = RESYNC_SECONDS
         created_ray_job = True

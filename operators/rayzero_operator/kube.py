@@ -51,6 +51,15 @@ class KubeApi:
             label_selector=f"{manifests.LABEL_JOB}={job_name}")
         return list(found.get("items", []))
 
+    def config_map_labels(self, namespace: str, name: str) -> dict[str, str] | None:
+        """Labels of a ConfigMap, or None when there is none of that name."""
+        try:
+            return dict(self.core.read_namespaced_config_map(name, namespace).metadata.labels or {})
+        except ApiException as error:
+            if error.status == 404:
+                return None
+            raise
+
     def read_config_text(self, namespace: str, name: str, key: str) -> str | None:
         try:
             config_map = self.core.read_namespaced_config_map(name, namespace)

@@ -38,6 +38,8 @@ class Observed:
     """The referenced ConfigMap's config text; None when absent or not referenced."""
     kuberay_missing: bool = False
     """The cluster does not serve ray.io/v1 RayJobs (KubeRay is not installed)."""
+    generated_config_map_labels: dict[str, str] | None = None
+    """Labels of the ConfigMap named `<job>-deepspeed`, if one exists (ours, or somebody else's)."""
     now: dt.datetime = field(default_factory=lambda: dt.datetime.now(dt.timezone.utc))
 
 
@@ -126,6 +128,13 @@ def _check(observed: Observed) -> tuple[RayZeroJobSpec | None, list[SpecProblem]
         else:
             problems += deepspeed_problems(observed.config_map_text, spec.world_size(),
                                            f"spec.deepspeed.configMapRef({ref.name}/{ref.key})")
+    taken = observed.generated_config_map_labels
+    if (spec is not None and spec.deepspeed.config is not None and taken is not None
+            and taken.get(manifests.LABEL_JOB) != name):
+        problems.append(SpecProblem(
+            "metadata.name", f"ConfigMap {manifests.config_map_name(name)!r} exists and does not belong to "
+            "this job; the operator writes the inline DeepSpeed config there and will not overwrite it",
+            "rename the RayZeroJob, or delete or rename that ConfigMap"))
     return spec, problems
 
 

@@ -122,3 +122,13 @@ def test_a_configmap_config_is_validated_and_mounted(cluster, operator):
     claim = volumes["rayzero-node-local"]["ephemeral"]["volumeClaimTemplate"]["spec"]
     assert claim["storageClassName"] == "local-nvme" and claim["resources"]["requests"]["storage"] == "500Gi"
     assert cluster.config_map("elastic-deepspeed") is None  # nothing generated for a referenced config
+
+
+def test_a_foreign_configmap_of_the_generated_name_is_never_overwritten(cluster, operator):
+    cluster.core.create_namespaced_config_map(cluster.namespace, {
+        "metadata": {"name": "mine-deepspeed"}, "data": {"notes.txt": "a user's own data"}})
+    cluster.create_job("mine", example("minimal"))
+    wait_for(cluster.phase_is("mine", "Failed"), what="InvalidSpec for the name clash")
+    assert "mine-deepspeed" in cluster.condition("mine", "InvalidSpec")["message"]
+    assert cluster.config_map("mine-deepspeed").data == {"notes.txt": "a user's own data"}
+    assert cluster.ray_jobs("mine") == []
