@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from conftest import example, wait_for
+from k8s_support import example, wait_for
 from kubernetes.client.exceptions import ApiException
 
 

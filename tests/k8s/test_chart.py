@@ -8,7 +8,7 @@ import pathlib
 import helm_python
 import pytest
 import yaml
-from conftest import CHART, RELEASE, RELEASE_NAMESPACE, SERVICE_ACCOUNT
+from k8s_support import CHART, RELEASE, RELEASE_NAMESPACE, SERVICE_ACCOUNT
 from kubernetes import client
 from rayzero_operator import crd as crd_module
 

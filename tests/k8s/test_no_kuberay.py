@@ -8,7 +8,7 @@ import helm_python
 import k8s_envtest
 import kuberay_crds
 import pytest
-from conftest import CHART, Cluster, OperatorProcess, example, wait_for
+from k8s_support import CHART, Cluster, OperatorProcess, example, wait_for
 from kubernetes import client, config
 
 

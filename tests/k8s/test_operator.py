@@ -8,7 +8,7 @@ import time
 
 import pytest
 import yaml
-from conftest import RESYNC_SECONDS, example, wait_for
+from k8s_support import RESYNC_SECONDS, example, wait_for
 from kubernetes.client.exceptions import ApiException
 
 

@@ -7,7 +7,7 @@ import datetime as dt
 from typing import Any
 
 import yaml
-from conftest import example
+from k8s_support import example
 from rayzero_operator import crd, manifests
 from rayzero_operator.plan import Observed, plan
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from conftest import RESYNC_SECONDS, example, wait_for
+from k8s_support import RESYNC_SECONDS, example, wait_for
 from rayzero_operator.handlers import CRASH_AFTER_ENV, CRASH_EXIT_CODE
 
 
