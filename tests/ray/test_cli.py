@@ -70,3 +70,6 @@ def test_demo_writes_its_summary_as_json(local_ray, tmp_path, capsys):
     assert summary["checkpoint"] and summary["tokens_per_s"] > 0
     out = capsys.readouterr().out
     assert "loss 4." in out and "metrics:" in out
+    progress = [line for line in out.splitlines() if line.startswith("[rayzero] step 12 |")]
+    assert progress and "samples/s" in progress[-1] and "tokens/s" in progress[-1]
+    assert " r0 " in progress[-1] and " r1 " in progress[-1]  # memory of every rank
