@@ -129,15 +129,16 @@ class ZeroEngine:
             return value.to(self.precision.param_dtype)
         return value
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """Backward of `loss` averaged over the accumulation window, reducing gradients on the way."""
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> None:
+        """Backward of `loss` averaged over the accumulation window (unless `scale_wrt_gas=False`),
+        reducing gradients on the way."""
         if not torch.is_grad_enabled() or not loss.requires_grad:
             raise ValueError("engine.backward(loss) needs a loss that requires grad: call it on the output "
                              "of engine(...) outside torch.no_grad()")
         self.strategy.before_backward(self.is_gradient_accumulation_boundary())
         gas = self.step_policy.gradient_accumulation_steps
-        scaled = loss.float() / gas if gas > 1 else loss.float()
-        self.loss_scaler.scale_loss(scaled).backward()
+        scaled = loss.float() / gas if gas > 1 and scale_wrt_gas else loss.float()
+        self.loss_scaler.scale_loss(scaled).backward(retain_graph=retain_graph)
         self.strategy.after_backward()
         self.phase = Phase.BACKWARD
 

@@ -159,6 +159,8 @@ class BucketedStrategy(ZeroStrategy):
         return hook
 
     def _grad_ready(self, bucket: Bucket, slot_index: int, param: torch.Tensor) -> None:
+        if not self._owns(bucket, slot_index, param):
+            return
         if self.keeps_full_gradients:
             view = bucket.grad_views[slot_index]
             if param.grad is not view:  # someone reset .grad (model.zero_grad()): adopt theirs
@@ -175,6 +177,16 @@ class BucketedStrategy(ZeroStrategy):
         if self._reducing:
             bucket.remaining -= 1
             self._launch_complete_buckets()
+
+    def _owns(self, bucket: Bucket, slot_index: int, param: torch.Tensor) -> bool:
+        """False once a newer engine wrapped the same model (it re-pointed `param.data` at its own
+        buffer): this strategy then removes its hooks instead of reducing a stranger's gradients."""
+        start = bucket.param_buffer.data_ptr() + bucket.layout.slots[slot_index].offset * \
+            bucket.param_buffer.element_size()
+        if param.data_ptr() == start:
+            return True
+        self.close()
+        return False
 
     def _launch_complete_buckets(self) -> None:
         while self._next_bucket < len(self.buckets) and self.buckets[self._next_bucket].remaining == 0:

@@ -132,6 +132,10 @@ def behaviours(rank: int, world: int, _: object) -> dict:
     engine.close()
 
     # 6. No process group yet: initialize() builds one from RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT.
+    # A fresh port, agreed through the old group: the old store's port may linger in TIME_WAIT.
+    port = torch.tensor([H.free_port() if rank == 0 else 0])
+    torch.distributed.broadcast(port, src=0)
+    os.environ["MASTER_PORT"] = str(int(port))
     torch.distributed.destroy_process_group()
     engine, *_ = _engine(H.Case(stage=1))
     _train_step(engine, rank, world, 0, 2)

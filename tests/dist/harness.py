@@ -39,7 +39,8 @@ def free_port() -> int:
 def _entry(rank: int, world_size: int, port: int, fn: Callable, payload: Any, out_dir: str) -> None:
     torch.set_num_threads(1)  # 2 shared cores: oversubscription only slows everyone down
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      RAYZERO_COLLECTIVE_TIMEOUT_S="120")  # a hung peer fails the test, not the suite
     result: Any
     try:
         torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size,
