@@ -30,10 +30,22 @@ from k8s_support import (
 )
 from kubernetes import client, config
 
+# What the session started, so that it can be stopped as soon as the last k8s test is done rather
+# than at the end of a whole `make test` run (an idle operator resyncing every second, an apiserver
+# and etcd would otherwise share the 2 cores with the other tiers). Stopping twice is harmless.
+_STARTED: list[k8s_envtest.EnvTest | OperatorProcess] = []
+
+
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    if nextitem is None or HERE not in pathlib.Path(str(nextitem.fspath)).resolve().parents:
+        for started in reversed(_STARTED):  # the operator before the apiserver
+            started.stop()
+
 
 @pytest.fixture(scope="session")
 def envtest() -> Iterator[k8s_envtest.EnvTest]:
     cluster = k8s_envtest.EnvTest().start()
+    _STARTED.append(cluster)
     try:
         yield cluster
     finally:
@@ -77,6 +89,7 @@ def operator_kubeconfig(envtest: k8s_envtest.EnvTest, release: dict[str, Any]) -
 def operator_process(operator_kubeconfig: pathlib.Path, tmp_path_factory: pytest.TempPathFactory
                      ) -> Iterator[OperatorProcess]:
     process = OperatorProcess(operator_kubeconfig, tmp_path_factory.mktemp("operator"))
+    _STARTED.append(process)
     try:
         yield process
     finally:
