@@ -32,7 +32,7 @@ class Checkpointer:
     def comm(self) -> CheckpointComm:
         # Created on first use: building the gloo group is itself collective ([Note: checkpoint process group]).
         if self._comm is None:
-            self._comm = CheckpointComm()
+            self._comm = CheckpointComm(self.options.timeout_s)
         return self._comm
 
     @property

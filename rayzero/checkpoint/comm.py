@@ -22,11 +22,11 @@ import torch
 import torch.distributed as dist
 import xxhash
 
+from rayzero.checkpoint.options import TIMEOUT_ENV
 from rayzero.checkpoint.shard_file import CorruptShardError
 
 _CHUNK = 32 << 20  # bytes per message: bounds the memory a transfer holds at once
 NODE_ID_ENV = "RAYZERO_NODE_ID"
-TIMEOUT_ENV = "RAYZERO_CHECKPOINT_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 1800.0
 
 
@@ -34,13 +34,16 @@ class CheckpointComm:
     """Rank, world and the collectives the checkpoint layer needs; a no-op group of one without
     torch.distributed."""
 
-    def __init__(self) -> None:
+    def __init__(self, timeout_s: float | None = None) -> None:
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
         self.world_size = dist.get_world_size() if self.distributed else 1
         # see [Note: checkpoint process group]
         # Generous by default: a barrier here waits for the slowest rank's whole shard write.
-        timeout = datetime.timedelta(seconds=float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S)))
+        # `checkpoint.timeout_s` (the Checkpointer passes it, env override included); bare use reads the env.
+        if timeout_s is None:
+            timeout_s = float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
+        timeout = datetime.timedelta(seconds=timeout_s)
         self.group = (dist.new_group(backend="gloo", timeout=timeout)
                       if self.distributed and self.world_size > 1 else None)
         self.node_ids: list[str] = self.all_gather_object(os.environ.get(NODE_ID_ENV, "node0"))

@@ -1,8 +1,12 @@
 """The checkpoint layer's settings, read from the config's `checkpoint` section and the environment.
 
-The DeepSpeed config's `checkpoint` section (rayzero.config.sections.CheckpointConfig) is the one
-source of truth; fields it does not define yet fall back to the defaults below and to the
-environment variables the Ray workers set, so nothing here is a second copy of a config setting.
+[Note: checkpoint settings precedence]
+The DeepSpeed config's `checkpoint` section (rayzero.config.sections.CheckpointConfig) is where a
+user sets the tiers; the defaults below are the same as that section's. An environment variable
+overrides the config (the Ray worker, a pod spec or a one-off run can redirect or tune saves
+without editing the job's JSON), and keyword overrides of `from_config` override both:
+keyword > environment > config > default. Environment values are checked like config values
+and rejected naming the variable.
 """
 from __future__ import annotations
 
@@ -17,7 +21,22 @@ CHECKPOINT_DIR_ENV = "RAYZERO_CHECKPOINT_DIR"
 NODE_LOCAL_DIR_ENV = "RAYZERO_NODE_LOCAL_DIR"
 """This node's local disk root (distinct per node, even for fake nodes on one machine)."""
 DURABLE_URI_ENV = "RAYZERO_DURABLE_URI"
-"""Durable copy target (pyarrow.fs URI) when the config names none."""
+"""Durable copy target (pyarrow.fs URI); overrides `checkpoint.durable_uri` ("" = none)."""
+REPLICAS_ENV = "RAYZERO_CHECKPOINT_REPLICAS"
+KEEP_LAST_ENV = "RAYZERO_CHECKPOINT_KEEP_LAST"
+ASYNC_SAVE_ENV = "RAYZERO_CHECKPOINT_ASYNC_SAVE"
+UPLOAD_THREADS_ENV = "RAYZERO_CHECKPOINT_UPLOAD_THREADS"
+TIMEOUT_ENV = "RAYZERO_CHECKPOINT_TIMEOUT_S"
+
+# option name -> (environment variable, parser); see [Note: checkpoint settings precedence]
+_ENV_OVERRIDES: dict[str, tuple[str, Any]] = {
+    "replicas": (REPLICAS_ENV, int),
+    "durable_uri": (DURABLE_URI_ENV, lambda text: text or None),
+    "keep_last": (KEEP_LAST_ENV, int),
+    "async_save": (ASYNC_SAVE_ENV, lambda text: {"true": True, "1": True, "false": False, "0": False}[text.lower()]),
+    "upload_threads": (UPLOAD_THREADS_ENV, int),
+    "timeout_s": (TIMEOUT_ENV, float),
+}
 
 
 @dataclass(frozen=True)
@@ -38,6 +57,8 @@ class CheckpointOptions:
     """fsync every file before the commit (a checkpoint must survive a power loss, not only a crash)."""
     tag_validation: str = "Warn"
     """Ignore, Warn or Fail when ranks pass different tags (DeepSpeed's `checkpoint.tag_validation`)."""
+    timeout_s: float = 1800.0
+    """Timeout of the checkpoint process group: a barrier waits for the slowest rank's shard write."""
 
     def __post_init__(self) -> None:
         if self.replicas < 0:
@@ -46,10 +67,13 @@ class CheckpointOptions:
             raise ValueError(f"checkpoint.keep_last = {self.keep_last}: must be >= 0 (0 keeps every checkpoint)")
         if self.upload_threads < 1:
             raise ValueError(f"checkpoint.upload_threads = {self.upload_threads}: must be >= 1")
+        if not self.timeout_s > 0:
+            raise ValueError(f"checkpoint.timeout_s = {self.timeout_s}: must be > 0 seconds")
 
     @classmethod
     def from_config(cls, config: Any = None, **overrides: Any) -> CheckpointOptions:
-        """Options from a RayZeroConfig (or None), its `checkpoint` section, then the environment."""
+        """Options from a RayZeroConfig (or None): keyword overrides, then the environment, then its
+        `checkpoint` section, then the defaults ([Note: checkpoint settings precedence])."""
         section = getattr(config, "checkpoint", None)
         values: dict[str, Any] = {}
         for name in cls.__dataclass_fields__:
@@ -57,10 +81,37 @@ class CheckpointOptions:
             value = getattr(section, source, None) if section is not None else None
             if value is not None:
                 values[name] = value.value if hasattr(value, "value") else value
-        if values.get("durable_uri") is None and os.environ.get(DURABLE_URI_ENV):
-            values["durable_uri"] = os.environ[DURABLE_URI_ENV]
+        from_environment = environment_overrides()
+        values.update(from_environment)
         values.update(overrides)
-        return cls(**values)
+        try:
+            return cls(**values)
+        except ValueError as error:
+            for name in from_environment:
+                if name not in overrides and str(error).startswith(f"checkpoint.{name} "):
+                    raise ValueError(f"{error} (set by the environment variable {_ENV_OVERRIDES[name][0]})") from None
+            raise
+
+
+def environment_overrides(environ: Any = None) -> dict[str, Any]:
+    """The checkpoint settings set through environment variables (unset or blank ones skipped,
+    except RAYZERO_DURABLE_URI="" which turns the configured durable copy off)."""
+    environ = os.environ if environ is None else environ
+    found: dict[str, Any] = {}
+    for name, (variable, parse) in _ENV_OVERRIDES.items():
+        text = environ.get(variable)
+        if text is None or (not text.strip() and name != "durable_uri"):
+            continue
+        try:
+            found[name] = parse(text.strip())
+        except (ValueError, KeyError):
+            raise ValueError(f"environment variable {variable} = {text!r} is not a valid checkpoint.{name}: "
+                             f"expected {_EXPECTED[name]}; fix or unset it") from None
+    return found
+
+
+_EXPECTED = {"replicas": "an integer >= 0", "durable_uri": "a pyarrow.fs URI", "keep_last": "an integer >= 0",
+             "async_save": "true or false", "upload_threads": "an integer >= 1", "timeout_s": "seconds > 0"}
 
 
 def default_save_dir(options: CheckpointOptions) -> str:

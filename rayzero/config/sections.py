@@ -6,10 +6,11 @@ activation_checkpointing/config.py, checkpoint_engine config, elasticity/config.
 """
 from __future__ import annotations
 
+import re
 from enum import Enum
 from typing import Any, Optional
 
-from pydantic import BeforeValidator, ConfigDict, Field
+from pydantic import AfterValidator, BeforeValidator, ConfigDict, Field
 from typing_extensions import Annotated
 
 from rayzero.config.base import (
@@ -22,6 +23,14 @@ from rayzero.config.base import (
 )
 
 _TODO = {UNIMPLEMENTED: True}
+
+
+def _uri_or_absolute_path(value: str) -> str:
+    # Checked by form only: which schemes work depends on the pyarrow build of the node that uploads.
+    if not re.match(r"^([A-Za-z][A-Za-z0-9+.-]*://.|/)", value):
+        raise ValueError("expected a pyarrow.fs URI such as file:///abs/path, s3://bucket/prefix, "
+                         "gs://bucket/prefix or hdfs://host/path (or an absolute local path)")
+    return value
 
 
 class FP16Config(ConfigModel):
@@ -154,6 +163,28 @@ class CheckpointConfig(ConfigModel):
     """Pipeline-stage parallel writes (`pipeline_stage`); recognised, not implemented."""
     writer: Optional[dict[str, Any]] = Field(None, json_schema_extra=_TODO)
     """DeepSpeed's FastPersist writer options; recognised, not implemented."""
+    # rayzero's checkpoint tiers (not DeepSpeed keys). Each has an environment override read by
+    # rayzero.checkpoint.options (environment > config > default), e.g. for a Ray worker or a pod.
+    replicas: Int = Field(1, ge=0)
+    """With `use_node_local_storage`: how many other nodes keep a copy of each node's shards (1
+    survives one lost node with no shared filesystem; 0 keeps no copy). Env override
+    `RAYZERO_CHECKPOINT_REPLICAS`."""
+    durable_uri: Optional[Annotated[str, AfterValidator(_uri_or_absolute_path)]] = None
+    """pyarrow.fs URI (file:///abs/path, s3://bucket/prefix, gs://..., hdfs://...) receiving a
+    background copy of every committed checkpoint; null = none. Env override `RAYZERO_DURABLE_URI`."""
+    keep_last: Int = Field(3, ge=0)
+    """Committed checkpoints kept per storage location and in the durable copy (older ones are
+    deleted after each commit); 0 keeps every checkpoint. Env override `RAYZERO_CHECKPOINT_KEEP_LAST`."""
+    async_save: Bool = True
+    """Write, replicate and upload in the background: `save_checkpoint` blocks only to snapshot the
+    state; false returns with the checkpoint committed on local disk. Env override
+    `RAYZERO_CHECKPOINT_ASYNC_SAVE` (true/false)."""
+    upload_threads: Int = Field(8, ge=1)
+    """Threads copying files to `durable_uri` in parallel. Env override
+    `RAYZERO_CHECKPOINT_UPLOAD_THREADS`."""
+    timeout_s: Float = Field(1800.0, gt=0)
+    """Seconds a checkpoint collective waits for the slowest rank (a barrier waits for its whole
+    shard write and replicas). Env override `RAYZERO_CHECKPOINT_TIMEOUT_S`."""
 
 
 class ElasticityConfig(ConfigModel):
