@@ -136,8 +136,13 @@ class ZeroEngine:
             raise ValueError("engine.backward(loss) needs a loss that requires grad: call it on the output "
                              "of engine(...) outside torch.no_grad()")
         self.strategy.before_backward(self.is_gradient_accumulation_boundary())
-        gas = self.step_policy.gradient_accumulation_steps
-        scaled = loss.float() / gas if gas > 1 and scale_wrt_gas else loss.float()
+        # [Note: gradient averaging] Dividing the loss (a scalar) by gas × world makes every
+        # gradient come out of backward already scaled, so summing reductions yield the mean with
+        # no extra pass over Ψ elements; DeepSpeed's gradient_predivide_factor does the same.
+        divisor = self.strategy.loss_divisor()
+        if scale_wrt_gas:
+            divisor *= self.step_policy.gradient_accumulation_steps
+        scaled = loss.float() / divisor if divisor != 1.0 else loss.float()
         self.loss_scaler.scale_loss(scaled).backward(retain_graph=retain_graph)
         self.strategy.after_backward()
         self.phase = Phase.BACKWARD

@@ -255,9 +255,10 @@ class BucketedStrategy(ZeroStrategy):
                 and bucket.master_grad.untyped_storage().data_ptr()
                 == bucket.grad_buffer.untyped_storage().data_ptr())
 
-    @property
-    def inverse_world(self) -> float:
-        return 1.0 / self.comm.world_size
+    def loss_divisor(self) -> float:
+        """Gradients are averaged over ranks by dividing the loss, so reductions are plain sums
+        and no pass over the gradients is spent on 1/world ([Note: gradient averaging])."""
+        return float(self.comm.world_size)
 
     # ---- checkpoint and instrumentation ------------------------------------------------------
     def state_shards(self) -> list[ShardedTensor]:

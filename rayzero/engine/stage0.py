@@ -39,10 +39,8 @@ class Stage0Strategy(BucketedStrategy):
         work = self.comm.all_reduce(wire, async_op=async_op)
 
         def finish() -> None:
-            if bucket.master_grad.data_ptr() == grads.data_ptr():
-                bucket.master_grad.mul_(self.inverse_world)
-            else:
-                bucket.master_grad.copy_(wire).mul_(self.inverse_world)
+            if bucket.master_grad.data_ptr() != grads.data_ptr():  # else reduced in place already
+                bucket.master_grad.copy_(wire)
         return work, finish
 
     def _publish(self) -> None:

@@ -39,7 +39,7 @@ class Stage1Strategy(BucketedStrategy):
         work = self.comm.reduce_scatter(received, wire, async_op=async_op)
 
         def finish() -> None:
-            bucket.master_grad.copy_(received).mul_(self.inverse_world)
+            bucket.master_grad.copy_(received)
         return work, finish
 
     def _publish(self) -> None:

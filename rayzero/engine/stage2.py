@@ -68,7 +68,7 @@ class Stage2Strategy(BucketedStrategy):
             received = staging[start:end]
 
         def finish() -> None:
-            bucket.master_grad.add_(received.to(torch.float32), alpha=self.inverse_world)
+            bucket.master_grad.add_(received)
         return work, finish
 
     def _publish(self) -> None:

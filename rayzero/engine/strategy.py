@@ -72,10 +72,16 @@ class ZeroStrategy(abc.ABC):
     def after_backward(self) -> None:
         """The backward pass finished: flush partially filled buckets, check unused parameters."""
 
+    def loss_divisor(self) -> float:
+        """What the engine divides the loss by besides gradient accumulation (and before the loss
+        scale): a strategy that reduces gradients by plain sums returns the world size, so the sum
+        is already the mean ([Note: gradient averaging]). Default 1: the strategy averages itself."""
+        return 1.0
+
     @abc.abstractmethod
     def finish_gradients(self) -> None:
         """Boundary only: wait for every reduction; afterwards the fp32 master gradients this rank
-        owns hold the sum over ranks and micro-batches divided by world size (still loss-scaled)."""
+        owns hold the mean over ranks and micro-batches (still loss-scaled)."""
 
     @abc.abstractmethod
     def master_gradients(self) -> list[torch.Tensor]:
