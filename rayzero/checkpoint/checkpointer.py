@@ -6,6 +6,7 @@ are collective: every rank of the job calls them with the same arguments.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import tempfile
 import warnings
@@ -19,6 +20,8 @@ from rayzero.checkpoint.loader import LoadedCheckpoint, load
 from rayzero.checkpoint.options import NODE_LOCAL_DIR_ENV, CheckpointOptions, default_save_dir
 from rayzero.checkpoint.saver import CheckpointSaver, SaveTimings
 from rayzero.checkpoint.types import ShardedTensor, ShardSpec
+
+log = logging.getLogger(__name__)
 
 
 class Checkpointer:
@@ -80,6 +83,18 @@ class Checkpointer:
     def wait(self) -> SaveTimings:
         """Block until the save in flight has committed (and uploaded); its timings."""
         return self.saver.wait() if self._saver is not None else SaveTimings()
+
+    def complete_pending(self, reason: str) -> None:
+        """Finish the save in flight, logging instead of raising a failure: for finalizers and
+        exit paths, where nobody is left to catch it ([Note: async save completion] in saver.py)."""
+        saver = self._saver
+        if saver is None or not saver.in_flight:
+            return
+        log.info("waiting for the checkpoint save in flight to commit (%s)", reason)
+        try:
+            saver.wait()
+        except Exception:  # noqa: BLE001 - nobody to raise to; the log names the failed save
+            log.exception("the checkpoint save in flight failed while %s", reason)
 
     def use_fence(self) -> None:
         """Promise to call `fence()` before every update of the saved state, so async saves copy the

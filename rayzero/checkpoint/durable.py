@@ -10,13 +10,45 @@ from __future__ import annotations
 
 import posixpath
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from collections.abc import Callable
 
 import pyarrow.fs as pafs
 
 from rayzero.checkpoint.manifest import LATEST, MANIFEST, Manifest
 
 _CHUNK = 16 << 20
+
+
+def run_in_threads(tasks: list[Callable[[], None]], threads: int, name: str) -> None:
+    """Run the tasks on up to `threads` plain threads; re-raise the first failure.
+
+    Not a concurrent.futures pool: those refuse new work once the interpreter starts shutting
+    down, which is exactly when an unwaited async save may still be uploading (the interpreter
+    joins the save thread after that point; [Note: async save completion] in saver.py)."""
+    pending = list(reversed(tasks))
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+
+    def work() -> None:
+        while True:
+            with lock:
+                if not pending or errors:
+                    return
+                task = pending.pop()
+            try:
+                task()
+            except BaseException as error:  # noqa: BLE001 - re-raised in the caller below
+                with lock:
+                    errors.append(error)
+
+    workers = [threading.Thread(target=work, name=f"{name}-{index}") for index in range(max(1, min(threads, len(tasks))))]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    if errors:
+        raise errors[0]
 
 
 class DurableStore:
@@ -36,11 +68,10 @@ class DurableStore:
     def upload(self, tag: str, local_files: Iterable[tuple[str, str]]) -> None:
         """Copy (local_path, file_name) pairs into TAG/ in parallel."""
         self.filesystem.create_dir(self._path(tag), recursive=True)
-        with ThreadPoolExecutor(self.threads, thread_name_prefix="rayzero-upload") as pool:
-            futures = [pool.submit(self._copy, self.local, local_path, self.filesystem, self._path(tag, name))
-                       for local_path, name in local_files]
-            for future in futures:
-                future.result()
+        tasks = [lambda local_path=local_path, name=name: self._copy(self.local, local_path, self.filesystem,
+                                                                     self._path(tag, name))
+                 for local_path, name in local_files]
+        run_in_threads(tasks, self.threads, "rayzero-upload")
 
     def download(self, tag: str, name: str, local_path: str) -> None:
         self._copy(self.filesystem, self._path(tag, name), self.local, local_path + ".part")

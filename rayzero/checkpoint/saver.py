@@ -14,6 +14,17 @@ the state promises to call `fence()` before every update (the engine glue does i
 step pre-hook, `fenced = True`), the copy moves into the background thread too and overlaps the
 next forward/backward: save() then blocks only for metadata, and the fence waits only if the copy
 is still running when the optimizer step begins. Without that promise the copy happens in save().
+
+[Note: async save completion]
+An async save is finished by a background thread that runs collectives on the checkpoint group.
+A training loop that returns without `wait_for_checkpoint()` would let its caller destroy the
+process group (the Ray worker does, right after the loop) or kill the process while that thread is
+mid-write: the newest checkpoint would silently never commit. Three things close that gap:
+`wait()` is idempotent and cheap, so every exit path may call it; the engine glue attaches a
+`weakref.finalize` to the engine that waits when the engine is released (the loop's locals go
+away as it returns) and at interpreter exit; and `wait_for_pending_saves()` waits for every save
+in flight in this process, for a runner to call after the loop whatever still references the engine.
+The thread itself is not a daemon, so a plain script's interpreter joins it before exiting.
 """
 from __future__ import annotations
 
@@ -21,6 +32,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +57,19 @@ from rayzero.checkpoint.shard_file import write_shard_file
 from rayzero.checkpoint.types import ShardedTensor
 
 log = logging.getLogger(__name__)
+
+# Savers with a save in flight, so a runner can finish them all after the training loop returns
+# ([Note: async save completion]); weak, so an abandoned saver still goes away with its engine.
+_IN_FLIGHT: weakref.WeakSet[CheckpointSaver] = weakref.WeakSet()
+
+
+def wait_for_pending_saves() -> int:
+    """Block until every checkpoint save still in flight in this process has committed and uploaded;
+    how many there were. Errors are logged, not raised (the owner's `wait()` raises them)."""
+    pending = [saver for saver in list(_IN_FLIGHT) if saver.in_flight]
+    for saver in pending:
+        saver.join()
+    return len(pending)
 
 
 @dataclass
@@ -133,12 +158,14 @@ class CheckpointSaver:
         if asynchronous:
             self._thread = threading.Thread(target=self._run, args=(job,), name="rayzero-checkpoint", daemon=False)
             self._thread.start()
+            _IN_FLIGHT.add(self)
         else:
             self._run(job, until_commit=True)
             self.wait()  # raises if the commit failed
             # Committed and durable on local disk: retention and the upload need not hold the caller.
             self._thread = threading.Thread(target=self._finish, args=(job,), name="rayzero-checkpoint", daemon=False)
             self._thread.start()
+            _IN_FLIGHT.add(self)
         return os.path.join(root, tag)
 
     def fence(self) -> None:
@@ -178,11 +205,19 @@ class CheckpointSaver:
             torch.cuda.current_stream().synchronize()  # the non-blocking device-to-host copies must land first
         return snapshot
 
+    def join(self) -> None:
+        """Block until the save in flight (if any) has finished, without raising its error (kept for
+        `wait()`). Safe to call from any thread, any number of times."""
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+
     def wait(self) -> SaveTimings:
-        """Block until the save in flight (if any) has committed and uploaded; re-raise its error."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        """Block until the save in flight (if any) has committed and uploaded; re-raise its error
+        once. Idempotent: with nothing in flight it returns the last timings at once."""
+        self.join()
+        self._thread = None
+        _IN_FLIGHT.discard(self)
         if self._error is not None:
             error, self._error = self._error, None
             raise RuntimeError(f"the previous checkpoint save failed on rank {self.comm.rank}: {error}") from error
@@ -222,6 +257,7 @@ class CheckpointSaver:
                 if comm.rank == 0:
                     job.durable.commit(job.manifest)
                     job.durable.apply_retention(options.keep_last)
+                comm.barrier()  # so wait() on any rank means: durably committed
                 job.timings.upload = time.perf_counter() - phase
             self.timings = job.timings
         except BaseException as error:  # surfaced by wait() in the training thread

@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -35,6 +36,10 @@ def checkpointer_of(engine: Any) -> Checkpointer:
         engine.optimizer.register_step_pre_hook(lambda optimizer, args, kwargs: checkpointer.fence())
         checkpointer.use_fence()
         engine.checkpointer = checkpointer
+        # [Note: async save completion]: a loop that returns without wait_for_checkpoint() still
+        # commits its last save, once its engine is released or the interpreter exits. The callback
+        # holds the checkpointer, never the engine (that would keep the engine alive forever).
+        weakref.finalize(engine, checkpointer.complete_pending, "the engine was released")
     return engine.checkpointer
 
 
@@ -82,7 +87,8 @@ def save_checkpoint(engine: Any, save_dir: str | None = None, tag: str | None = 
 
 
 def wait_for_checkpoint(engine: Any) -> SaveTimings:
-    """Block until the background save (if any) is committed and uploaded; its phase timings."""
+    """Block until the background save (if any) is committed and uploaded; its phase timings.
+    Idempotent: call it from every exit path (`close()`, after the loop); a failed save raises once."""
     if getattr(engine, "checkpointer", None) is None:  # never saved: nothing to wait for, no group to build
         return SaveTimings()
     return engine.checkpointer.wait()
