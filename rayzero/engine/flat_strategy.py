@@ -163,7 +163,7 @@ class BucketedStrategy(ZeroStrategy):
             return
         if self.keeps_full_gradients:
             view = bucket.grad_views[slot_index]
-            if param.grad is not view:  # someone reset .grad (model.zero_grad()): adopt theirs
+            if param.grad is not view:  # first gradient of the window (or a user reset .grad)
                 view.copy_(param.grad)
                 param.grad = view
         if bucket.fired[slot_index]:
@@ -222,6 +222,12 @@ class BucketedStrategy(ZeroStrategy):
                 f"parameters {unused[:8]} received no gradient in this backward pass; "
                 "set zero_optimization.ignore_unused_parameters=true to treat their gradient as zero, "
                 "or set requires_grad=False on parameters the model does not use")
+        if self.keeps_full_gradients:  # an unused parameter's slot must read zero, not last step's
+            for bucket in self.buckets:
+                for param, view in zip(bucket.params, bucket.grad_views):
+                    if param.grad is not view:
+                        view.zero_()
+                        param.grad = view
         if self._reducing:
             for bucket in self.buckets:  # unused gradients count as zero ([Note: gradient hooks])
                 bucket.remaining = 0
@@ -241,14 +247,15 @@ class BucketedStrategy(ZeroStrategy):
         self._publish()
 
     def zero_grad(self) -> None:
+        """Stages 0-1: `.grad = None`, so the first backward of the next window hands over fresh
+        gradients that the hook copies into the flat buffer (cheaper than zeroing Ψ elements and
+        adding into them); master gradients are overwritten by the next reduction. Stage 2 zeroes
+        its accumulating gradient shard."""
         for bucket in self.buckets:
-            if bucket.grad_buffer is not None:
-                bucket.grad_buffer.zero_()
-            if bucket.master_grad is not None and not self._master_grad_aliases_buffer(bucket):
+            if not self.keeps_full_gradients and bucket.master_grad is not None:
                 bucket.master_grad.zero_()
-            if not self.keeps_full_gradients:
-                for param in bucket.params:
-                    param.grad = None
+            for param in bucket.params:
+                param.grad = None
 
     def _master_grad_aliases_buffer(self, bucket: Bucket) -> bool:
         return (bucket.grad_buffer is not None and bucket.master_grad is not None
