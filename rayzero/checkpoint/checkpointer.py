@@ -93,7 +93,7 @@ class Checkpointer:
         log.info("waiting for the checkpoint save in flight to commit (%s)", reason)
         try:
             saver.wait()
-        except Exception:  # noqa: BLE001 - nobody to raise to; the log names the failed save
+        except Exception:  # nobody to raise to; the log names the failed save
             log.exception("the checkpoint save in flight failed while %s", reason)
 
     def use_fence(self) -> None:

@@ -9,9 +9,8 @@ parallel instead of one object at a time. Each rank uploads the files it wrote; 
 from __future__ import annotations
 
 import posixpath
-from collections.abc import Iterable
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import pyarrow.fs as pafs
 

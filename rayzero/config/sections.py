@@ -169,7 +169,7 @@ class CheckpointConfig(ConfigModel):
     """With `use_node_local_storage`: how many other nodes keep a copy of each node's shards (1
     survives one lost node with no shared filesystem; 0 keeps no copy). Env override
     `RAYZERO_CHECKPOINT_REPLICAS`."""
-    durable_uri: Optional[Annotated[str, AfterValidator(_uri_or_absolute_path)]] = None
+    durable_uri: Annotated[str, AfterValidator(_uri_or_absolute_path)] | None = None
     """pyarrow.fs URI (file:///abs/path, s3://bucket/prefix, gs://..., hdfs://...) receiving a
     background copy of every committed checkpoint; null = none. Env override `RAYZERO_DURABLE_URI`."""
     keep_last: Int = Field(3, ge=0)

@@ -125,7 +125,8 @@ def test_script_exiting_during_an_async_save_still_commits_and_uploads(tmp_path)
     """A plain script (one process, the engine a module global, so it is never released before
     exit) ends right after save_checkpoint: the interpreter's exit must finish the save, upload included."""
     local, bucket = tmp_path / "ckpt", tmp_path / "bucket"
-    done = subprocess.run([sys.executable, "-c", _SCRIPT, str(local), str(bucket)], capture_output=True,
+    done = subprocess.run([sys.executable, "-c", _SCRIPT, str(local), str(bucket)], check=False,
+                          capture_output=True,
                           text=True, timeout=240, env={**os.environ, "RAYZERO_CHECKPOINT_DIR": ""})
     assert done.returncode == 0, done.stderr[-3000:]
     assert "in flight at exit: True" in done.stdout
