@@ -134,6 +134,11 @@ class TrainWorker:
                 train_loop({} if loop_config is None else loop_config)
             else:
                 train_loop()
+            # An async checkpoint save may still be writing or uploading when the loop returns; the
+            # group is torn down right after, so finish it here (a no-op when nothing is in flight).
+            from rayzero.checkpoint.saver import wait_for_pending_saves
+
+            wait_for_pending_saves()
             return WorkerOutcome(rank)
         except BaseException as error:  # noqa: BLE001 - SystemExit from an argparse loop is a failure too
             return WorkerOutcome(rank, f"{type(error).__name__}: {error}", traceback.format_exc())
