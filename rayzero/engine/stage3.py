@@ -29,6 +29,12 @@ class Stage3Strategy(ZeroStrategy):
     stage = 3
     gradients_partitioned = True
 
+    def loss_divisor(self) -> float:
+        """Reductions are plain sums; the engine divides the loss by the world size instead, as for
+        stages 0-2, so fp16 gradients (and their overflows) are identical across stages
+        ([Note: gradient averaging] in engine.py)."""
+        return float(self.comm.world_size)
+
     def __init__(self, ctx: StrategyContext) -> None:
         self.comm = ctx.comm
         self.module = ctx.module

@@ -72,13 +72,14 @@ class GradientReducer:
             self.wait()
 
     def wait(self) -> None:
-        """Complete the in-flight bucket: average over ranks into the fp32 master gradients."""
+        """Complete the in-flight bucket: add this rank's summed shards into the fp32 master
+        gradients (the engine divided the loss by the world size: [Note: gradient averaging])."""
         if self._in_flight is None:
             return
         work, received, entries, _send = self._in_flight
         self._in_flight = None
         work.wait()
-        shards = received.to(torch.float32).div_(self.comm.world_size)
+        shards = received.to(torch.float32)
         offset = 0
         for entry in entries:
             width = entry.shard_numel
