@@ -61,6 +61,8 @@ def initialize(model: torch.nn.Module | None = None, config: Any = None,
                              micro_batch_size=cfg.train_micro_batch_size_per_gpu)
     engine = ZeroEngine(model, strategy, comm, precision, step_policy, build_loss_scaler(cfg.fp16),
                         scheduler, cfg)
-    loader = builders.build_dataloader(training_data, step_policy.micro_batch_size, comm, collate_fn)
+    loader = builders.build_dataloader(training_data, step_policy.micro_batch_size,
+                                       cfg.train_batch_size or engine.train_batch_size(), comm, collate_fn)
+    engine.training_dataloader = loader
     comm.discard_current()  # initial broadcasts belong to no step
     return engine, strategy.optimizer, loader, scheduler

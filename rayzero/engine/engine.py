@@ -72,6 +72,9 @@ class ZeroEngine:
         self.last_grad_norm: float | None = None  # unscaled, before clipping; None when not computed
         self.phase = Phase.IDLE
         self.checkpointer = None  # built by rayzero.engine.checkpointing on the first save/load
+        # initialize(training_data=...)'s loader (DeepSpeed's name): load_checkpoint restores its
+        # sampler's position ([Note: data position]).
+        self.training_dataloader: torch.utils.data.DataLoader | None = None
 
     # ---- DeepSpeed-shaped API ---------------------------------------------------------------
     @property
@@ -259,4 +262,10 @@ class ZeroEngine:
         return checkpointing.wait_for_checkpoint(self)
 
     def close(self) -> None:
+        """Finish an async checkpoint save in flight, then remove the strategy's hooks."""
+        if self.checkpointer is not None:
+            # The save runs in a background thread over its own gloo group: it must be committed
+            # before the caller tears the process group down (the usual next call after close()).
+            from rayzero.engine import checkpointing
+            checkpointing.wait_for_checkpoint(self)
         self.strategy.close()

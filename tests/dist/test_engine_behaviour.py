@@ -58,7 +58,7 @@ def test_config_from_environment_with_scheduler_and_dataloader() -> None:
     # DeepSpeed's linear warmup, stepped once per optimizer step: 0 -> 0.01 over 4 iterations.
     assert lrs[0] == 0.0 and lrs[-1] == pytest.approx(0.01)
     assert all(a < b for a, b in itertools.pairwise(lrs[1:])), lrs
-    assert result["env_samples_seen"] == 30 // WORLD, "DistributedSampler: each rank sees its half"
+    assert result["env_samples_seen"] == 30 // WORLD, "ResumableSampler: each rank sees its half"
     assert result["gas_api"] == (1, 5)
 
 
