@@ -9,7 +9,6 @@ of the samples each optimizer step consumed: the resumed runs must consume the v
 """
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.distributed as dist
