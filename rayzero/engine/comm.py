@@ -24,6 +24,11 @@ import torch.distributed as dist
 # Volume multiplier per kind, see [Note: communication accounting].
 _VOLUME = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "broadcast": 1, "control": 2}
 
+# torch 2.13 renamed the flat-tensor collectives (the old names warn FutureWarning on every call);
+# pyproject allows torch >= 2.4, which has only the old names. Same signatures, same semantics.
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 @dataclass
 class KindStats:
@@ -113,8 +118,7 @@ class Communicator:
         if not self.distributed:
             output.copy_(input)
             return _Done() if async_op else None
-        return dist.reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=self.group,
-                                          async_op=async_op)
+        return _reduce_scatter_flat(output, input, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
         """Concatenate every rank's `input` into `output` (rank order)."""
@@ -128,7 +132,7 @@ class Communicator:
             # `input` is this rank's slice of `output` (in-place gather). NCCL handles that; gloo
             # copies input into output first, which is a self-copy — clone to keep it defined.
             input = input.clone()
-        return dist.all_gather_into_tensor(output, input, group=self.group, async_op=async_op)
+        return _all_gather_flat(output, input, group=self.group, async_op=async_op)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         self._count("broadcast", tensor)

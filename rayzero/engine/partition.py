@@ -9,7 +9,7 @@ of at most `reduce_bucket_size` elements (a larger parameter gets a bucket to it
 is one flat buffer padded to a multiple of the world size, and rank r owns the r-th equal slice of
 *every* bucket. Why per bucket rather than one flat buffer cut into N pieces (DeepSpeed's layout):
   - a bucket's reduce-scatter and all-gather are then single equal-split collectives
-    (`reduce_scatter_tensor` / `all_gather_into_tensor`) with no per-rank fix-up, on gloo and NCCL;
+    (`reduce_scatter_single` / `all_gather_single`) with no per-rank fix-up, on gloo and NCCL;
   - a parameter never spans two buckets, so the piece of a parameter a rank owns is one contiguous
     flat range of that parameter — exactly the `[Note: flat-range partitioning]` unit the checkpoint
     layer stores (rayzero/checkpoint/types.py);
