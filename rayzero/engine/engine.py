@@ -27,6 +27,7 @@ import torch
 from rayzero.checkpoint.types import ShardedTensor, ShardSpec
 from rayzero.engine import optim_state
 from rayzero.engine.comm import Communicator
+from rayzero.engine.distributed import compute_device
 from rayzero.engine.policies import MixedPrecisionPolicy, Precision
 from rayzero.engine.strategy import ZeroStrategy
 
@@ -199,13 +200,16 @@ class ZeroEngine:
         return self.comm.last_step()
 
     def memory_stats(self) -> dict[str, int]:
-        """Bytes this rank holds, by kind, plus `model_state` (their sum) and peak process memory."""
+        """Bytes this rank holds, by kind, plus `model_state` (their sum), `peak_rss` (peak process
+        memory) and on CUDA `peak_device_allocated` (the allocator's peak on the engine's device;
+        reset it with torch.cuda.reset_peak_memory_stats)."""
         stats = dict(self.strategy.memory_stats())
         stats["model_state"] = sum(stats.get(k, 0) for k in ("params", "grads", "master_weights",
                                                             "optimizer_state"))
         stats["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
-        if torch.cuda.is_available():
-            stats["peak_device_allocated"] = int(torch.cuda.max_memory_allocated())
+        device = compute_device()  # the engine's device, not torch's current one (may differ)
+        if device.type == "cuda":
+            stats["peak_device_allocated"] = int(torch.cuda.max_memory_allocated(device))
         return stats
 
     # ---- checkpoint seam (rayzero/checkpoint/types.py) -------------------------------------

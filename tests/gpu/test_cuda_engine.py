@@ -1,0 +1,82 @@
+"""The engine on CUDA with NCCL: stages 0-3 train like single-process fp32 torch on the same GPU.
+
+One spawned NCCL group of one rank (env: RANK=0, WORLD_SIZE=1, `rayzero.init_distributed`) runs
+every case; with two or more GPUs a 2-rank NCCL group runs them again. The model, data and
+tolerances are those of tests/dist/test_parity.py (fp32 ≤ 1e-5 relative; bf16 losses ≤ 1e-2
+relative and parameters ≤ 0.05 absolute — bf16 rounding, justified in that file's docstring).
+fp16 with dynamic loss scaling must skip the overflowing steps; `memory_stats()` must report the
+CUDA allocator's peak. Rank code: tests/gpu/cuda_workers.py.
+"""
+from __future__ import annotations
+
+import functools
+
+import cuda_workers as W
+import harness as H  # tests/dist/harness.py, put on sys.path by cuda_workers
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="needs a CUDA device (torch.cuda.is_available() is False): run tests/gpu on a GPU machine")
+
+# gas 1 runs AdamW with clipping (checks the global norm), gas 2 SGD without (checks 1/world, 1/gas).
+CASES = [H.Case(stage=s, precision=p, gas=g, optimizer="adamw" if g == 1 else "sgd")
+         for s in (0, 1, 2, 3) for p in ("fp32", "bf16") for g in (1, 2)]
+FP16_CASES = [H.Case(stage=s, precision="fp16", steps=12, extra=W.FP16_EXTRA) for s in (0, 3)]
+ALL_CASES = CASES + FP16_CASES
+
+
+def _case_id(case: H.Case) -> str:
+    return f"stage{case.stage}-{case.precision}-gas{case.gas}-{case.optimizer}"
+
+
+@functools.cache
+def group_results(world: int) -> dict:
+    """{"results": [per case: [per rank]], "references": {...}} from one spawned NCCL group."""
+    per_rank = W.spawn(world, W.run_cases, ALL_CASES)
+    return {"results": [[per_rank[r]["results"][i] for r in range(world)] for i in range(len(ALL_CASES))],
+            "references": per_rank[0]["references"]}
+
+
+def _check_parity(world: int, index: int) -> None:
+    case = CASES[index]
+    out = group_results(world)
+    per_rank = out["results"][index]
+    assert all(r["backend"] == "nccl" and r["device"].startswith("cuda") for r in per_rank)
+    W.compare(case, per_rank, out["references"][W.reference_key(case)])
+
+
+@pytest.mark.parametrize("index", range(len(CASES)), ids=[_case_id(c) for c in CASES])
+def test_one_gpu_matches_the_fp32_cuda_reference(index: int) -> None:
+    _check_parity(1, index)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="a 2-rank NCCL group needs 2 GPUs")
+@pytest.mark.parametrize("index", range(len(CASES)), ids=[_case_id(c) for c in CASES])
+def test_two_gpus_match_the_fp32_cuda_reference(index: int) -> None:
+    _check_parity(2, index)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_fp16_dynamic_loss_scaling_skips_overflow_steps(stage: int) -> None:
+    index = len(CASES) + [case.stage for case in FP16_CASES].index(stage)
+    result = group_results(1)["results"][index][0]
+    steps = result["steps"]
+    assert steps[0]["skipped"] and steps[0]["unchanged"], "2^18 overflows fp16: the first step is skipped"
+    assert steps[0]["scale_after"] == steps[0]["scale_before"] / 2, "and the loss scale is halved"
+    taken = [s for s in steps if not s["skipped"]]
+    assert taken and all(not s["unchanged"] for s in taken), "once the scale fits, steps update weights"
+    assert result["skipped_steps"] == sum(s["skipped"] for s in steps) >= 1
+    assert not steps[-1]["skipped"] and steps[-1]["scale_after"] < 2**18
+    assert all(torch.isfinite(torch.tensor(result["losses"][-3:]))), "training goes on with finite losses"
+
+
+@pytest.mark.parametrize("index", range(len(CASES)), ids=[_case_id(c) for c in CASES])
+def test_memory_stats_report_the_cuda_allocator_peak(index: int) -> None:
+    result = group_results(1)["results"][index][0]
+    memory = result["memory"]
+    assert "peak_device_allocated" in memory, "memory_stats() reports the device peak on CUDA"
+    # read by memory_stats() just before the worker read the allocator itself: nothing ran between
+    assert memory["peak_device_allocated"] == result["allocator_peak"]
+    assert memory["peak_device_allocated"] >= memory["model_state"] > 0, "the peak covers the model state"
