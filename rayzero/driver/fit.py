@@ -41,6 +41,11 @@ class Result:
     """URI of the Parquet metrics log (every rank's reports)."""
 
 
+_MODEL_AUTOS = ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
+                "stage3_param_persistence_threshold")
+"""Keys whose "auto" the engine resolves from the model's hidden size (rayzero.engine.builders)."""
+
+
 def _validated_config(config: Any, world_size: int) -> tuple[dict[str, Any] | None, dict[str, Any]]:
     """(the config for the workers, the validated one) or a ConfigError listing every problem.
 
@@ -50,10 +55,20 @@ def _validated_config(config: Any, world_size: int) -> tuple[dict[str, Any] | No
     """
     if config is None:
         return None, {}
-    from rayzero.config import RayZeroConfig, load_config
+    from rayzero.config import ConfigError, Problem, RayZeroConfig, load_config
 
     # allow_unresolved: "auto" values that need the model (hidden size) are resolved in the engine.
-    validated = load_config(config, world_size=world_size, allow_unresolved=True).to_deepspeed_dict()
+    checked = load_config(config, world_size=world_size, allow_unresolved=True)
+    # Only those: the engine resolves again with this world size and the model's hidden size and no
+    # trainer arguments, so any other "auto" would fail on every worker after they started.
+    left = [path for path in checked.unresolved_autos() if path.rsplit(".", 1)[-1] not in _MODEL_AUTOS]
+    if left:
+        raise ConfigError([Problem(
+            path, "auto", "\"auto\" cannot be resolved in the workers (rayzero.initialize resolves only "
+            f"{', '.join(_MODEL_AUTOS)} from the model, and the batch keys from the world size)",
+            "write a value, or pass rayzero.config.load_config(path, trainer={...}, allow_unresolved=True) "
+            "as config") for path in left], str(config) if isinstance(config, (str, Path)) else "config")
+    validated = checked.to_deepspeed_dict()
     if isinstance(config, RayZeroConfig):
         return config.to_deepspeed_dict(), validated
     if isinstance(config, Mapping):

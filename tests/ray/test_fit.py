@@ -110,6 +110,21 @@ def test_a_bad_config_is_rejected_before_any_worker_starts(local_ray, tmp_path):
     assert not marker.exists()
 
 
+def test_an_auto_only_trainer_arguments_resolve_is_rejected_before_any_worker_starts(local_ray, tmp_path):
+    # the workers resolve "auto" from the model and world size only; an "auto" learning rate would
+    # otherwise start every worker and fail in each
+    marker = tmp_path / "worker-ran"
+    config = {**CONFIG, "optimizer": {"type": "AdamW", "params": {"lr": "auto"}},
+              "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": "auto"}}
+    with pytest.raises(ConfigError) as raised:
+        rayzero.fit(marker_loop, config=config, scaling=_two(), run=_run(tmp_path),
+                    train_loop_config={"marker": str(marker)})
+    # not stage3_prefetch_bucket_size: the engine resolves that one from the model
+    assert [problem.path for problem in raised.value.problems] == ["optimizer.params.lr"]
+    assert "load_config" in str(raised.value)
+    assert not marker.exists()
+
+
 def dataset_loop(config):
     shard = rayzero.get_dataset_shard("train")
     ids = [int(row["id"]) for batch in shard.iter_batches(batch_size=8) for row in _rows(batch)]
