@@ -67,6 +67,11 @@ def plan(manifest: Manifest) -> list[ConsolidatedTensor]:
         source = f"master/{key}" if f"master/{key}" in manifest.tensors else name
         chosen = manifest.tensors[source]
         out.append(ConsolidatedTensor(key, source, tuple(chosen.shape), dtype_from_name(chosen.dtype)))
+    # tied weights (alias -> first name) are stored once; a plain module's state_dict names both
+    by_key = {tensor.key: tensor for tensor in out}
+    for alias, first in sorted(manifest.extra_state.get("tied_parameters", {}).items()):
+        if first in by_key and alias not in by_key:
+            out.append(ConsolidatedTensor(alias, by_key[first].source, by_key[first].shape, by_key[first].stored_dtype))
     return out
 
 

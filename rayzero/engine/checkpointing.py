@@ -81,6 +81,8 @@ def save_checkpoint(engine: Any, save_dir: str | None = None, tag: str | None = 
     extra = engine.extra_state()
     batch = _global_batch_size(engine)
     extra["data_position"] = {"consumed_samples": engine.global_steps * batch, "train_batch_size": batch}
+    # shards hold a tied weight once, under its first name; consolidate writes the other names too
+    extra["tied_parameters"] = _tied_aliases(engine.module)
     checkpointer.save(save_dir, tag, engine.global_steps, engine.strategy.stage, shards, extra,
                       _json_able(client_state, "client_state"), config_digest(engine.config), asynchronous)
     return True

@@ -171,3 +171,35 @@ def test_load_flags_module_only_and_without_optimizer(tmp_path):
     assert manifest.extra_state["data_position"] == {"consumed_samples": 5 * GLOBAL_BATCH,
                                                      "train_batch_size": GLOBAL_BATCH}
     assert manifest.stage == 1 and manifest.world_size == 1 and manifest.step == 5
+
+
+def test_consolidated_tied_weights_load_strictly_into_the_plain_model(tmp_path):
+    """One process: a checkpoint of a model with tied embeddings consolidates into a state dict that
+    the same plain torch model loads with strict=True (both names of the tied weight present)."""
+
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(11, 8)
+            self.head = torch.nn.Linear(8, 11, bias=False)
+            self.head.weight = self.embed.weight
+
+        def forward(self, tokens):
+            return torch.nn.functional.cross_entropy(self.head(self.embed(tokens)), tokens)
+
+    torch.manual_seed(0)
+    engine, *_ = initialize(model=Tied(), config={
+        "train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "Adam", "params": {"lr": 0.01}},
+        "zero_optimization": {"stage": 3}, "checkpoint": {"use_node_local_storage": False}})
+    for _ in range(2):
+        engine.backward(engine(torch.randint(0, 11, (4,))))
+        engine.step()
+    root = str(tmp_path / "ckpt")
+    engine.save_checkpoint(root, asynchronous=False)
+    out = str(tmp_path / "model.safetensors")
+    assert checkpoint_cli(["consolidate", root, out]) == 0
+    plain = Tied()
+    plain.load_state_dict(load_file(out))  # strict: raises on a missing head.weight
+    from rayzero.zero import GatheredParameters
+    with GatheredParameters(list(engine.module.parameters())):
+        assert torch.equal(plain.head.weight, engine.module.embed.weight.detach())

@@ -72,6 +72,20 @@ def test_cli_ls_verify_consolidate(tmp_path, capsys):
     assert checkpoint_cli(["verify", str(tmp_path / "nowhere")]) == 1
 
 
+def test_consolidate_writes_every_name_of_a_tied_weight(tmp_path):
+    # the shards hold a tied weight once; a plain module's state_dict (strict load) names both
+    root = str(tmp_path / "ckpt")
+    checkpointer = Checkpointer(CheckpointOptions(keep_last=0))
+    checkpointer.save(root, "global_step1", 1, 1, _shards(1),
+                      extra_state={"global_steps": 1, "tied_parameters": {"head.weight": "embed.weight"}})
+    checkpointer.wait()
+    for fmt, out in (("safetensors", tmp_path / "model.safetensors"), ("torch", tmp_path / "model.pt")):
+        assert checkpoint_cli(["consolidate", root, str(out), "--format", fmt]) == 0
+        consolidated = load_file(out) if fmt == "safetensors" else torch.load(out, weights_only=True)
+        assert set(consolidated) == set(WEIGHTS) | {"head.weight"}
+        assert torch.equal(consolidated["head.weight"], WEIGHTS["embed.weight"])
+
+
 def test_durable_copy_restores_a_lost_save_dir(tmp_path):
     root, bucket = str(tmp_path / "local"), tmp_path / "bucket"
     options = CheckpointOptions(durable_uri=f"file://{bucket}", keep_last=2, upload_threads=4)
