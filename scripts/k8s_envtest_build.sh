@@ -33,14 +33,11 @@ fi
 mkdir -p "$CACHE"
 SRC_LIST=/etc/apt/sources.list.d/rayzero-deb-src.sources
 if ! grep -rqs '^Types:.*deb-src' /etc/apt/sources.list.d/ && ! grep -qs '^deb-src' /etc/apt/sources.list 2>/dev/null; then
-    # Same mirror and keyring as the machine's own bookworm entry, source packages only.
-    $SUDO tee "$SRC_LIST" >/dev/null <<'SOURCES'
-Types: deb-src
-URIs: http://deb.debian.org/debian
-Suites: bookworm
-Components: main
-Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
-SOURCES
+    # The machine's own bookworm entry (same mirror and keyring), source packages only: the first
+    # stanza of debian.sources with its Types changed to deb-src and its Suites cut to bookworm.
+    awk 'BEGIN{RS=""; ORS="\n\n"} NR==1 {
+            gsub(/Types:[^\n]*/, "Types: deb-src"); gsub(/Suites:[^\n]*/, "Suites: bookworm"); print }' \
+        /etc/apt/sources.list.d/debian.sources | $SUDO tee "$SRC_LIST" >/dev/null
     need_update=1
 fi
 apt_update
