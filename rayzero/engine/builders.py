@@ -86,6 +86,12 @@ def trainable_param_groups(model: torch.nn.Module, model_parameters: Any,
                 seen.add(id(param))
                 params.append(param)
         groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": params})
+    if not seen:  # torch optimizers refuse an empty parameter list; training nothing would be silent
+        source = ("the optimizer's param_groups" if client_optimizer is not None
+                  else "model_parameters" if model_parameters is not None else "the model")
+        raise ValueError(
+            f"rayzero.initialize found no trainable parameters in {source} (none with requires_grad=True): "
+            "unfreeze the parameters to train (param.requires_grad_(True)) or pass a model that has some")
     return groups
 
 

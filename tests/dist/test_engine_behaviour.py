@@ -112,3 +112,17 @@ def test_gradient_arriving_twice_is_an_error_not_a_silent_loss() -> None:
             engine.step()
             assert engine.global_steps == 1
         engine.close()
+
+
+def test_a_model_with_nothing_to_train_is_refused() -> None:
+    """One process: a model with no parameters, or only frozen ones, is an error naming the fix
+    (torch optimizers refuse an empty parameter list), not a run that silently trains nothing."""
+    import torch
+
+    import rayzero
+
+    frozen = torch.nn.Linear(4, 4).requires_grad_(False)
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "params": {"lr": 0.001}}}
+    for model in (torch.nn.Identity(), frozen):
+        with pytest.raises(ValueError, match="no trainable parameters.*requires_grad"):
+            rayzero.initialize(model=model, config=config)
