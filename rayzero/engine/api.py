@@ -42,7 +42,7 @@ def initialize(model: torch.nn.Module | None = None, config: Any = None,
     if not any(p.device.type == "meta" for p in model.parameters()):
         model.to(device)  # a model built partitioned (stage 3 zero_init) places itself
     precision = MixedPrecisionPolicy.from_config(cfg)
-    offload = build_offload_backend(zero.offload_optimizer_device, device)
+    offload = build_offload_backend(zero, device)
     groups = builders.trainable_param_groups(model, model_parameters, optimizer)
     builders.broadcast_module_state(model, comm)
     ctx = StrategyContext(

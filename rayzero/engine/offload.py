@@ -11,6 +11,8 @@ from __future__ import annotations
 import abc
 import enum
 
+from typing import Any
+
 import torch
 
 
@@ -69,10 +71,28 @@ class NoOffload(OffloadBackend):
         optimizer.step()
 
 
-def build_offload_backend(device_name: str, compute_device: torch.device) -> OffloadBackend:
-    """The backend for `zero_optimization.offload_optimizer.device` (`none` only in this release)."""
-    if device_name in ("none", None):
-        return NoOffload(compute_device)
-    raise ValueError(
-        f"zero_optimization.offload_optimizer.device={device_name!r} is not available in this build: "
-        "use 'none' (CPU/NVMe offload backends plug into rayzero.engine.offload)")
+_AVAILABLE_DEVICES = ("none",)
+"""Offload devices this release implements; CPU and NVMe backends plug in here."""
+
+
+def unsupported_offload(zero_config: Any) -> list[tuple[str, str]]:
+    """(config key, device) for every offload setting this release cannot honour.
+
+    Both keys are checked: a silently ignored `offload_param` would leave parameters on the GPU
+    while the user planned memory around them being elsewhere. The driver calls this before any
+    worker starts; `rayzero.initialize` calls it again for loops run without the driver.
+    """
+    asked = (("zero_optimization.offload_optimizer.device", zero_config.offload_optimizer_device),
+             ("zero_optimization.offload_param.device", zero_config.offload_param_device))
+    return [(key, device) for key, device in asked if device not in _AVAILABLE_DEVICES]
+
+
+def build_offload_backend(zero_config: Any, compute_device: torch.device) -> OffloadBackend:
+    """The backend for `zero_optimization.offload_*` (`none` only in this release)."""
+    unsupported = unsupported_offload(zero_config)
+    if unsupported:
+        raise ValueError("; ".join(
+            f"{key}={device!r} is not available in this build" for key, device in unsupported)
+            + ": use 'none' or remove the offload section (CPU/NVMe offload backends plug into "
+            "rayzero.engine.offload)")
+    return NoOffload(compute_device)
