@@ -54,12 +54,18 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, payload: Any, ou
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
-def spawn(world_size: int, fn: Callable, payload: Any = None, timeout_s: float = 600) -> list[Any]:
-    """Run `fn(rank, world_size, payload)` on every rank of a fresh gloo group; results by rank."""
-    context = multiprocessing.get_context("spawn")
+def spawn(world_size: int, fn: Callable, payload: Any = None, timeout_s: float = 600,
+          entry: Callable | None = None) -> list[Any]:
+    """Run `fn(rank, world_size, payload)` on every rank of a fresh gloo group; results by rank.
+
+    `entry(rank, world_size, port, fn, payload, out_dir)` forms the group and saves
+    `("ok", value)` or `("error", traceback)` to `out_dir/rank{rank}.pt` (default: gloo from args).
+    """
+    context = multiprocessing.get_context("spawn")  # CUDA cannot be used in forked children
     port = free_port()
+    target = _entry if entry is None else entry
     with tempfile.TemporaryDirectory() as out_dir:
-        procs = [context.Process(target=_entry, args=(r, world_size, port, fn, payload, out_dir))
+        procs = [context.Process(target=target, args=(r, world_size, port, fn, payload, out_dir))
                  for r in range(world_size)]
         for proc in procs:
             proc.start()
@@ -261,3 +267,22 @@ def max_rel_diff(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 def copy_case(case: Case, **changes: Any) -> Case:
     return copy.replace(case, **changes) if hasattr(copy, "replace") else Case(**{**case.__dict__, **changes})
+
+
+def assert_matches_reference(precision: str, losses: list[float], full: dict[str, torch.Tensor],
+                             ref_losses: list[float], ref_params: dict[str, torch.Tensor]) -> None:
+    """The parity rule shared by the CPU (gloo) and GPU tiers: gathered masters and the mean loss
+    trajectory against a single-process fp32 reference. Why bf16 gets these tolerances: see the
+    docstring of tests/dist/test_parity.py."""
+    assert sorted(full) == sorted(ref_params), "every trainable parameter (tied once, frozen never)"
+    assert all(not torch.isnan(t).any() for t in full.values()), "ranks' master pieces cover every element"
+    loss_diff = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+    if precision == "fp32":
+        param_diff = max(max_rel_diff(full[n], ref_params[n]) for n in ref_params)
+        assert loss_diff <= 1e-5, f"loss trajectory differs by {loss_diff:.2e}"
+        assert param_diff <= 1e-5, f"final parameters differ by {param_diff:.2e}"
+    else:
+        abs_diff = max(float((full[n] - ref_params[n]).abs().max()) for n in ref_params)
+        assert loss_diff <= 1e-2, f"bf16 loss trajectory differs by {loss_diff:.2e}"
+        assert abs_diff <= 0.05, f"bf16 parameters differ by {abs_diff:.3f}"
+    assert torch.equal(full["unused"], ref_params["unused"].float()), "an unused parameter must not move"

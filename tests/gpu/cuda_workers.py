@@ -9,11 +9,9 @@ which is how it was checked on a machine without a GPU (`python tests/gpu/cuda_w
 from __future__ import annotations
 
 import math
-import multiprocessing
 import os
 import pathlib
 import sys
-import tempfile
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -49,29 +47,7 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, payload: Any, ou
 
 def spawn(world_size: int, fn: Callable, payload: Any = None, timeout_s: float = 600) -> list[Any]:
     """`fn(rank, world_size, payload)` on every rank of a fresh group from env; results by rank."""
-    context = multiprocessing.get_context("spawn")  # CUDA cannot be used in forked children
-    port = H.free_port()
-    with tempfile.TemporaryDirectory() as out_dir:
-        procs = [context.Process(target=_entry, args=(r, world_size, port, fn, payload, out_dir))
-                 for r in range(world_size)]
-        for proc in procs:
-            proc.start()
-        for proc in procs:
-            proc.join(timeout_s)
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-        results = []
-        for rank in range(world_size):
-            path = os.path.join(out_dir, f"rank{rank}.pt")
-            if not os.path.exists(path):
-                raise RuntimeError(f"rank {rank} of {world_size} produced no result (timeout or crash)")
-            status, value = torch.load(path, weights_only=False)
-            if status != "ok":
-                raise RuntimeError(f"rank {rank} of {world_size} failed:\n{value}")
-            results.append(value)
-    return results
+    return H.spawn(world_size, fn, payload, timeout_s, entry=_entry)
 
 
 def _strict_fp32() -> None:
@@ -178,18 +154,7 @@ def compare(case: H.Case, per_rank: list[dict], reference: tuple[list[float], di
         for name, shape, start, end, values in result["masters"]:
             flat = full.setdefault(name, torch.full((math.prod(shape),), float("nan")))
             flat[start:end] = values
-    assert sorted(full) == sorted(ref_params), "every trainable parameter (tied once, frozen never)"
-    assert all(not torch.isnan(t).any() for t in full.values()), "ranks' master pieces cover every element"
-    loss_diff = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
-    if case.precision == "fp32":
-        param_diff = max(H.max_rel_diff(full[n], ref_params[n]) for n in ref_params)
-        assert loss_diff <= 1e-5, f"loss trajectory differs by {loss_diff:.2e}"
-        assert param_diff <= 1e-5, f"final parameters differ by {param_diff:.2e}"
-    else:
-        abs_diff = max(float((full[n] - ref_params[n]).abs().max()) for n in ref_params)
-        assert loss_diff <= 1e-2, f"bf16 loss trajectory differs by {loss_diff:.2e}"
-        assert abs_diff <= 0.05, f"bf16 parameters differ by {abs_diff:.3f}"
-    assert torch.equal(full["unused"], ref_params["unused"]), "an unused parameter must not move"
+    H.assert_matches_reference(case.precision, losses, full, ref_losses, ref_params)
     assert all(r["skipped_steps"] == 0 for r in per_rank)
 
 
