@@ -197,8 +197,29 @@ class RayWorkerGroup:
         for ref in [r for r in self._run_refs if r in ready_set]:
             rank = self._run_refs.pop(ref)
             self._finish_rank(ref, rank, result)
+        if result.failures:
+            self._drain_survivors(result)
         result.finished = not result.failures and len(self._done) == len(self._workers)
         return result
+
+    def _drain_survivors(self, result: GroupPoll) -> None:
+        """A failure tears the group down next: first take what the other ranks already reported,
+        so metrics made before the failure still reach the driver, in order. Bounded: a rank with
+        nothing queued answers within one worker poll (_WORKER_POLL_S)."""
+        failed = {failure.rank for failure in result.failures}
+        refs = {ref: rank for ref, rank in self._poll_refs.items() if rank not in failed}
+        for ref in refs:
+            del self._poll_refs[ref]
+        for rank, worker in enumerate(self._workers):
+            if worker is not None and rank not in failed:
+                refs[worker.poll.remote(0.0)] = rank  # after the outstanding one, per rank
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=_WORKER_POLL_S + 1.0)
+        ready_set = set(ready)
+        for ref in [r for r in refs if r in ready_set]:  # insertion order keeps each rank's order
+            try:
+                result.reports.extend(ray.get(ref))
+            except ray.exceptions.RayActorError:
+                pass  # a second casualty: the first failure is the one to blame
 
     def _take_reports(self, ref: Any, rank: int, result: GroupPoll) -> bool:
         try:

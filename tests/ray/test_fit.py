@@ -177,6 +177,21 @@ def test_a_failure_within_the_budget_restarts_the_group(local_ray, tmp_path):
     assert [m["resume_from"] for m in result.metrics_history] == [str(given)] * 2
 
 
+def late_report_loop(config):
+    context = rayzero.get_context()
+    if context.attempt == 0 and context.rank == 1:
+        raise RuntimeError("simulated crash before rank 0 has reported")
+    if context.attempt == 0:
+        time.sleep(0.5)  # rank 0 reports after rank 1 has already failed
+    rayzero.report({"attempt": context.attempt})
+
+
+def test_reports_made_while_a_failure_is_handled_still_reach_the_driver(local_ray, tmp_path):
+    result = rayzero.fit(late_report_loop, scaling=_two(), run=_run(tmp_path),
+                         failure=rayzero.FailureConfig(max_failures=1))
+    assert [m["attempt"] for m in result.metrics_history] == [0, 1]
+
+
 def test_wall_clock_breakdown_prints_the_phases(local_ray, tmp_path, capsys):
     config = dict(CONFIG, wall_clock_breakdown=True)
     rayzero.fit(reporting_loop, config=config, scaling=_two(), run=_run(tmp_path),
