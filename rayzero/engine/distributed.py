@@ -1,6 +1,7 @@
 """Process-group setup from the usual environment variables (torchrun, Ray workers, mpirun)."""
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 
@@ -41,3 +42,20 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None)
     dist.init_process_group(backend=backend, rank=int(os.environ["RANK"]),
                             world_size=int(os.environ["WORLD_SIZE"]),
                             timeout=datetime.timedelta(seconds=timeout_s))
+    atexit.register(_leave_process_group)
+
+
+def _leave_process_group() -> None:
+    """At interpreter exit, leave the group this module created.
+
+    A script run under torchrun that ends without `destroy_process_group()` has gloo abort the
+    process at exit ("terminate called without an active exception", seen in most runs with torch
+    2.13), which torchrun reports as a failed job. A checkpoint save still in flight finishes first:
+    it uses this group's connections.
+    """
+    if not dist.is_initialized():
+        return
+    from rayzero.checkpoint.saver import wait_for_pending_saves
+
+    wait_for_pending_saves()
+    dist.destroy_process_group()
