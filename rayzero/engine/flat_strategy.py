@@ -144,6 +144,16 @@ class BucketedStrategy(ZeroStrategy):
     def _init_gradient_storage(self, bucket: Bucket) -> None:
         """Allocate bucket.grad_buffer / grad_views (stages 0-1) and bucket.master_grad."""
 
+    @staticmethod
+    def _attach_full_gradient_buffer(bucket: Bucket) -> None:
+        """Stages 0-1: one full-size gradient buffer per bucket, each param's `.grad` a view of it,
+        so autograd accumulates straight into the buffer the collective reduces."""
+        bucket.grad_buffer = torch.zeros_like(bucket.param_buffer)
+        bucket.grad_views = [bucket.grad_buffer[s.offset:s.end].view_as(p)
+                             for s, p in zip(bucket.layout.slots, bucket.params)]
+        for param, view in zip(bucket.params, bucket.grad_views):
+            param.grad = view
+
     @abc.abstractmethod
     def _reduce_bucket(self, bucket: Bucket, async_op: bool) -> tuple[object, Finish]:
         """Launch the bucket's collective; return its Work (or None) and what to do once done."""

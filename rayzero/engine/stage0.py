@@ -20,11 +20,7 @@ class Stage0Strategy(BucketedStrategy):
     always_overlaps = True
 
     def _init_gradient_storage(self, bucket: Bucket) -> None:
-        bucket.grad_buffer = torch.zeros_like(bucket.param_buffer)
-        bucket.grad_views = [bucket.grad_buffer[s.offset:s.end].view_as(p)
-                             for s, p in zip(bucket.layout.slots, bucket.params)]
-        for param, view in zip(bucket.params, bucket.grad_views):
-            param.grad = view
+        self._attach_full_gradient_buffer(bucket)
         numel = bucket.layout.numel
         if self.aliased and self.precision.reduce_dtype == torch.float32:
             bucket.master_grad = bucket.grad_buffer[:numel]

@@ -18,11 +18,7 @@ class Stage1Strategy(BucketedStrategy):
     partitions_optimizer_state = True
 
     def _init_gradient_storage(self, bucket: Bucket) -> None:
-        bucket.grad_buffer = torch.zeros_like(bucket.param_buffer)
-        bucket.grad_views = [bucket.grad_buffer[s.offset:s.end].view_as(p)
-                             for s, p in zip(bucket.layout.slots, bucket.params)]
-        for param, view in zip(bucket.params, bucket.grad_views):
-            param.grad = view
+        self._attach_full_gradient_buffer(bucket)
         start, end = bucket.master_range
         if self.aliased and self.precision.reduce_dtype == torch.float32:
             # The reduced slice lands in this rank's own part of the full gradient buffer.
