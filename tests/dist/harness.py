@@ -36,15 +36,21 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, fn: Callable, payload: Any, out_dir: str) -> None:
+def gloo_init(rank: int, world_size: int) -> None:
+    """The default group-forming step of `spawn`: gloo from the spawn's arguments."""
     torch.set_num_threads(1)  # 2 shared cores: oversubscription only slows everyone down
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size,
+                                         timeout=datetime.timedelta(seconds=120))
+
+
+def _entry(rank: int, world_size: int, port: int, fn: Callable, payload: Any, out_dir: str,
+           init: Callable[[int, int], None]) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       RAYZERO_COLLECTIVE_TIMEOUT_S="120")  # a hung peer fails the test, not the suite
     result: Any
     try:
-        torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size,
-                                             timeout=datetime.timedelta(seconds=120))
+        init(rank, world_size)
         result = ("ok", fn(rank, world_size, payload))
     except BaseException:  # noqa: BLE001 - report everything: the parent shows it
         result = ("error", traceback.format_exc())
@@ -55,17 +61,16 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, payload: Any, ou
 
 
 def spawn(world_size: int, fn: Callable, payload: Any = None, timeout_s: float = 600,
-          entry: Callable | None = None) -> list[Any]:
-    """Run `fn(rank, world_size, payload)` on every rank of a fresh gloo group; results by rank.
+          init: Callable[[int, int], None] = gloo_init) -> list[Any]:
+    """Run `fn(rank, world_size, payload)` on every rank of a fresh group; results by rank.
 
-    `entry(rank, world_size, port, fn, payload, out_dir)` forms the group and saves
-    `("ok", value)` or `("error", traceback)` to `out_dir/rank{rank}.pt` (default: gloo from args).
+    `init(rank, world_size)` forms the group in each rank (module-level, so it pickles), with
+    RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT already in the environment.
     """
     context = multiprocessing.get_context("spawn")  # CUDA cannot be used in forked children
     port = free_port()
-    target = _entry if entry is None else entry
     with tempfile.TemporaryDirectory() as out_dir:
-        procs = [context.Process(target=target, args=(r, world_size, port, fn, payload, out_dir))
+        procs = [context.Process(target=_entry, args=(r, world_size, port, fn, payload, out_dir, init))
                  for r in range(world_size)]
         for proc in procs:
             proc.start()

@@ -9,10 +9,8 @@ which is how it was checked on a machine without a GPU (`python tests/gpu/cuda_w
 from __future__ import annotations
 
 import math
-import os
 import pathlib
 import sys
-import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -26,28 +24,18 @@ FP16_EXTRA = (("fp16", {"enabled": True, "loss_scale": 0, "initial_scale_power":
 """Dynamic loss scaling starting at 2^18: the first steps overflow fp16 until the scale fits."""
 
 
-def _entry(rank: int, world_size: int, port: int, fn: Callable, payload: Any, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      RAYZERO_COLLECTIVE_TIMEOUT_S="120")  # a hung peer fails the test, not the suite
+def _init_from_env(rank: int, world_size: int) -> None:
+    """Form the group the way a user's script does: rayzero.init_distributed() from the env."""
     import rayzero
 
     if not torch.cuda.is_available():
         torch.set_num_threads(1)  # the CPU dry run: ranks share few cores
-    try:
-        rayzero.init_distributed()  # nccl (and torch.cuda.set_device) when CUDA is available
-        result = ("ok", fn(rank, world_size, payload))
-    except BaseException:  # noqa: BLE001 - report everything: the parent shows it
-        result = ("error", traceback.format_exc())
-    finally:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    rayzero.init_distributed()  # nccl (and torch.cuda.set_device) when CUDA is available
 
 
 def spawn(world_size: int, fn: Callable, payload: Any = None, timeout_s: float = 600) -> list[Any]:
     """`fn(rank, world_size, payload)` on every rank of a fresh group from env; results by rank."""
-    return H.spawn(world_size, fn, payload, timeout_s, entry=_entry)
+    return H.spawn(world_size, fn, payload, timeout_s, init=_init_from_env)
 
 
 def _strict_fp32() -> None:
