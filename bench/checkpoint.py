@@ -65,7 +65,7 @@ def async_vs_sync(work: str, size_mb: int, repeats: int) -> dict:
     """A real ZeroEngine (world 1, stage 1, SGD with momentum: module + master + momentum ~ size_mb)
     trains; the training thread's blocking time for an async save (inside save_checkpoint plus the
     wait at the snapshot fence before the next optimizer step) vs a synchronous save."""
-    from rayzero.engine import checkpointing
+    from rayzero.engine import checkpoint_io
     from rayzero.engine.api import initialize
 
     width = 2048
@@ -87,18 +87,18 @@ def async_vs_sync(work: str, size_mb: int, repeats: int) -> dict:
     root = os.path.join(work, "engine")
     step_times = [step() for _ in range(3)]
     engine.save_checkpoint(root, tag="warmup")  # first save: builds the group, allocates the snapshot buffers
-    checkpointing.wait_for_checkpoint(engine)
+    checkpoint_io.wait_for_checkpoint(engine)
     syncs, blocked, async_totals = [], [], []
     for repeat in range(repeats):
         started = time.perf_counter()
         engine.save_checkpoint(root, tag=f"sync{repeat}", asynchronous=False)
         syncs.append(time.perf_counter() - started)
-        checkpointing.wait_for_checkpoint(engine)  # its retention runs after the commit
+        checkpoint_io.wait_for_checkpoint(engine)  # its retention runs after the commit
         started = time.perf_counter()
         engine.save_checkpoint(root, tag=f"async{repeat}")
-        while checkpointing.checkpointer_of(engine).saver.in_flight:  # keep training while it writes
+        while checkpoint_io.checkpointer_of(engine).saver.in_flight:  # keep training while it writes
             step_times.append(step())
-        timings = checkpointing.wait_for_checkpoint(engine)
+        timings = checkpoint_io.wait_for_checkpoint(engine)
         async_totals.append(time.perf_counter() - started)
         blocked.append(timings.blocking)
     state_bytes = sum(s.local.numel() * s.local.element_size() for s in engine.state_shards())

@@ -15,6 +15,7 @@ _LAZY = {
     # configuration (rayzero.config)
     "RayZeroConfig": "rayzero.config",
     "ConfigError": "rayzero.config",
+    "RayZeroError": "rayzero.config",  # base of every user-facing error
     # the training-loop API, DeepSpeed's shapes (rayzero.engine)
     "initialize": "rayzero.engine",
     "init_distributed": "rayzero.engine",

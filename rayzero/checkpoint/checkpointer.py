@@ -20,6 +20,7 @@ from rayzero.checkpoint.loader import LoadedCheckpoint, load
 from rayzero.checkpoint.options import NODE_LOCAL_DIR_ENV, CheckpointOptions, default_save_dir
 from rayzero.checkpoint.saver import CheckpointSaver, SaveTimings
 from rayzero.checkpoint.types import ShardedTensor, ShardSpec
+from rayzero.config.errors import RayZeroValueError
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +121,7 @@ class Checkpointer:
 
     def _validate_tag(self, tag: str) -> None:
         if not tag or os.sep in tag or tag in (".", "..") or tag == "latest":
-            raise ValueError(f"checkpoint tag {tag!r} is not a usable directory name; use e.g. 'global_step100'")
+            raise RayZeroValueError(f"checkpoint tag {tag!r} is not a usable directory name; use e.g. 'global_step100'")
         mode = self.options.tag_validation
         if mode == "Ignore" or self.comm.world_size == 1:
             return
@@ -128,5 +129,5 @@ class Checkpointer:
         if len(set(tags)) > 1:
             message = f"ranks passed different checkpoint tags {sorted(set(tags))}; every rank must use the same tag"
             if mode == "Fail":
-                raise ValueError(message + " (checkpoint.tag_validation = 'Fail')")
+                raise RayZeroValueError(message + " (checkpoint.tag_validation = 'Fail')")
             warnings.warn(message, stacklevel=3)

@@ -17,6 +17,7 @@ import torch
 from rayzero.checkpoint.manifest import Manifest, read_manifest, resolve_tag_dir
 from rayzero.checkpoint.reshard import plan_read
 from rayzero.checkpoint.shard_file import _FROM_CODE, SafetensorsWriter, dtype_from_name
+from rayzero.config.errors import RayZeroValueError
 
 
 class ShardFileIndex:
@@ -79,12 +80,12 @@ def consolidate(checkpoint: str, output: str, dtype: torch.dtype | None = None, 
     """Write the consolidated state dict of `checkpoint` (save dir or tag dir) to `output`; returns
     the number of tensors written."""
     if fmt not in ("safetensors", "torch"):
-        raise ValueError(f"--format {fmt!r}: use safetensors or torch")
+        raise RayZeroValueError(f"--format {fmt!r}: use safetensors or torch")
     tag_dir = resolve_tag_dir(checkpoint)
     manifest = read_manifest(tag_dir)
     tensors = plan(manifest)
     if not tensors:
-        raise ValueError(f"{tag_dir} holds no module/ tensors to consolidate")
+        raise RayZeroValueError(f"{tag_dir} holds no module/ tensors to consolidate")
     out_dtypes = {t.key: dtype or t.stored_dtype for t in tensors}
     # widest first keeps every tensor aligned in the output (torch format views one mapped buffer)
     tensors.sort(key=lambda t: -out_dtypes[t.key].itemsize)

@@ -17,6 +17,8 @@ from collections.abc import Iterator
 
 import torch
 
+from rayzero.config.errors import RayZeroValueError
+
 
 class ResumableSampler(torch.utils.data.Sampler[int]):
     """A distributed sampler whose position is a global sample count (see [Note: data position])."""
@@ -24,10 +26,10 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
     def __init__(self, dataset_size: int, global_batch_size: int, rank: int = 0, world_size: int = 1,
                  shuffle: bool = True, seed: int = 0) -> None:
         if global_batch_size < 1 or global_batch_size % world_size:
-            raise ValueError(f"global batch size {global_batch_size} must be a positive multiple of the world "
+            raise RayZeroValueError(f"global batch size {global_batch_size} must be a positive multiple of the world "
                              f"size {world_size} (train_batch_size = micro batch x gas x world)")
         if dataset_size < global_batch_size:
-            raise ValueError(f"the dataset has {dataset_size} samples, fewer than one global batch "
+            raise RayZeroValueError(f"the dataset has {dataset_size} samples, fewer than one global batch "
                              f"({global_batch_size}); lower train_batch_size or add data")
         self.dataset_size = dataset_size
         self.global_batch_size = global_batch_size

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 import pyarrow.fs as pafs
 
 from rayzero.checkpoint.manifest import LATEST, MANIFEST, Manifest
+from rayzero.config.errors import RayZeroValueError
 
 _CHUNK = 16 << 20
 
@@ -55,7 +56,7 @@ class DurableStore:
         try:
             self.filesystem, self.root = pafs.FileSystem.from_uri(uri)
         except Exception as error:  # pyarrow raises ArrowInvalid / OSError subclasses
-            raise ValueError(f"checkpoint.durable_uri = {uri!r} is not a usable pyarrow.fs URI ({error}); "
+            raise RayZeroValueError(f"checkpoint.durable_uri = {uri!r} is not a usable pyarrow.fs URI ({error}); "
                              "use file:///abs/path, s3://bucket/prefix, gs://bucket/prefix or hdfs://...") from error
         self.uri = uri
         self.threads = threads

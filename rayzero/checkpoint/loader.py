@@ -34,12 +34,13 @@ from rayzero.checkpoint.shard_file import (
     scatter_file,
 )
 from rayzero.checkpoint.types import ShardSpec
+from rayzero.config.errors import RayZeroError, RayZeroValueError
 
 log = logging.getLogger(__name__)
 _MAX_REPAIRS = 4  # re-plans per candidate after corrupt copies were found
 
 
-class NoCheckpointError(FileNotFoundError):
+class NoCheckpointError(RayZeroError, FileNotFoundError):
     """No committed, complete and intact checkpoint was found in any tier."""
 
 
@@ -69,7 +70,7 @@ class LoadedCheckpoint:
             raise KeyError(f"checkpoint {self.path} holds no tensor {spec.name!r} (it has "
                            f"{len(self.manifest.tensors)} tensors, e.g. {sorted(self.manifest.tensors)[:3]})")
         if tuple(entry.shape) != tuple(spec.global_shape):
-            raise ValueError(f"checkpoint {self.path}: {spec.name!r} has shape {tuple(entry.shape)}, the model now "
+            raise RayZeroValueError(f"checkpoint {self.path}: {spec.name!r} has shape {tuple(entry.shape)}, the model now "
                              f"has {tuple(spec.global_shape)}; load into the same model architecture")
         stored = dtype_from_name(entry.dtype)
         steps = plan_read(spec.name, entry, spec.flat_start, spec.flat_end)

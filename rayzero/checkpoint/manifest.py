@@ -25,6 +25,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from rayzero.config.errors import RayZeroValueError
+
 FORMAT = "rayzero-checkpoint/1"
 MANIFEST = "manifest.json"
 LATEST = "latest"
@@ -98,7 +100,7 @@ class Manifest:
     def from_json(cls, text: str) -> Manifest:
         body = json.loads(text)
         if body.get("format") != FORMAT:
-            raise ValueError(f"not a rayzero checkpoint manifest (format {body.get('format')!r}, expected {FORMAT!r})")
+            raise RayZeroValueError(f"not a rayzero checkpoint manifest (format {body.get('format')!r}, expected {FORMAT!r})")
         body["files"] = {name: FileEntry(**entry) for name, entry in body["files"].items()}
         body["tensors"] = {
             name: TensorEntry(tuple(entry["shape"]), entry["dtype"],

@@ -16,6 +16,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from rayzero.config.errors import RayZeroValueError
+
 CHECKPOINT_DIR_ENV = "RAYZERO_CHECKPOINT_DIR"
 """Default save directory when `save_checkpoint(save_dir=None)`; set by the Ray worker."""
 NODE_LOCAL_DIR_ENV = "RAYZERO_NODE_LOCAL_DIR"
@@ -62,13 +64,13 @@ class CheckpointOptions:
 
     def __post_init__(self) -> None:
         if self.replicas < 0:
-            raise ValueError(f"checkpoint.replicas = {self.replicas}: must be >= 0 (1 survives one lost node)")
+            raise RayZeroValueError(f"checkpoint.replicas = {self.replicas}: must be >= 0 (1 survives one lost node)")
         if self.keep_last < 0:
-            raise ValueError(f"checkpoint.keep_last = {self.keep_last}: must be >= 0 (0 keeps every checkpoint)")
+            raise RayZeroValueError(f"checkpoint.keep_last = {self.keep_last}: must be >= 0 (0 keeps every checkpoint)")
         if self.upload_threads < 1:
-            raise ValueError(f"checkpoint.upload_threads = {self.upload_threads}: must be >= 1")
+            raise RayZeroValueError(f"checkpoint.upload_threads = {self.upload_threads}: must be >= 1")
         if not self.timeout_s > 0:
-            raise ValueError(f"checkpoint.timeout_s = {self.timeout_s}: must be > 0 seconds")
+            raise RayZeroValueError(f"checkpoint.timeout_s = {self.timeout_s}: must be > 0 seconds")
 
     @classmethod
     def from_config(cls, config: Any = None, **overrides: Any) -> CheckpointOptions:
@@ -89,7 +91,7 @@ class CheckpointOptions:
         except ValueError as error:
             for name in from_environment:
                 if name not in overrides and str(error).startswith(f"checkpoint.{name} "):
-                    raise ValueError(f"{error} (set by the environment variable {_ENV_OVERRIDES[name][0]})") from None
+                    raise RayZeroValueError(f"{error} (set by the environment variable {_ENV_OVERRIDES[name][0]})") from None
             raise
 
 
@@ -105,7 +107,7 @@ def environment_overrides(environ: Any = None) -> dict[str, Any]:
         try:
             found[name] = parse(text.strip())
         except (ValueError, KeyError):
-            raise ValueError(f"environment variable {variable} = {text!r} is not a valid checkpoint.{name}: "
+            raise RayZeroValueError(f"environment variable {variable} = {text!r} is not a valid checkpoint.{name}: "
                              f"expected {_EXPECTED[name]}; fix or unset it") from None
     return found
 
@@ -121,7 +123,7 @@ def default_save_dir(options: CheckpointOptions) -> str:
         return os.environ[CHECKPOINT_DIR_ENV]
     if options.node_local and os.environ.get(NODE_LOCAL_DIR_ENV):
         return os.path.join(os.environ[NODE_LOCAL_DIR_ENV], "checkpoints")
-    raise ValueError(
+    raise RayZeroValueError(
         "save_checkpoint/load_checkpoint got save_dir=None and no default is set: pass a directory, "
         f"or set {CHECKPOINT_DIR_ENV} (rayzero.fit sets it for you)")
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from rayzero.checkpoint.manifest import Piece, TensorEntry, shard_file_name
 from rayzero.checkpoint.shard_file import dtype_name
 from rayzero.checkpoint.types import ShardSpec
+from rayzero.config.errors import RayZeroValueError
 
 
 def choose_writers(specs_by_rank: Sequence[Sequence[ShardSpec]]) -> list[set[str]]:
@@ -45,7 +46,7 @@ def build_tensor_entries(specs_by_rank: Sequence[Sequence[ShardSpec]],
         for spec in specs:
             described = (tuple(spec.global_shape), dtype_name(spec.dtype))
             if shapes.setdefault(spec.name, described) != described:
-                raise ValueError(
+                raise RayZeroValueError(
                     f"rank {rank} describes state tensor {spec.name!r} as shape/dtype {described}, another "
                     f"rank as {shapes[spec.name]}: every rank must report the same global tensor")
             if spec.name in writers[rank] and spec.flat_end > spec.flat_start:
@@ -75,13 +76,13 @@ def plan_read(name: str, entry: TensorEntry, start: int, end: int) -> list[ReadS
     furthest is taken, so the number of steps is minimal.
     """
     if not 0 <= start <= end <= entry.numel:
-        raise ValueError(f"requested range [{start}, {end}) of {name!r} lies outside its {entry.numel} elements")
+        raise RayZeroValueError(f"requested range [{start}, {end}) of {name!r} lies outside its {entry.numel} elements")
     steps: list[ReadStep] = []
     position = start
     while position < end:
         covering = [piece for piece in entry.pieces if piece.start <= position < piece.end]
         if not covering:
-            raise ValueError(f"checkpoint holds no data for elements [{position}, {end}) of {name!r}")
+            raise RayZeroValueError(f"checkpoint holds no data for elements [{position}, {end}) of {name!r}")
         best = max(covering, key=lambda piece: piece.end)
         stop = min(end, best.end)
         steps.append(ReadStep(best, position - best.start, stop - best.start, position - start))

@@ -55,6 +55,7 @@ from rayzero.checkpoint.options import CheckpointOptions
 from rayzero.checkpoint.reshard import build_tensor_entries, choose_writers
 from rayzero.checkpoint.shard_file import write_shard_file
 from rayzero.checkpoint.types import ShardedTensor
+from rayzero.config.errors import RayZeroRuntimeError
 
 log = logging.getLogger(__name__)
 
@@ -220,7 +221,7 @@ class CheckpointSaver:
         _IN_FLIGHT.discard(self)
         if self._error is not None:
             error, self._error = self._error, None
-            raise RuntimeError(f"the previous checkpoint save failed on rank {self.comm.rank}: {error}") from error
+            raise RayZeroRuntimeError(f"the previous checkpoint save failed on rank {self.comm.rank}: {error}") from error
         return self.timings
 
     @property

@@ -23,6 +23,7 @@ import torch
 import xxhash
 
 from rayzero.checkpoint.direct_io import BLOCK, DirectWriter, read_file, stream_file
+from rayzero.config.errors import RayZeroRuntimeError, RayZeroValueError
 
 # safetensors dtype codes <-> torch dtypes
 _TO_CODE = {
@@ -45,7 +46,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 def dtype_from_name(name: str) -> torch.dtype:
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r} in a checkpoint manifest")  # noqa: TRY004 - a bad value
+        raise RayZeroValueError(f"unknown dtype {name!r} in a checkpoint manifest")  # noqa: TRY004 - a bad value
     return dtype
 
 
@@ -117,13 +118,13 @@ class SafetensorsWriter:
         tensor = tensor.detach().contiguous()
         data = tensor_bytes(tensor)
         if name != expected_name or len(data) != expected_size:
-            raise ValueError(f"safetensors writer: got {name!r} ({len(data)} bytes), expected "
+            raise RayZeroValueError(f"safetensors writer: got {name!r} ({len(data)} bytes), expected "
                              f"{expected_name!r} ({expected_size} bytes)")
         self._emit(data, tensor.data_ptr() if tensor.numel() else None)
 
     def close(self) -> WrittenFile:
         if self.order:
-            raise ValueError(f"safetensors writer closed before {self.order[0][0]!r} was written")
+            raise RayZeroValueError(f"safetensors writer closed before {self.order[0][0]!r} was written")
         self.out.close()
         os.replace(self.path + ".tmp", self.path)
         return WrittenFile(os.path.basename(self.path), self.size, self.digest.hexdigest())
@@ -134,7 +135,7 @@ def write_shard_file(path: str, tensors: Iterable[tuple[str, torch.Tensor]], fsy
     items = [(name, tensor.detach().reshape(-1)) for name, tensor in tensors]
     for name, tensor in items:
         if tensor.device.type != "cpu":
-            raise ValueError(f"shard tensor {name!r} is on {tensor.device}; snapshot it to CPU first")
+            raise RayZeroValueError(f"shard tensor {name!r} is on {tensor.device}; snapshot it to CPU first")
     # Widest dtypes first: every tensor then starts at a multiple of its element size, so the
     # reader can view it in place (safetensors forbids padding between tensors).
     items.sort(key=lambda item: -item[1].element_size())
@@ -200,7 +201,7 @@ class LoadedShardFile:
         return raw.view(dtype)
 
 
-class CorruptShardError(RuntimeError):
+class CorruptShardError(RayZeroRuntimeError):
     """A shard file's bytes do not match the checksum its manifest recorded."""
 
     def __init__(self, path: str, expected: str | None, actual: str) -> None:

@@ -2,12 +2,13 @@
 
 Public API:
     load_config(source, *, world_size=None, hidden_size=None, trainer=None) -> RayZeroConfig
-    RayZeroConfig (to_deepspeed_dict(), from_lightning(**kwargs), notes), ConfigError, Problem
+    RayZeroConfig (to_deepspeed_dict(), from_lightning(**kwargs), notes), ConfigError, Problem,
+    RayZeroError (base of every user-facing error), RayZeroValueError, RayZeroRuntimeError
 See docs/config.md for every key.
 """
 from __future__ import annotations
 
-from rayzero.config.errors import ConfigError, Problem
+from rayzero.config.errors import ConfigError, Problem, RayZeroError, RayZeroRuntimeError, RayZeroValueError
 from rayzero.config.loader import load_config
 from rayzero.config.model import RayZeroConfig
 from rayzero.config.offload import OffloadDevice, OffloadOptimizerConfig, OffloadParamConfig
@@ -35,6 +36,9 @@ __all__ = [
     "OptimizerConfig",
     "Problem",
     "RayZeroConfig",
+    "RayZeroError",
+    "RayZeroRuntimeError",
+    "RayZeroValueError",
     "SchedulerConfig",
     "ZeroConfig",
     "load_config",

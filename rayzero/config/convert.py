@@ -8,7 +8,6 @@ from pydantic import BaseModel
 
 from rayzero.config.errors import Problem, nearest, unknown_key_problem
 
-
 _BOUNDS = {"greater_than_equal": (">=", "ge"), "greater_than": (">", "gt"),
            "less_than_equal": ("<=", "le"), "less_than": ("<", "lt")}
 

@@ -1,4 +1,14 @@
-"""Problems found in a configuration, and the one exception that carries all of them.
+"""rayzero's error base, problems found in a configuration, and the one exception that carries all
+of them.
+
+[Note: user-facing errors]
+Every error rayzero raises for something a user caused or can fix derives from `RayZeroError`, so
+`except rayzero.RayZeroError` catches all of them and nothing else. Each one says what was wrong,
+where (config path, flag, rank) and what to do, and survives pickling: it rebuilds itself from its
+constructor arguments (`__reduce__`), so it crosses Ray actors (worker -> controller -> driver)
+with its fields intact, as Ray Train's errors do. The base lives here because `rayzero.config` is
+the one module every layer may import. `RayZeroValueError` and `RayZeroRuntimeError` also derive
+from the built-in they replace, so `except ValueError` keeps working.
 
 A `ConfigError` is raised once per load with *every* problem found, so a user fixes a file in one
 pass instead of one error per run (DeepSpeed stops at the first one, or silently ignores it).
@@ -8,6 +18,29 @@ from __future__ import annotations
 import difflib
 from dataclasses import dataclass
 from typing import Any, Iterable
+
+
+class RayZeroError(Exception):
+    """Base of every error rayzero raises for something a user can cause or fix
+    ([Note: user-facing errors])."""
+
+    def __init__(self, message: str, *args: Any) -> None:
+        super().__init__(message, *args)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+    def __reduce__(self):
+        return (type(self), self.args)
+
+
+class RayZeroValueError(RayZeroError, ValueError):
+    """A bad value: an argument, a flag, a setting or a model that cannot be used as given."""
+
+
+class RayZeroRuntimeError(RayZeroError, RuntimeError):
+    """Something went wrong while running: a worker, the controller, a checkpoint, a collective."""
 
 
 @dataclass(frozen=True)
@@ -29,7 +62,7 @@ class Problem:
         return f"{text}. Fix: {self.fix}" if self.fix else text
 
 
-class ConfigError(ValueError):
+class ConfigError(RayZeroValueError):
     """A configuration was rejected; `problems` lists every reason found."""
 
     def __init__(self, problems: Iterable[Problem], source: str = "config") -> None:

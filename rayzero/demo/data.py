@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from rayzero.config.errors import RayZeroValueError
+
 VOCAB_SIZE = 128
 _UNKNOWN = ord("?")
 
@@ -54,7 +56,7 @@ class BatchSampler:
 
     def __init__(self, ids: torch.Tensor, block_size: int, batch_size: int, seed: int) -> None:
         if ids.numel() <= block_size + 1:
-            raise ValueError(f"the corpus ({ids.numel()} chars) is shorter than block_size+1={block_size + 1}")
+            raise RayZeroValueError(f"the corpus ({ids.numel()} chars) is shorter than block_size+1={block_size + 1}")
         self._ids = ids
         self._block = block_size
         self._batch = batch_size

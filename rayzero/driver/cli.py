@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from rayzero.config.errors import RayZeroValueError
 from rayzero.controller.configs import FailureConfig, RunConfig, ScalingConfig
 from rayzero.controller.errors import TrainingFailedError
 
@@ -47,11 +48,11 @@ def load_target(target: str) -> Callable[..., Any]:
 
     module_part, sep, function_name = target.rpartition(":")
     if not sep or not module_part or not function_name:
-        raise ValueError(f"TARGET {target!r} must look like path/to/file.py:function or module:function")
+        raise RayZeroValueError(f"TARGET {target!r} must look like path/to/file.py:function or module:function")
     if module_part.endswith(".py") or os.sep in module_part:
         path = Path(module_part).resolve()
         if not path.is_file():
-            raise ValueError(f"TARGET {target!r}: no file {path}")
+            raise RayZeroValueError(f"TARGET {target!r}: no file {path}")
         module_name = f"rayzero_target_{path.stem}"
         spec = importlib.util.spec_from_file_location(module_name, path)
         assert spec is not None and spec.loader is not None
@@ -66,13 +67,13 @@ def load_target(target: str) -> Callable[..., Any]:
         try:
             module = importlib.import_module(module_part)
         except ImportError as error:
-            raise ValueError(f"TARGET {target!r}: cannot import {module_part!r}: {error}") from None
+            raise RayZeroValueError(f"TARGET {target!r}: cannot import {module_part!r}: {error}") from None
         file = getattr(module, "__file__", None) or ""
         # Code under the working directory is not installed on the workers: ship it by value.
         by_value = file.startswith(os.getcwd() + os.sep) and not module_part.startswith("rayzero.")
     function = getattr(module, function_name, None)
     if not callable(function):
-        raise ValueError(  # noqa: TRY004 - a user error in TARGET, reported with the usage errors
+        raise RayZeroValueError(  # noqa: TRY004 - a user error in TARGET, reported with the usage errors
             f"TARGET {target!r}: {module_part} has no function {function_name!r}")
     if by_value:
         ray.cloudpickle.register_pickle_by_value(module)
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         function = load_target(args.target)
         takes_config = len(inspect.signature(function).parameters) > 0
         if loop_args and not takes_config:
-            raise ValueError(f"{args.target} takes no argument, so the loop args {loop_args} cannot reach it; "
+            raise RayZeroValueError(f"{args.target} takes no argument, so the loop args {loop_args} cannot reach it; "
                              "give it one parameter (config['argv'] holds them)")
         resources = {"CPU": args.cpus_per_worker}
         if args.gpus_per_worker:

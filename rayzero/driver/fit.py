@@ -14,6 +14,7 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
+from rayzero.config.errors import RayZeroValueError
 from rayzero.controller.configs import FailureConfig, RunConfig, ScalingConfig
 from rayzero.controller.controller import Controller, ControllerActor
 from rayzero.controller.errors import TrainingFailedError
@@ -43,7 +44,7 @@ class Result:
 
 _MODEL_AUTOS = ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
                 "stage3_param_persistence_threshold")
-"""Keys whose "auto" the engine resolves from the model's hidden size (rayzero.engine.builders)."""
+"""Keys whose "auto" the engine resolves from the model's hidden size (rayzero.engine.config_resolution)."""
 
 
 def _validated_config(config: Any, world_size: int) -> tuple[dict[str, Any] | None, dict[str, Any]]:
@@ -158,7 +159,7 @@ def resolve_resume_from(location: str | None, explicit: bool) -> str | None:
         if exists(f"{relative}/{marker}" if relative else marker):
             return as_location(relative)
     if not exists("") and explicit:
-        raise ValueError(
+        raise RayZeroValueError(
             f"RunConfig.resume_from / --resume-from = {location!r} does not exist; give a checkpoint "
             "directory (with `latest`), a run directory (<storage>/<name>) or one checkpoint"
         )

@@ -7,12 +7,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rayzero.engine import builders
+from rayzero.config.errors import RayZeroValueError
 from rayzero.engine.comm import Communicator
+from rayzero.engine.config_resolution import resolve_config
+from rayzero.engine.data import build_dataloader
 from rayzero.engine.distributed import compute_device, init_distributed
 from rayzero.engine.engine import StepPolicy, ZeroEngine
 from rayzero.engine.loss_scaler import build_loss_scaler
 from rayzero.engine.offload import build_offload_backend
+from rayzero.engine.optimizers import optimizer_factory
+from rayzero.engine.param_groups import broadcast_module_state, named_parameter_ids, trainable_param_groups
 from rayzero.engine.policies import MixedPrecisionPolicy, ReducePolicy
 from rayzero.engine.schedulers import build_scheduler
 from rayzero.engine.strategy import StrategyContext, build_strategy
@@ -32,23 +36,23 @@ def initialize(model: torch.nn.Module | None = None, config: Any = None,
     optimizer) replace the config's `optimizer` / `scheduler` sections.
     """
     if model is None:
-        raise ValueError("rayzero.initialize needs model=: the torch.nn.Module to train")
+        raise RayZeroValueError("rayzero.initialize needs model=: the torch.nn.Module to train")
     if not dist.is_initialized() and "WORLD_SIZE" in os.environ:
         init_distributed()
     comm = Communicator(process_group)
-    cfg = builders.resolve_config(config, comm.world_size, model)
+    cfg = resolve_config(config, comm.world_size, model)
     zero = cfg.zero_optimization
     device = compute_device()
     if not any(p.device.type == "meta" for p in model.parameters()):
         model.to(device)  # a model built partitioned (stage 3 zero_init) places itself
     precision = MixedPrecisionPolicy.from_config(cfg)
     offload = build_offload_backend(zero, device)
-    groups = builders.trainable_param_groups(model, model_parameters, optimizer)
-    builders.broadcast_module_state(model, comm)
+    groups = trainable_param_groups(model, model_parameters, optimizer)
+    broadcast_module_state(model, comm)
     ctx = StrategyContext(
-        module=model, param_groups=groups, param_names=builders.named_parameter_ids(model), comm=comm,
+        module=model, param_groups=groups, param_names=named_parameter_ids(model), comm=comm,
         precision=precision, reduce=ReducePolicy.from_config(zero), offload=offload, zero_config=zero,
-        build_optimizer=builders.optimizer_factory(cfg, optimizer, offload), device=device)
+        build_optimizer=optimizer_factory(cfg, optimizer, offload), device=device)
     strategy = build_strategy(zero.stage, ctx)
     if lr_scheduler is None:
         scheduler = build_scheduler(cfg.scheduler, strategy.optimizer)
@@ -61,7 +65,7 @@ def initialize(model: torch.nn.Module | None = None, config: Any = None,
                              micro_batch_size=cfg.train_micro_batch_size_per_gpu)
     engine = ZeroEngine(model, strategy, comm, precision, step_policy, build_loss_scaler(cfg.fp16),
                         scheduler, cfg)
-    loader = builders.build_dataloader(training_data, step_policy.micro_batch_size,
+    loader = build_dataloader(training_data, step_policy.micro_batch_size,
                                        cfg.train_batch_size or engine.train_batch_size(), comm, collate_fn)
     engine.training_dataloader = loader
     comm.discard_current()  # initial broadcasts belong to no step

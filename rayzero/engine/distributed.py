@@ -8,6 +8,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from rayzero.config.errors import RayZeroValueError
+
 DEFAULT_TIMEOUT_S = 300.0
 """Collective timeout: a rank that never joins fails the others within this bound instead of
 hanging for torch's default 30 minutes (the controller then restarts the group)."""
@@ -30,7 +32,7 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None)
         return
     missing = [key for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if key not in os.environ]
     if missing:
-        raise ValueError(
+        raise RayZeroValueError(
             f"cannot initialise torch.distributed: environment variables {missing} are not set; launch "
             "with torchrun or rayzero.fit, or set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT")
     if backend is None:

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from rayzero.checkpoint.types import ShardedTensor, ShardSpec
+from rayzero.config.errors import RayZeroRuntimeError, RayZeroValueError
 from rayzero.engine import optim_state
 from rayzero.engine.comm import Communicator
 from rayzero.engine.distributed import compute_device
@@ -72,7 +73,7 @@ class ZeroEngine:
         self.last_step_overflowed = False
         self.last_grad_norm: float | None = None  # unscaled, before clipping; None when not computed
         self.phase = Phase.IDLE
-        self.checkpointer = None  # built by rayzero.engine.checkpointing on the first save/load
+        self.checkpointer = None  # built by rayzero.engine.checkpoint_io on the first save/load
         # initialize(training_data=...)'s loader (DeepSpeed's name): load_checkpoint restores its
         # sampler's position ([Note: data position]).
         self.training_dataloader: torch.utils.data.DataLoader | None = None
@@ -137,7 +138,7 @@ class ZeroEngine:
         """Backward of `loss` averaged over the accumulation window (unless `scale_wrt_gas=False`),
         reducing gradients on the way."""
         if not torch.is_grad_enabled() or not loss.requires_grad:
-            raise ValueError("engine.backward(loss) needs a loss that requires grad: call it on the output "
+            raise RayZeroValueError("engine.backward(loss) needs a loss that requires grad: call it on the output "
                              "of engine(...) outside torch.no_grad()")
         self.strategy.before_backward(self.is_gradient_accumulation_boundary())
         # [Note: gradient averaging] Dividing the loss (a scalar) by gas × world makes every
@@ -154,7 +155,7 @@ class ZeroEngine:
     def step(self) -> None:
         """Optimizer step at an accumulation boundary; otherwise only counts the micro step."""
         if self.phase is not Phase.BACKWARD:
-            raise RuntimeError("engine.step() called without engine.backward(loss) since the last step")
+            raise RayZeroRuntimeError("engine.step() called without engine.backward(loss) since the last step")
         self.phase = Phase.IDLE
         if not self.is_gradient_accumulation_boundary():
             self.micro_steps += 1
@@ -249,27 +250,27 @@ class ZeroEngine:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
 
     def save_checkpoint(self, *args: Any, **kwargs: Any) -> Any:
-        from rayzero.engine import checkpointing  # the checkpoint helper's module
-        return checkpointing.save_checkpoint(self, *args, **kwargs)
+        from rayzero.engine import checkpoint_io
+        return checkpoint_io.save_checkpoint(self, *args, **kwargs)
 
     def load_checkpoint(self, *args: Any, **kwargs: Any) -> Any:
-        from rayzero.engine import checkpointing
-        return checkpointing.load_checkpoint(self, *args, **kwargs)
+        from rayzero.engine import checkpoint_io
+        return checkpoint_io.load_checkpoint(self, *args, **kwargs)
 
     def save_16bit_model(self, *args: Any, **kwargs: Any) -> Any:
-        from rayzero.engine import checkpointing
-        return checkpointing.save_16bit_model(self, *args, **kwargs)
+        from rayzero.engine import checkpoint_io
+        return checkpoint_io.save_16bit_model(self, *args, **kwargs)
 
     def wait_for_checkpoint(self) -> Any:
         """Block until the async save in flight is committed (and uploaded); its phase timings."""
-        from rayzero.engine import checkpointing
-        return checkpointing.wait_for_checkpoint(self)
+        from rayzero.engine import checkpoint_io
+        return checkpoint_io.wait_for_checkpoint(self)
 
     def close(self) -> None:
         """Finish an async checkpoint save in flight, then remove the strategy's hooks."""
         if self.checkpointer is not None:
             # The save runs in a background thread over its own gloo group: it must be committed
             # before the caller tears the process group down (the usual next call after close()).
-            from rayzero.engine import checkpointing
-            checkpointing.wait_for_checkpoint(self)
+            from rayzero.engine import checkpoint_io
+            checkpoint_io.wait_for_checkpoint(self)
         self.strategy.close()

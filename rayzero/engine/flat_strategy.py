@@ -25,6 +25,7 @@ from typing import ClassVar
 import torch
 
 from rayzero.checkpoint.types import ShardedTensor, ShardSpec
+from rayzero.config.errors import RayZeroRuntimeError, RayZeroValueError
 from rayzero.engine import flat_checkpoint
 from rayzero.engine.offload import StateKind
 from rayzero.engine.partition import BucketLayout, plan_buckets
@@ -178,7 +179,7 @@ class BucketedStrategy(ZeroStrategy):
                 param.grad = view
         if bucket.fired[slot_index]:
             if self._reducing:  # its bucket may already be on the wire: this gradient would be lost
-                raise RuntimeError(
+                raise RayZeroRuntimeError(
                     f"parameter {self.param_names.get(id(param), '?')} received a gradient twice in one "
                     "backward pass (reentrant activation checkpointing runs a nested backward); use "
                     "torch.utils.checkpoint.checkpoint(..., use_reentrant=False)")
@@ -228,7 +229,7 @@ class BucketedStrategy(ZeroStrategy):
         unused = [self.param_names.get(id(p), "?") for bucket in self.buckets
                   for fired, p in zip(bucket.fired, bucket.params) if not fired]
         if unused and not self.policy.ignore_unused_parameters:
-            raise ValueError(
+            raise RayZeroValueError(
                 f"parameters {unused[:8]} received no gradient in this backward pass; "
                 "set zero_optimization.ignore_unused_parameters=true to treat their gradient as zero, "
                 "or set requires_grad=False on parameters the model does not use")

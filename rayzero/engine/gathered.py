@@ -12,6 +12,7 @@ from collections.abc import Iterable
 
 import torch
 
+from rayzero.config.errors import RayZeroValueError
 from rayzero.engine.stage3_params import (
     ParamPartitions,
     PartitionedParam,
@@ -51,7 +52,7 @@ class GatheredParameters:
         if modifier_rank is not None and self._items:
             world = self._items[0][0].comm.world_size
             if not 0 <= modifier_rank < world:
-                raise ValueError(f"GatheredParameters(modifier_rank={modifier_rank}) is not a rank of the "
+                raise RayZeroValueError(f"GatheredParameters(modifier_rank={modifier_rank}) is not a rank of the "
                                  f"{world}-rank process group the parameters are partitioned over")
 
     def __enter__(self) -> GatheredParameters:

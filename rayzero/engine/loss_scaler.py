@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from rayzero.config.errors import RayZeroRuntimeError, RayZeroValueError
+
 # DeepSpeed's fp16 defaults (deepspeed/runtime/constants.py).
 DEFAULT_INITIAL_SCALE_POWER = 16
 DEFAULT_LOSS_SCALE_WINDOW = 1000
@@ -37,7 +39,7 @@ DEFAULT_MIN_LOSS_SCALE = 1.0
 SCALE_FACTOR = 2.0
 
 
-class LossScaleAtMinimumError(RuntimeError):
+class LossScaleAtMinimumError(RayZeroRuntimeError):
     """The gradients overflowed while the dynamic loss scale was already at its floor.
 
     Training cannot recover by lowering the scale further; DeepSpeed stops the run here too.
@@ -46,7 +48,7 @@ class LossScaleAtMinimumError(RuntimeError):
 
 def _require(condition: bool, field: str, value: Any, fix: str) -> None:
     if not condition:
-        raise ValueError(f"fp16.{field}={value!r} is invalid: {fix}")
+        raise RayZeroValueError(f"fp16.{field}={value!r} is invalid: {fix}")
 
 
 class StaticLossScaler:
@@ -79,7 +81,7 @@ class StaticLossScaler:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("type") != "static":
-            raise ValueError(
+            raise RayZeroValueError(
                 f"loss scaler state of type {state.get('type')!r} cannot be loaded into a static scaler: "
                 "the checkpoint was written with a different fp16.loss_scale setting (0 = dynamic)")
         self.cur_scale = float(state["cur_scale"])
@@ -174,7 +176,7 @@ class DynamicLossScaler:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the running scale; the current config's window/floor/hysteresis settings win."""
         if state.get("type") != "dynamic":
-            raise ValueError(
+            raise RayZeroValueError(
                 f"loss scaler state of type {state.get('type')!r} cannot be loaded into a dynamic scaler: "
                 "the checkpoint was written with a different fp16.loss_scale setting (0 = dynamic)")
         self.cur_scale = max(float(state["cur_scale"]), self.min_scale)

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import abc
 import enum
-
 from typing import Any
 
 import torch
+
+from rayzero.config.errors import RayZeroValueError
 
 
 class StateKind(enum.Enum):
@@ -91,7 +92,7 @@ def build_offload_backend(zero_config: Any, compute_device: torch.device) -> Off
     """The backend for `zero_optimization.offload_*` (`none` only in this release)."""
     unsupported = unsupported_offload(zero_config)
     if unsupported:
-        raise ValueError("; ".join(
+        raise RayZeroValueError("; ".join(
             f"{key}={device!r} is not available in this build" for key, device in unsupported)
             + ": use 'none' or remove the offload section (CPU/NVMe offload backends plug into "
             "rayzero.engine.offload)")

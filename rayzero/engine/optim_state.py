@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from rayzero.config.errors import RayZeroValueError
+
 _PROBE_NUMEL = 3
 
 
@@ -95,7 +97,7 @@ def scalar_state(optimizer: torch.optim.Optimizer) -> list[dict[str, float]]:
 
 def load_scalar_state(optimizer: torch.optim.Optimizer, groups: list[dict[str, float]]) -> None:
     if len(groups) != len(optimizer.param_groups):
-        raise ValueError(
+        raise RayZeroValueError(
             f"checkpoint has optimizer state for {len(groups)} parameter groups but the optimizer has "
             f"{len(optimizer.param_groups)}: build the optimizer with the same param groups as the run "
             "that wrote the checkpoint")

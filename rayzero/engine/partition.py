@@ -21,11 +21,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rayzero.config.errors import RayZeroValueError
+
 
 def padded_size(numel: int, world_size: int) -> int:
     """Smallest multiple of `world_size` that holds `numel` elements."""
     if world_size < 1:
-        raise ValueError(f"world_size={world_size} must be at least 1")
+        raise RayZeroValueError(f"world_size={world_size} must be at least 1")
     return -(-numel // world_size) * world_size
 
 
@@ -83,7 +85,7 @@ class BucketLayout:
     def shard_range(self, rank: int) -> tuple[int, int]:
         """[start, end) of rank's slice inside the bucket's flat buffer."""
         if not 0 <= rank < self.world_size:
-            raise ValueError(f"rank={rank} outside world of size {self.world_size}")
+            raise RayZeroValueError(f"rank={rank} outside world of size {self.world_size}")
         return rank * self.shard_numel, (rank + 1) * self.shard_numel
 
     def piece(self, slot: ParamSlot, rank: int) -> ParamPiece:
@@ -132,7 +134,7 @@ def plan_buckets(numels: list[int], bucket_size: int, world_size: int) -> GroupL
     have nothing to reduce and would make an empty collective.
     """
     if bucket_size < 1:
-        raise ValueError(
+        raise RayZeroValueError(
             f"zero_optimization.reduce_bucket_size={bucket_size} must be a positive element count")
     buckets: list[BucketLayout] = []
     current: list[ParamSlot] = []

@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from rayzero.config.errors import RayZeroValueError
+
 
 class Precision(enum.Enum):
     FP32 = "fp32"
@@ -35,7 +37,7 @@ class MixedPrecisionPolicy:
         fp16 = bool(getattr(getattr(cfg, "fp16", None), "enabled", False))
         bf16 = bool(getattr(getattr(cfg, "bf16", None), "enabled", False))
         if fp16 and bf16:
-            raise ValueError("fp16.enabled and bf16.enabled are both true: enable at most one of them")
+            raise RayZeroValueError("fp16.enabled and bf16.enabled are both true: enable at most one of them")
         precision = Precision.FP16 if fp16 else Precision.BF16 if bf16 else Precision.FP32
         param_dtype = _DTYPES[precision.value]
         comm = getattr(cfg, "communication_data_type", None)
@@ -46,7 +48,7 @@ class MixedPrecisionPolicy:
         elif comm in _DTYPES:
             reduce_dtype = _DTYPES[comm]
         else:
-            raise ValueError(f"communication_data_type={comm!r} is not supported: use fp32, fp16 or bf16")
+            raise RayZeroValueError(f"communication_data_type={comm!r} is not supported: use fp32, fp16 or bf16")
         return cls(precision, param_dtype, reduce_dtype)
 
 
@@ -64,7 +66,7 @@ class ReducePolicy:
     def from_config(cls, zero: Any) -> ReducePolicy:
         bucket = getattr(zero, "reduce_bucket_size", 500_000_000)
         if not isinstance(bucket, int):
-            raise ValueError(  # noqa: TRY004 - a config value, reported like every config error
+            raise RayZeroValueError(  # noqa: TRY004 - a config value, reported like every config error
                 f"zero_optimization.reduce_bucket_size={bucket!r} was not resolved to an element count: "
                 "pass hidden_size to load_config or set a number")
         overlap = getattr(zero, "overlap_comm", None)

@@ -22,6 +22,8 @@ from typing import Any
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
+from rayzero.config.errors import RayZeroValueError
+
 WARMUP_LOG_RATE = "log"
 WARMUP_LINEAR_RATE = "linear"
 
@@ -29,7 +31,7 @@ WARMUP_LINEAR_RATE = "linear"
 def _per_group(optimizer: Optimizer, value: float | Sequence[float], name: str) -> list[float]:
     if isinstance(value, (list, tuple)):
         if len(value) != len(optimizer.param_groups):
-            raise ValueError(
+            raise RayZeroValueError(
                 f"scheduler.params.{name} has {len(value)} values but the optimizer has "
                 f"{len(optimizer.param_groups)} param groups: give one value, or one per group")
         return [float(v) for v in value]
@@ -91,9 +93,9 @@ class WarmupLR(_DeepSpeedSchedule):
         last_batch_iteration: int = -1,
     ) -> None:
         if int(warmup_num_steps) != warmup_num_steps or warmup_num_steps <= 0:
-            raise ValueError(f"scheduler.params.warmup_num_steps={warmup_num_steps!r}: use a positive integer")
+            raise RayZeroValueError(f"scheduler.params.warmup_num_steps={warmup_num_steps!r}: use a positive integer")
         if warmup_type not in (WARMUP_LOG_RATE, WARMUP_LINEAR_RATE):
-            raise ValueError(f"scheduler.params.warmup_type={warmup_type!r}: use 'log' or 'linear'")
+            raise RayZeroValueError(f"scheduler.params.warmup_type={warmup_type!r}: use 'log' or 'linear'")
         if warmup_max_lr is None:
             warmup_max_lr = optimizer.param_groups[0]["lr"]
         self.min_lrs = _per_group(optimizer, warmup_min_lr, "warmup_min_lr")
@@ -136,7 +138,7 @@ class WarmupDecayLR(WarmupLR):
         last_batch_iteration: int = -1,
     ) -> None:
         if int(total_num_steps) != total_num_steps or total_num_steps <= 0:
-            raise ValueError(f"scheduler.params.total_num_steps={total_num_steps!r}: use a positive integer")
+            raise RayZeroValueError(f"scheduler.params.total_num_steps={total_num_steps!r}: use a positive integer")
         self.total_num_steps = int(total_num_steps)
         super().__init__(optimizer, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type,
                          last_batch_iteration)
@@ -177,7 +179,7 @@ class OneCycle(_DeepSpeedSchedule):
         last_batch_iteration: int = -1,
     ) -> None:
         if cycle_first_step_size <= 0:
-            raise ValueError(f"scheduler.params.cycle_first_step_size={cycle_first_step_size!r}: use a positive integer")
+            raise RayZeroValueError(f"scheduler.params.cycle_first_step_size={cycle_first_step_size!r}: use a positive integer")
         self.first_step_size = float(cycle_first_step_size)
         self.second_step_size = (float(cycle_second_step_size) if cycle_second_step_size is not None
                                  else self.first_step_size)
@@ -259,7 +261,7 @@ class LRRangeTest(_DeepSpeedSchedule):
         last_batch_iteration: int = -1,
     ) -> None:
         if lr_range_test_step_size <= 0:
-            raise ValueError(
+            raise RayZeroValueError(
                 f"scheduler.params.lr_range_test_step_size={lr_range_test_step_size!r}: use a positive integer")
         self.min_lrs = _per_group(optimizer, lr_range_test_min_lr, "lr_range_test_min_lr")
         self.step_size = lr_range_test_step_size
@@ -302,9 +304,9 @@ def build_scheduler(scheduler_config: Any | None, optimizer: Optimizer) -> LRSch
         params = params.model_dump(exclude_none=True)
     schedule = SCHEDULERS.get(kind)
     if schedule is None:
-        raise ValueError(f"scheduler.type={kind!r} is not supported: use one of {sorted(SCHEDULERS)}")
+        raise RayZeroValueError(f"scheduler.type={kind!r} is not supported: use one of {sorted(SCHEDULERS)}")
     try:
         return schedule(optimizer, **dict(params))
     except TypeError as error:
-        raise ValueError(f"scheduler.params for {kind} are invalid ({error}); see DeepSpeed's "
+        raise RayZeroValueError(f"scheduler.params for {kind} are invalid ({error}); see DeepSpeed's "
                          f"documentation of {kind} for the accepted keys") from error

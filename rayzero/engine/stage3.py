@@ -16,6 +16,7 @@ from collections.abc import Callable
 import torch
 
 from rayzero.checkpoint.types import ShardedTensor, ShardSpec
+from rayzero.config.errors import RayZeroValueError
 from rayzero.engine.offload import StateKind
 from rayzero.engine.optim_state import elementwise_state_keys, ensure_optimizer_state
 from rayzero.engine.partition import split_evenly
@@ -103,7 +104,7 @@ class Stage3Strategy(ZeroStrategy):
         if adopted is not None:
             owner, entry = adopted
             if (owner.comm.world_size, owner.comm.rank) != (self.comm.world_size, self.comm.rank):
-                raise ValueError(
+                raise RayZeroValueError(
                     f"parameter {entry.name} was partitioned by rayzero.zero.Init over {owner.comm.world_size} "
                     f"rank(s) but training runs on {self.comm.world_size}: initialise the process group "
                     "(rayzero.init_distributed()) before entering Init, and use the same group for both")
@@ -130,7 +131,7 @@ class Stage3Strategy(ZeroStrategy):
         if not self.policy.ignore_unused_parameters:
             unused = [e.name for e in self._trainable_entries if id(e) not in self.reducer.seen]
             if unused:
-                raise ValueError(
+                raise RayZeroValueError(
                     f"parameters {unused[:8]} received no gradient in this backward pass; set "
                     "zero_optimization.ignore_unused_parameters=true to treat their gradient as zero, "
                     "or set requires_grad=False on parameters the model does not use")

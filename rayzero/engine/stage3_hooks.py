@@ -20,17 +20,18 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
+from rayzero.config.errors import RayZeroValueError
 from rayzero.engine.stage3_params import ParamPartitions, ParamState, PartitionedParam
 from rayzero.engine.stage3_trace import FetchEvent, ModuleTrace
 
 
 def _count(value: Any, field: str) -> int:
     if not isinstance(value, int):
-        raise ValueError(  # noqa: TRY004 - a config value the user must fix, not a programming error
+        raise RayZeroValueError(  # noqa: TRY004 - a config value the user must fix, not a programming error
             f"zero_optimization.{field}={value!r} was not resolved to an element count: pass "
             "hidden_size when loading the config or set a number")
     if value < 0:
-        raise ValueError(f"zero_optimization.{field}={value!r} must be >= 0")
+        raise RayZeroValueError(f"zero_optimization.{field}={value!r} must be >= 0")
     return value
 
 
@@ -105,7 +106,7 @@ class Stage3Coordinator:
         """Make `module` fetch `entry` too (its forward uses another module's parameter)."""
         index = self._module_index.get(id(module))
         if index is None:
-            raise ValueError(f"{type(module).__name__} is not part of the model this engine trains")
+            raise RayZeroValueError(f"{type(module).__name__} is not part of the model this engine trains")
         entries = self._module_params[index]
         if entry not in entries:
             had_hooks = bool(entries)

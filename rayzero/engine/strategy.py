@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 import torch
 
 from rayzero.checkpoint.types import ShardedTensor, ShardSpec
+from rayzero.config.errors import RayZeroValueError
 from rayzero.engine.comm import Communicator
 from rayzero.engine.offload import OffloadBackend
 from rayzero.engine.policies import MixedPrecisionPolicy, ReducePolicy
@@ -147,7 +148,7 @@ _STAGES = {
 def build_strategy(stage: int, ctx: StrategyContext) -> ZeroStrategy:
     """The strategy for `zero_optimization.stage` — the only stage dispatch in the engine."""
     if stage not in _STAGES:
-        raise ValueError(f"zero_optimization.stage={stage!r} is not a ZeRO stage: use 0, 1, 2 or 3")
+        raise RayZeroValueError(f"zero_optimization.stage={stage!r} is not a ZeRO stage: use 0, 1, 2 or 3")
     module_name, class_name = _STAGES[stage].split(":")
     cls = getattr(importlib.import_module(module_name), class_name)
     return cls(ctx)

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.modules import module as torch_module
 
+from rayzero.config.errors import RayZeroValueError
 from rayzero.engine.comm import Communicator
 from rayzero.engine.distributed import compute_device
 from rayzero.engine.stage3_params import ParamPartitions, lookup
@@ -158,7 +159,7 @@ class Init:
             return
         init = self.param_init_fn or getattr(module, "reset_parameters", None)
         if init is None:
-            raise ValueError(
+            raise RayZeroValueError(
                 f"rayzero.zero.Init cannot initialise {type(module).__name__}: it has parameters or buffers "
                 "but no reset_parameters() method. Define reset_parameters() (initialising only this module's "
                 "own parameters and buffers) or pass param_init_fn=<callable(module)> to Init")

@@ -1,26 +1,15 @@
 """Exceptions that cross actor boundaries (worker -> controller -> driver).
 
-Every one of them derives from `RayZeroRuntimeError` and rebuilds itself from its constructor
-arguments when unpickled (`__reduce__`), so a subclass with extra fields arrives on the driver with
-those fields intact instead of failing inside Ray's deserializer.
+Every one of them derives from `RayZeroRuntimeError` ([Note: user-facing errors] in
+rayzero/config/errors.py) and rebuilds itself from its constructor arguments when unpickled
+(`__reduce__`), so a subclass with extra fields arrives on the driver with those fields intact
+instead of failing inside Ray's deserializer.
 """
 from __future__ import annotations
 
-from typing import Any
+from rayzero.config.errors import RayZeroRuntimeError
 
-
-class RayZeroRuntimeError(RuntimeError):
-    """Base of every error raised by the rayzero runtime (driver, controller, workers)."""
-
-    def __init__(self, message: str, *args: Any) -> None:
-        super().__init__(message, *args)
-        self.message = message
-
-    def __str__(self) -> str:
-        return self.message
-
-    def __reduce__(self):
-        return (type(self), self.args)
+__all__ = ["RayZeroRuntimeError", "WorkerSetupError"]
 
 
 class WorkerSetupError(RayZeroRuntimeError):

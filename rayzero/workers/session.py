@@ -22,6 +22,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from rayzero.config.errors import RayZeroRuntimeError
+
 
 @dataclass(frozen=True)
 class TrainContext:
@@ -189,7 +191,7 @@ def get_dataset_shard(name: str = "train") -> Any:
     Returns a `ray.data.DataIterator`; iterate it with `.iter_batches()` / `.iter_torch_batches()`.
     """
     if _ACTIVE is None:
-        raise RuntimeError(
+        raise RayZeroRuntimeError(
             "rayzero.get_dataset_shard() works only inside a loop started by rayzero.fit(datasets=...); "
             "outside it, read your data directly."
         )

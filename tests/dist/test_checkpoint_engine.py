@@ -18,7 +18,7 @@ from test_checkpoint_reshard import run_group
 
 from rayzero.checkpoint.cli import main as checkpoint_cli
 from rayzero.checkpoint.manifest import read_manifest
-from rayzero.engine import checkpointing
+from rayzero.engine import checkpoint_io
 from rayzero.engine.api import initialize
 
 GLOBAL_BATCH = 12
@@ -69,7 +69,7 @@ def _two_ranks_stage3(rank: int, world: int, root: str, out: str) -> None:
     train(engine, 0, SAVE_AT, rank, world, noise=True)
     engine.save_checkpoint(os.path.join(root, "noisy"), client_state={"note": "noisy"})
     reference = train(engine, SAVE_AT, TOTAL_STEPS, rank, world, noise=True)
-    checkpointing.wait_for_checkpoint(engine)
+    checkpoint_io.wait_for_checkpoint(engine)
     resumed = make_engine(3, world, init_seed=1)  # different init: everything must come from the checkpoint
     path, client = resumed.load_checkpoint(os.path.join(root, "noisy"))
     assert path.endswith(f"global_step{SAVE_AT}") and client == {"note": "noisy"}
@@ -98,7 +98,7 @@ def _three_ranks_stage2(rank: int, world: int, root: str, out: str) -> None:
     for got, want in zip(losses, reference[:RESHARD_UNTIL - SAVE_AT]):
         assert abs(got - want) <= 1e-4 * abs(want), (losses, reference)
     engine.save_checkpoint(os.path.join(root, "clean"))
-    checkpointing.wait_for_checkpoint(engine)
+    checkpoint_io.wait_for_checkpoint(engine)
 
 
 def test_resume_bitwise_then_reshard_across_stages(tmp_path):

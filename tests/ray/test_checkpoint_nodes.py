@@ -72,10 +72,10 @@ class TrainingRank:
         return losses
 
     def save(self) -> None:
-        from rayzero.engine import checkpointing
+        from rayzero.engine import checkpoint_io
 
         self.engine.save_checkpoint()  # save_dir=None: this node's RAYZERO_NODE_LOCAL_DIR/checkpoints
-        checkpointing.wait_for_checkpoint(self.engine)
+        checkpoint_io.wait_for_checkpoint(self.engine)
 
     def load(self) -> tuple[str, int, str]:
         path, _ = self.engine.load_checkpoint()

@@ -22,6 +22,7 @@ from rayzero.checkpoint.loader import NoCheckpointError
 from rayzero.checkpoint.options import CheckpointOptions, config_digest
 from rayzero.checkpoint.saver import SaveTimings
 from rayzero.checkpoint.types import ShardSpec
+from rayzero.config.errors import RayZeroValueError
 from rayzero.engine.optim_state import ensure_optimizer_state
 
 logger = logging.getLogger(__name__)
@@ -57,7 +58,7 @@ def _json_able(value: Any, what: str) -> dict[str, Any]:
     try:
         return json.loads(json.dumps(value))
     except (TypeError, ValueError) as error:
-        raise ValueError(f"{what} must be JSON-serialisable (a checkpoint never stores pickles, so loading "
+        raise RayZeroValueError(f"{what} must be JSON-serialisable (a checkpoint never stores pickles, so loading "
                          f"it cannot run code): {error}. Convert tensors with .tolist() or save them "
                          "as part of the model") from error
 
@@ -103,7 +104,7 @@ def load_checkpoint(engine: Any, load_dir: str | None = None, tag: str | None = 
     """Resume from the newest checkpoint complete in some tier (or `tag`), at this engine's world
     size and stage; returns (checkpoint path, client_state), or (None, None) when there is none."""
     if custom_load_fn is not None:
-        raise ValueError("load_checkpoint(custom_load_fn=...) is not supported: rayzero reshards the "
+        raise RayZeroValueError("load_checkpoint(custom_load_fn=...) is not supported: rayzero reshards the "
                          "checkpoint itself; load the state you need with engine.load_state_shards")
     checkpointer = checkpointer_of(engine)
     # A fresh optimizer has no state yet; create it (zeros) so the specs list every optim/ range.
