@@ -69,14 +69,6 @@ def _validated_config(config: Any, world_size: int) -> tuple[dict[str, Any] | No
             f"{', '.join(_MODEL_AUTOS)} from the model, and the batch keys from the world size)",
             "write a value, or pass rayzero.config.load_config(path, trainer={...}, allow_unresolved=True) "
             "as config") for path in left], str(config) if isinstance(config, (str, Path)) else "config")
-    from rayzero.engine.offload import unsupported_offload
-
-    offload = unsupported_offload(checked.zero_optimization)
-    if offload:
-        raise ConfigError([Problem(
-            key, device, "this release implements no offload backend (only device 'none')",
-            "set it to \"none\" or remove the offload section") for key, device in offload],
-            str(config) if isinstance(config, (str, Path)) else "config")
     validated = checked.to_deepspeed_dict()
     if isinstance(config, RayZeroConfig):
         return config.to_deepspeed_dict(), validated

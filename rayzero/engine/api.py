@@ -46,7 +46,7 @@ def initialize(model: torch.nn.Module | None = None, config: Any = None,
     if not any(p.device.type == "meta" for p in model.parameters()):
         model.to(device)  # a model built partitioned (stage 3 zero_init) places itself
     precision = MixedPrecisionPolicy.from_config(cfg)
-    offload = build_offload_backend(zero, device)
+    offload = build_offload_backend(cfg, device, comm.rank)
     groups = trainable_param_groups(model, model_parameters, optimizer)
     broadcast_module_state(model, comm)
     ctx = StrategyContext(

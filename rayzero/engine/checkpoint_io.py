@@ -72,6 +72,12 @@ def save_checkpoint(engine: Any, save_dir: str | None = None, tag: str | None = 
     are written, replicated and uploaded in the background. `save_latest` is always honoured as
     True: `latest` only ever names a committed checkpoint ([Note: commit protocol]).
     """
+    with engine.strategy.offload.resident(engine.optimizer):  # NVMe-swapped state, in memory for the snapshot
+        return _save_checkpoint(engine, save_dir, tag, client_state, exclude_frozen_parameters, asynchronous)
+
+
+def _save_checkpoint(engine: Any, save_dir: str | None, tag: str | None, client_state: dict[str, Any] | None,
+                     exclude_frozen_parameters: bool, asynchronous: bool | None) -> bool:
     checkpointer = checkpointer_of(engine)
     tag = tag or f"global_step{engine.global_steps}"
     shards = engine.state_shards()
@@ -106,6 +112,14 @@ def load_checkpoint(engine: Any, load_dir: str | None = None, tag: str | None = 
     if custom_load_fn is not None:
         raise RayZeroValueError("load_checkpoint(custom_load_fn=...) is not supported: rayzero reshards the "
                          "checkpoint itself; load the state you need with engine.load_state_shards")
+    with engine.strategy.offload.resident(engine.optimizer):  # NVMe-swapped state loads in memory
+        return _load_checkpoint(engine, load_dir, tag, load_module_strict, load_optimizer_states,
+                                load_lr_scheduler_states, load_module_only)
+
+
+def _load_checkpoint(engine: Any, load_dir: str | None, tag: str | None, load_module_strict: bool,
+                     load_optimizer_states: bool, load_lr_scheduler_states: bool,
+                     load_module_only: bool) -> tuple[str | None, dict[str, Any] | None]:
     checkpointer = checkpointer_of(engine)
     # A fresh optimizer has no state yet; create it (zeros) so the specs list every optim/ range.
     ensure_optimizer_state(engine.optimizer)

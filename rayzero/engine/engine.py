@@ -207,11 +207,32 @@ class ZeroEngine:
         stats = dict(self.strategy.memory_stats())
         stats["model_state"] = sum(stats.get(k, 0) for k in ("params", "grads", "master_weights",
                                                             "optimizer_state"))
+        stats.update(self._placement(stats))
         stats["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
         device = compute_device()  # the engine's device, not torch's current one (may differ)
         if device.type == "cuda":
             stats["peak_device_allocated"] = int(torch.cuda.max_memory_allocated(device))
         return stats
+
+    def _placement(self, stats: dict[str, int]) -> dict[str, int]:
+        """`device_bytes` / `host_bytes` / `nvme_bytes`: where the model state lives
+        ([Note: offload placement] in offload_host.py)."""
+        offload = self.strategy.offload
+        where = {"device": 0, "host": 0, "nvme": 0}
+        nvme = int(offload.describe().get("nvme_bytes", 0))
+        state_home = "device" if offload.optimizer_home == "device" else "host"
+        where[state_home] += stats.get("master_weights", 0) + stats.get("master_grads", 0)
+        where[state_home] += max(stats.get("optimizer_state", 0) - nvme, 0)
+        where["nvme"] += nvme
+        shards_home = "host" if self.strategy.stage == 3 and offload.param_home == "host" else "device"
+        where[shards_home] += stats.get("params", 0)
+        where["device"] += (stats.get("grads", 0) - stats.get("master_grads", 0) + stats.get("buffers", 0)
+                            + stats.get("bucket_buffers", 0))
+        return {f"{key}_bytes": value for key, value in where.items()}
+
+    def offload_breakdown(self) -> dict[str, float]:
+        """Seconds in the last optimizer step's offload parts (cpu_step, nvme_read, nvme_write)."""
+        return self.strategy.offload.breakdown()
 
     # ---- checkpoint seam (rayzero/checkpoint/types.py) -------------------------------------
     def state_shards(self) -> list[ShardedTensor]:
@@ -274,3 +295,4 @@ class ZeroEngine:
             from rayzero.engine import checkpoint_io
             checkpoint_io.wait_for_checkpoint(self)
         self.strategy.close()
+        self.strategy.offload.close()

@@ -82,8 +82,7 @@ class BucketedStrategy(ZeroStrategy):
         world = ctx.comm.world_size
         self.master_rank = ctx.comm.rank if self.partitions_optimizer_state else 0
         # fp32 compute on the device where masters live: the master *is* the parameter (no copy).
-        self.aliased = (ctx.precision.param_dtype == torch.float32
-                        and ctx.offload.device == torch.device(ctx.device))
+        self.aliased = (ctx.precision.param_dtype == torch.float32 and ctx.offload.may_alias(ctx.device))
         self.buckets: list[Bucket] = []
         optimizer_groups = []
         for group_index, group in enumerate(ctx.param_groups):
@@ -299,7 +298,8 @@ class BucketedStrategy(ZeroStrategy):
         optim = sum(nbytes(v) for state in self.optimizer.state.values()
                     for v in state.values() if isinstance(v, torch.Tensor))
         buffers = sum(nbytes(b) for b in self.module.buffers())
-        return {"params": params, "grads": grads, "master_weights": masters,
+        master_grads = sum(nbytes(b.master_grad) for b in self.buckets if not self._master_grad_aliases_buffer(b))
+        return {"params": params, "grads": grads, "master_grads": master_grads, "master_weights": masters,
                 "optimizer_state": optim, "buffers": buffers,
                 "bucket_buffers": self._bucket_buffer_bytes()}
 

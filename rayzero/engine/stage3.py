@@ -6,8 +6,11 @@ of its gradient. Modules gather their parameters just before they run and releas
 (stage3_grads.py). Traffic per step at gas 1: Ψ all-gather in forward + Ψ in backward + Ψ
 reduce-scatter = 3Ψ, less what `param_persistence_threshold` and `max_reuse_distance` save.
 
-Masters: one flat fp32 tensor per optimizer param group, the concatenation of the group's
-parameter shards (padded) — one optimizer tensor per group keeps foreach/fused kernels efficient.
+Masters: flat fp32 tensors per optimizer param group, each the concatenation of a *sub-group* of
+the group's parameter shards (padded): `sub_group_size` elements at most, cut at parameter
+boundaries as DeepSpeed cuts them (one parameter larger than that is a sub-group alone). Few large
+tensors keep the fused kernels efficient; sub-groups are the tiles an offloaded step swaps
+([Note: NVMe tiles] in offload_nvme.py).
 """
 from __future__ import annotations
 
@@ -46,8 +49,7 @@ class Stage3Strategy(ZeroStrategy):
         self.partitions = ParamPartitions(ctx.comm, ctx.device)
         # fp32 compute on the device where masters live: a trainable parameter's shard *is* its
         # master window (no second fp32 copy), as stages 0-2 alias their buffers.
-        self.aliased = (ctx.precision.param_dtype == torch.float32
-                        and ctx.offload.device == torch.device(ctx.device))
+        self.aliased = (ctx.precision.param_dtype == torch.float32 and ctx.offload.may_alias(ctx.device))
         with torch.no_grad():
             pieces = {}
             persistent_budget = self.knobs.model_persistence_threshold
@@ -63,19 +65,22 @@ class Stage3Strategy(ZeroStrategy):
             self.groups: list[tuple[list[torch.nn.Parameter], torch.Tensor, torch.Tensor]] = []
             optimizer_groups = []
             for group in ctx.param_groups:
-                total = sum(pieces[id(p)][2].numel() for p in group["params"])
-                master = self.offload.allocate(StateKind.MASTER, total, torch.float32)
-                master_grad = self.offload.allocate(StateKind.MASTER_GRAD, total, torch.float32)
-                offset = 0
-                for param in group["params"]:
-                    width = pieces[id(param)][2].numel()
-                    masters[id(param)] = master[offset:offset + width]
-                    master_grads[id(param)] = master_grad[offset:offset + width]
-                    masters[id(param)].copy_(pieces[id(param)][2])  # from fp32 values, before any downcast
-                    offset += width
-                self.groups.append((list(group["params"]), master, master_grad))
+                group_masters = []
+                for sub_group in _sub_groups(group["params"], pieces, int(ctx.zero_config.sub_group_size)):
+                    total = sum(pieces[id(p)][2].numel() for p in sub_group)
+                    master = self.offload.allocate(StateKind.MASTER, total, torch.float32)
+                    master_grad = self.offload.allocate(StateKind.MASTER_GRAD, total, torch.float32)
+                    offset = 0
+                    for param in sub_group:
+                        width = pieces[id(param)][2].numel()
+                        masters[id(param)] = master[offset:offset + width]
+                        master_grads[id(param)] = master_grad[offset:offset + width]
+                        masters[id(param)].copy_(pieces[id(param)][2])  # from fp32 values, before any downcast
+                        offset += width
+                    self.groups.append((sub_group, master, master_grad))
+                    group_masters.append(master)
                 hyper = {k: v for k, v in group.items() if k != "params"}
-                optimizer_groups.append({**hyper, "params": [master]})
+                optimizer_groups.append({**hyper, "params": group_masters})
             for name, param, piece, shape, persistent in pieces.values():
                 if self.aliased and id(param) in masters:
                     shard = masters[id(param)]
@@ -242,6 +247,7 @@ class Stage3Strategy(ZeroStrategy):
         return {
             "params": sum(nbytes(e.shard) for e in entries) + persistent_full,
             "grads": sum(nbytes(g) for _, _, g in self.groups),
+            "master_grads": sum(nbytes(g) for _, _, g in self.groups),
             "master_weights": 0 if self.aliased else sum(nbytes(m) for _, m, _ in self.groups),
             "optimizer_state": sum(nbytes(v) for state in self.optimizer.state.values()
                                    for v in state.values() if isinstance(v, torch.Tensor)),
@@ -263,3 +269,17 @@ class Stage3Strategy(ZeroStrategy):
         self.reducer.finish()
         self.coordinator.close()
         self.partitions.close()
+
+
+def _sub_groups(params: list, pieces: dict, limit: int) -> list[list]:
+    """Consecutive runs of `params` whose shard elements sum to at most `limit` (at least one each)."""
+    out: list[list] = []
+    size = 0
+    for param in params:
+        width = pieces[id(param)][2].numel()
+        if not out or (limit > 0 and size + width > limit):
+            out.append([])
+            size = 0
+        out[-1].append(param)
+        size += width
+    return out

@@ -1,0 +1,136 @@
+"""Swap files for NVMe offload: page-aligned host buffers and a thread pool of positional reads and
+writes on files opened with O_DIRECT.
+
+[Note: swap I/O layer]
+Choice by measurement (bench/offload.py, `swap` section): on this kind of machine a pool of
+`os.preadv` / `os.pwritev` calls on an O_DIRECT descriptor, each moving `block_size · queue_depth`
+bytes, reaches the `dd iflag/oflag=direct` figure of the same filesystem, so no native aio library
+is needed (libaio needs a compiled extension; io_uring is disabled in many containers). The
+`aio` section maps onto it: `block_size · queue_depth` bytes per request (DeepSpeed keeps
+`queue_depth` requests of `block_size` in flight per thread), `intra_op_parallelism` (or its legacy
+name `thread_count`) threads, `single_submit` issues one block per request. Buffers are anonymous
+mmaps (page aligned, as O_DIRECT needs) wrapped as tensors, so reads land where the optimizer
+computes: no bounce copy. Where O_DIRECT is refused (tmpfs, some FUSE mounts) the files are opened
+buffered and `layer` says so.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+ALIGN = 4096
+
+
+def align_up(nbytes: int) -> int:
+    return (nbytes + ALIGN - 1) // ALIGN * ALIGN
+
+
+class AlignedBuffer:
+    """Page-aligned host memory of a fixed size, viewable as tensors of any dtype."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = align_up(max(nbytes, 1))
+        self._map = mmap.mmap(-1, self.nbytes)
+        self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
+
+    def view(self, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        size = numel * dtype.itemsize
+        return self._bytes[offset:offset + size].view(dtype)
+
+    def memoryview(self, offset: int, nbytes: int) -> memoryview:
+        return memoryview(self._map)[offset:offset + nbytes]
+
+    def close(self) -> None:
+        self._bytes = None
+        try:
+            self._map.close()
+        except BufferError:  # a tensor view is still alive; the map goes with it
+            pass
+
+
+@dataclass(frozen=True)
+class IOKnobs:
+    """The `aio` section as this layer uses it."""
+
+    block_size: int = 1 << 20
+    queue_depth: int = 8
+    threads: int = 1
+    single_submit: bool = False
+
+    @classmethod
+    def from_config(cls, aio) -> IOKnobs:
+        if aio is None:
+            return cls()
+        return cls(block_size=int(aio.block_size), queue_depth=int(aio.queue_depth),
+                   threads=max(1, int(aio.intra_op_parallelism)), single_submit=bool(aio.single_submit))
+
+    @property
+    def request_bytes(self) -> int:
+        span = self.block_size if self.single_submit else self.block_size * self.queue_depth
+        return align_up(span)
+
+
+class SwapFile:
+    """One swap file read and written whole, in aligned requests spread over a thread pool."""
+
+    def __init__(self, path: str, pool: ThreadPoolExecutor, knobs: IOKnobs) -> None:
+        self.path, self.pool, self.knobs = path, pool, knobs
+        flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC
+        self.direct = False
+        direct = getattr(os, "O_DIRECT", 0)
+        if direct:
+            try:
+                self.fd = os.open(path, flags | direct, 0o600)
+                self.direct = True
+            except OSError:
+                self.fd = os.open(path, flags, 0o600)
+        else:
+            self.fd = os.open(path, flags, 0o600)
+
+    def _requests(self, nbytes: int) -> list[tuple[int, int]]:
+        span = self.knobs.request_bytes
+        return [(offset, min(span, nbytes - offset)) for offset in range(0, nbytes, span)]
+
+    def write(self, buffer: AlignedBuffer, nbytes: int) -> None:
+        """Write the first `nbytes` (aligned up) of `buffer` to the start of the file."""
+        nbytes = align_up(nbytes)
+
+        def one(offset: int, size: int) -> None:
+            view = buffer.memoryview(offset, size)
+            done = 0
+            while done < size:
+                done += os.pwritev(self.fd, [view[done:]], offset + done)
+        for future in [self.pool.submit(one, o, s) for o, s in self._requests(nbytes)]:
+            future.result()
+
+    def read(self, buffer: AlignedBuffer, nbytes: int) -> None:
+        """Fill the first `nbytes` (aligned up) of `buffer` from the start of the file."""
+        nbytes = align_up(nbytes)
+
+        def one(offset: int, size: int) -> None:
+            view = buffer.memoryview(offset, size)
+            done = 0
+            while done < size:
+                got = os.preadv(self.fd, [view[done:]], offset + done)
+                if got == 0:
+                    raise OSError(f"swap file {self.path} is shorter than expected ({offset + done} < "
+                                  f"{offset + size} bytes): it was truncated or replaced while training")
+                done += got
+        for future in [self.pool.submit(one, o, s) for o, s in self._requests(nbytes)]:
+            future.result()
+
+    def close(self, remove: bool = True) -> None:
+        os.close(self.fd)
+        if remove:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+
+def io_layer_name(direct: bool) -> str:
+    return "threadpool-pread/pwrite+O_DIRECT" if direct else "threadpool-pread/pwrite (buffered: no O_DIRECT)"
