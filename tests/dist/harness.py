@@ -192,18 +192,10 @@ class CaseResult:
     extra: dict = field(default_factory=dict)
 
 
-def train_case(rank: int, world: int, case: Case, model_factory: Callable = build_model) -> CaseResult:
-    """Run one case on this rank (inside a `spawn`ed worker)."""
-    import rayzero
-
-    model = model_factory()
-    with torch.no_grad():  # ranks start different: the engine must broadcast rank 0's state
-        for tensor in [*model.parameters(), *model.buffers()]:
-            tensor.add_(rank)
-    engine, _, _, _ = rayzero.initialize(model=model, config=case.config(),
-                                         model_parameters=param_groups(model))
+def train_steps(engine: Any, rank: int, world: int, case: Case, first: int, last: int) -> list[float]:
+    """Optimizer steps [first, last) of `case` on this rank; this rank's mean loss per step."""
     losses = []
-    for step in range(case.steps):
+    for step in range(first, last):
         tokens, targets = global_batch(step, world * case.gas * case.micro_batch)
         total = 0.0
         for micro in range(case.gas):
@@ -214,15 +206,40 @@ def train_case(rank: int, world: int, case: Case, model_factory: Callable = buil
             engine.step()
             total += loss.item()
         losses.append(total / case.gas)
-    masters = [(s.spec.name[len("master/"):], s.spec.global_shape, s.spec.flat_start, s.spec.flat_end,
-                s.local.detach().clone()) for s in engine.state_shards() if s.spec.name.startswith("master/")]
+    return losses
+
+
+def master_pieces(engine: Any) -> list[tuple[str, tuple, int, int, torch.Tensor]]:
+    return [(s.spec.name[len("master/"):], s.spec.global_shape, s.spec.flat_start, s.spec.flat_end,
+             s.local.detach().clone()) for s in engine.state_shards() if s.spec.name.startswith("master/")]
+
+
+def start_engine(rank: int, case: Case, model_factory: Callable = build_model) -> tuple[Any, torch.nn.Module]:
+    """`rayzero.initialize` on the parity model, every rank starting from different weights."""
+    import rayzero
+
+    model = model_factory()
+    with torch.no_grad():  # ranks start different: the engine must broadcast rank 0's state
+        for tensor in [*model.parameters(), *model.buffers()]:
+            tensor.add_(rank)
+    engine, _, _, _ = rayzero.initialize(model=model, config=case.config(),
+                                         model_parameters=param_groups(model))
+    return engine, model
+
+
+def train_case(rank: int, world: int, case: Case, model_factory: Callable = build_model,
+               probe: Callable | None = None) -> CaseResult:
+    """Run one case on this rank (inside a `spawn`ed worker); `probe(engine)` adds to `extra`."""
+    engine, model = start_engine(rank, case, model_factory)
+    losses = train_steps(engine, rank, world, case, 0, case.steps)
+    masters = master_pieces(engine)
     untrained = model_factory()  # rank 0's initial weights: what every rank started from
     frozen_kept = all(torch.equal(p.float(), q) for (n, p), (_, q) in zip(
         model.named_parameters(), untrained.named_parameters()) if not q.requires_grad) and all(
         torch.equal(b.float(), c) for b, c in zip(model.buffers(), untrained.buffers()))
     result = CaseResult(case, losses, masters, engine.comm_stats(), engine.memory_stats(),
                         {"skipped_steps": engine.skipped_steps, "extra_state": engine.extra_state(),
-                         "frozen_kept": frozen_kept})
+                         "frozen_kept": frozen_kept, **(probe(engine) if probe else {})})
     engine.close()
     return result
 

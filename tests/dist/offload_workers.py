@@ -1,0 +1,48 @@
+"""What the ranks of tests/dist/test_offload.py run: parity cases with a probe of where the optimizer
+state really lives, and checkpoint hops between offload modes and world sizes."""
+from __future__ import annotations
+
+import os
+
+import harness as H
+import torch
+
+
+def where_state_lives(engine) -> dict:
+    """Read from the optimizer and the filesystem, not from the engine's own accounting."""
+    backend = engine.strategy.offload
+    per_element = [value for param, state in engine.optimizer.state.items() for value in state.values()
+                   if isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() == param.numel()]
+    swap_dir = getattr(backend, "directory", None)
+    files = sorted(os.listdir(swap_dir)) if swap_dir else []
+    stats = engine.memory_stats()
+    return {
+        "backend": backend.name,
+        "state_devices": sorted({value.device.type for value in per_element}),
+        "state_bytes": sum(value.numel() * value.element_size() for value in per_element),
+        "swap_dir": swap_dir,
+        "swap_file_bytes": sum(os.path.getsize(os.path.join(swap_dir, name)) for name in files),
+        "swap_files": len(files),
+        "placement": {key: stats[key] for key in ("device_bytes", "host_bytes", "nvme_bytes")},
+        "breakdown": engine.offload_breakdown(),
+    }
+
+
+def parity(rank: int, world: int, cases: list) -> list:
+    return [H.train_case(rank, world, case, probe=where_state_lives) for case in cases]
+
+
+def checkpoint_hop(rank: int, world: int, payload: dict) -> dict:
+    """Load the newest checkpoint under `dir` if asked, train steps [first, last), save if asked."""
+    case = payload["case"]
+    engine, _ = H.start_engine(rank, case)
+    if payload.get("load"):
+        path, _ = engine.load_checkpoint(payload["dir"])
+        assert path is not None, "a committed checkpoint is there to load"
+    losses = H.train_steps(engine, rank, world, case, payload["first"], payload["last"])
+    if payload.get("save"):
+        engine.save_checkpoint(payload["dir"], asynchronous=False)
+    out = {"losses": losses, "masters": H.master_pieces(engine), "probe": where_state_lives(engine)}
+    engine.close()
+    out["swap_dir_removed"] = out["probe"]["swap_dir"] is None or not os.path.exists(out["probe"]["swap_dir"])
+    return out
