@@ -126,20 +126,3 @@ def test_a_model_with_nothing_to_train_is_refused() -> None:
     for model in (torch.nn.Identity(), frozen):
         with pytest.raises(ValueError, match="no trainable parameters.*requires_grad"):
             rayzero.initialize(model=model, config=config)
-
-
-def test_an_offload_device_this_release_lacks_is_refused_naming_the_key() -> None:
-    """One process: offload to cpu/nvme is not implemented yet; both keys must be refused by name
-    (an ignored offload_param would leave parameters where the user planned for them not to be)."""
-    import torch
-
-    import rayzero
-
-    base = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "params": {"lr": 0.001}}}
-    cases = {
-        "zero_optimization.offload_param.device": {"stage": 3, "offload_param": {"device": "cpu"}},
-        "zero_optimization.offload_optimizer.device": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
-    }
-    for key, zero in cases.items():
-        with pytest.raises(ValueError, match=f"{key}='cpu' is not available in this build"):
-            rayzero.initialize(model=torch.nn.Linear(4, 4), config={**base, "zero_optimization": zero})
