@@ -13,10 +13,21 @@ from __future__ import annotations
 import abc
 import contextlib
 import enum
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
 import torch
+
+_SCRATCH_OWNERS: weakref.WeakSet = weakref.WeakSet()
+"""Backends holding scratch files (NVMe swap), closed by `release_scratch` when a loop ends."""
+
+
+def release_scratch() -> None:
+    """Close every live backend's scratch storage (swap files). The Ray worker calls this when the
+    user's loop returns or fails, since loops rarely call `engine.close()`; idempotent."""
+    for backend in list(_SCRATCH_OWNERS):
+        backend.close()
 
 class StateKind(enum.Enum):
     """What a buffer the strategy asks for will hold."""

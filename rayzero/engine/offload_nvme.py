@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from rayzero.config.errors import RayZeroValueError
+from rayzero.engine.offload import _SCRATCH_OWNERS
 from rayzero.engine.offload_host import HostOffload
 from rayzero.engine.swap_io import AlignedBuffer, IOKnobs, SwapFile, align_up, io_layer_name
 
@@ -142,6 +143,7 @@ class NvmeOffload(HostOffload):
         self._slots: list[AlignedBuffer] = []
         self._free: queue.Queue = queue.Queue()
         self.bytes_on_disk = 0
+        self._closed = False
         probe = SwapFile(os.path.join(self.directory, "probe"), self._io, self.knobs)
         self.direct = probe.direct
         probe.close()
@@ -150,6 +152,7 @@ class NvmeOffload(HostOffload):
                           "swap files use buffered I/O through the page cache, which holds the state in memory "
                           "again. Point nvme_path at a local disk", stacklevel=3)
         atexit.register(self.close)
+        _SCRATCH_OWNERS.add(self)
 
     @property
     def io_layer(self) -> str:
@@ -310,6 +313,9 @@ class NvmeOffload(HostOffload):
                 "swap_dir": self.directory}
 
     def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
         for tile in self._tiles.values():
             with contextlib.suppress(OSError):
                 tile.file.close()

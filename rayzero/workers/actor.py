@@ -143,6 +143,9 @@ class TrainWorker:
         except BaseException as error:  # noqa: BLE001 - SystemExit from an argparse loop is a failure too
             return WorkerOutcome(rank, f"{type(error).__name__}: {error}", traceback.format_exc())
         finally:
+            from rayzero.engine.offload import release_scratch
+
+            release_scratch()  # NVMe swap files are the run's scratch: gone when the loop ends
             session_module.activate(None)
             self._finished.set()
             self._session.reports.put(None)  # wake a poll blocked on an empty queue
