@@ -14,6 +14,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "run": ("rayzero.driver.cli", "run a training loop on Ray: rayzero run file.py:fn --config ds.json"),
     "demo": ("rayzero.driver.demo", "train the built-in character language model (the main job)"),
     "checkpoint": ("rayzero.checkpoint.cli", "list, verify or consolidate checkpoints"),
+    "estimate": ("rayzero.engine.estimate", "memory per device / host / NVMe for every stage and offload option"),
 }
 
 

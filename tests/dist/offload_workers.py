@@ -46,3 +46,39 @@ def checkpoint_hop(rank: int, world: int, payload: dict) -> dict:
     engine.close()
     out["swap_dir_removed"] = out["probe"]["swap_dir"] is None or not os.path.exists(out["probe"]["swap_dir"])
     return out
+
+
+ESTIMATE_WIDTH, ESTIMATE_DEPTH = 192, 4
+
+
+def mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(ESTIMATE_DEPTH):
+        layers += [torch.nn.Linear(ESTIMATE_WIDTH, ESTIMATE_WIDTH), torch.nn.GELU()]
+    return torch.nn.Sequential(*layers)
+
+
+def measured_memory(rank: int, world: int, payload: dict) -> list[dict]:
+    """memory_stats and the real swap-file bytes after two steps of each configuration."""
+    import rayzero
+
+    out = []
+    for precision, stage, opt_off, param_off in payload["runs"]:
+        zero = {"stage": stage, "stage3_param_persistence_threshold": 0}
+        if opt_off != "none":
+            zero["offload_optimizer"] = {"device": opt_off, "nvme_path": payload["nvme"]}
+        if param_off != "none":
+            zero["offload_param"] = {"device": param_off}
+        config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": zero,
+                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+                  "bf16": {"enabled": precision == "bf16"}}
+        engine, *_ = rayzero.initialize(model=mlp(), config=config)
+        for _ in range(2):
+            x = torch.randn(4, ESTIMATE_WIDTH)
+            engine.backward(engine(x).float().pow(2).mean())
+            engine.step()
+        out.append({"run": (precision, stage, opt_off, param_off), "stats": engine.memory_stats(),
+                    "probe": where_state_lives(engine)})
+        engine.close()
+    return out

@@ -13,7 +13,7 @@ import tempfile
 import harness as H
 import pytest
 import torch
-from offload_workers import checkpoint_hop, parity
+from offload_workers import ESTIMATE_WIDTH, checkpoint_hop, measured_memory, mlp, parity
 
 _SCRATCH = tempfile.TemporaryDirectory(prefix="rayzero-offload-")
 NVME = _SCRATCH.name + "/nvme"
@@ -133,3 +133,32 @@ def test_checkpoint_moves_between_offload_modes_and_world_sizes(hop: int) -> Non
     full = H.assemble_masters([H.CaseResult(None, [], r["masters"]) for r in resumed])
     H.assert_matches_reference("fp32", saved_losses + losses, full, ref_losses, ref_params)
     assert all(r["swap_dir_removed"] for group in hops() for r in group), "swap files are scratch"
+
+
+# ---- rayzero estimate against real runs ------------------------------------------------------------
+ESTIMATED = [(precision, stage, opt, param) for precision in ("fp32", "bf16") for stage in range(4)
+             for opt, param in (("none", "none"), ("cpu", "none"), ("nvme", "none"), ("cpu", "cpu"))
+             if not (param != "none" and stage != 3) and not (opt != "none" and stage == 0)]
+
+
+@functools.cache
+def measured() -> list[dict]:
+    return H.spawn(2, measured_memory, {"runs": ESTIMATED, "nvme": NVME})[0]
+
+
+@pytest.mark.parametrize("index", range(len(ESTIMATED)), ids=["-".join(map(str, r)) for r in ESTIMATED])
+def test_estimate_matches_what_a_run_holds(index: int) -> None:
+    """Within 5% per location; the measured side is tensor sizes and swap-file sizes of a real run."""
+    from rayzero.engine.estimate import estimate
+
+    precision, stage, opt, param = ESTIMATED[index]
+    got = measured()[index]
+    stats, probe = got["stats"], got["probe"]
+    params = sum(p.numel() for p in mlp().parameters())
+    row = next(r for r in estimate(params, ESTIMATE_WIDTH ** 2, gpus_per_node=2, precision=precision)
+               if (r.stage, r.offload_optimizer, r.offload_param) == (stage, opt, param))
+    real = {"device": stats["device_bytes"] - stats["bucket_buffers"] - stats["buffers"],
+            "host": stats["host_bytes"], "nvme": probe["swap_file_bytes"]}
+    predicted = {"device": row.device_bytes, "host": row.host_bytes_per_rank, "nvme": row.nvme_bytes_per_node // 2}
+    for where in real:
+        assert abs(real[where] - predicted[where]) <= 0.05 * max(predicted[where], 1), (where, real, predicted)
