@@ -91,7 +91,10 @@ def _flagged_fields(config: RayZeroConfig, notes: list[str]) -> None:
         if extra.get(UNIMPLEMENTED):
             notes.append(f"recognised but not implemented: `{key}` = {_short(value)} is accepted and ignored")
         # offload_param and ratio below stage 3 are errors (see _offload), not warnings.
-        if extra.get(STAGE3_ONLY) and stage < 3 and not key.endswith(("offload_param", ".ratio")):
+        # NVMe optimizer offload tiles its swap by sub_group_size at every stage ([Note: NVMe tiles]).
+        nvme_tiles = key == "zero_optimization.sub_group_size" and \
+            config.zero_optimization.offload_optimizer_device == "nvme"
+        if extra.get(STAGE3_ONLY) and stage < 3 and not key.endswith(("offload_param", ".ratio")) and not nvme_tiles:
             notes.append(f"ignored: `{key}` = {_short(value)} only applies to ZeRO stage 3 (stage is {stage})")
         if extra.get(NOT_STAGE3) and stage == 3:
             notes.append(f"ignored: `{key}` = {_short(value)} does not apply to ZeRO stage 3 "

@@ -57,7 +57,8 @@ class ZeroConfig(ConfigModel):
     zenflow: Optional[dict[str, Any]] = Field(None, json_schema_extra=_TODO)
     """ZenFlow stall-free offload options; recognised, not implemented."""
     sub_group_size: Int = Field(1_000_000_000, ge=0, json_schema_extra=_S3)
-    """Stage 3: elements per optimizer sub-group (the tile size of an offloaded optimizer step)."""
+    """Stage 3: elements per optimizer sub-group; with NVMe optimizer offload (any stage) the tile the
+    step swaps in and out, which bounds the host memory the step needs."""
     prefetch_bucket_size: AutoCount = Field(
         50_000_000, alias="stage3_prefetch_bucket_size", json_schema_extra=_S3
     )

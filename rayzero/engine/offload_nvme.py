@@ -3,14 +3,19 @@
 optimizer step.
 
 [Note: NVMe tiles]
-A tile is one tensor the optimizer steps: a bucket's master piece at stages 1-2, a sub-group
-(`sub_group_size` elements, cut at parameter boundaries) at stage 3. Between steps a tile's state
-entries (`exp_avg`, `exp_avg_sq`, `momentum_buffer`, ...) are shape-only `meta` tensors and the
-bytes are in the tile's swap file; scalar state (`step`) stays in memory. A step walks the tiles in
-order: read tile i+1 (`pipeline_read`), step tile i, write tile i-1 (`pipeline_write`), with at
-most three tile buffers alive — so host memory holds O(largest tile) of optimizer state, not the
-whole of it. Without the pipeline flags the three phases run one after another with one buffer.
-A tile's first step lets torch create its state, which is then written out.
+A tile is a range of at most `sub_group_size` elements of one tensor the optimizer steps (a bucket's
+master piece at stages 1-2, a stage-3 sub-group); tiles never span two tensors. Between steps each
+master's per-element state entries (`exp_avg`, `exp_avg_sq`, `momentum_buffer`, ...) are shape-only
+`meta` tensors and the bytes are in the tiles' swap files; scalar state (`step`) stays in memory.
+A tile is stepped through a *proxy*: a view of the master's range whose `.grad` is the same range of
+the master gradient and whose state entries are views of a page-aligned buffer the tile's file was
+read into, so torch's own (fused) kernel updates the master in place; the proxy's `step` is a copy,
+written back to the master's state once all its tiles stepped. A step walks the tiles: read tile i+1
+(`pipeline_read`), step tile i, write tile i-1 (`pipeline_write`), with at most three tile buffers —
+host memory holds O(sub_group_size) of optimizer state, never the whole. Without the pipeline flags
+the phases run one after another with one buffer. A tile's first step lets torch create the proxy's
+state (tile-sized), which is then written out, so first-step semantics (SGD's momentum = gradient)
+are torch's own.
 
 Swap files are scratch owned by this process: `<nvme_path>/rayzero-swap/<host>-<pid>-<id>-rank<r>/`,
 created fresh (never read before this process wrote them, so a restart cannot mistake an old file
@@ -42,46 +47,58 @@ from rayzero.engine.offload_host import HostOffload
 from rayzero.engine.swap_io import AlignedBuffer, IOKnobs, SwapFile, align_up, io_layer_name
 
 
+_TILE_ALIGN = 64
+"""Elements: a multiple of every CPU vector width (AVX-512: 16 fp32) and of 4 KiB / 64."""
+
+
 @dataclass(eq=False)
 class _Tile:
-    param: torch.Tensor
+    master: torch.Tensor
+    start: int
+    end: int
     file: SwapFile
     layout: list[tuple[str, int, torch.dtype]] = field(default_factory=list)
     """(state key, byte offset in the file, dtype) of every per-element state entry."""
     nbytes: int = 0
 
-    def plan(self, state: dict) -> None:
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+    def plan(self, entries: list[tuple[str, torch.dtype]]) -> None:
+        """Lay out per-element state entries (key, dtype) in the file, each page aligned."""
         offset = 0
         self.layout = []
-        for key in sorted(k for k, v in state.items() if _elementwise(v, self.param)):
-            value = state[key]
-            self.layout.append((key, offset, value.dtype))
-            offset += align_up(value.numel() * value.element_size())
+        for key, dtype in sorted(entries, key=lambda entry: entry[0]):
+            self.layout.append((key, offset, dtype))
+            offset += align_up(self.numel * dtype.itemsize)
         self.nbytes = offset
 
+    def view(self, slot: AlignedBuffer, offset: int, dtype: torch.dtype) -> torch.Tensor:
+        return slot.view(offset, self.numel, dtype)
 
-def _elementwise(value: Any, param: torch.Tensor) -> bool:
-    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() == param.numel()
+
+def _elementwise(value: Any, numel: int) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() == numel
 
 
-@contextlib.contextmanager
-def _only(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> Iterator[None]:
-    """optimizer.step() inside this block updates just `params` (groups keep their hyperparameters)."""
-    keep = {id(p) for p in params}
-    saved_groups = optimizer.param_groups
-    saved_params = [group["params"] for group in saved_groups]
+def _step_proxy(optimizer: torch.optim.Optimizer, tile: _Tile, state: dict) -> dict:
+    """optimizer.step() on just `tile`'s range through a proxy ([Note: NVMe tiles]); returns the
+    proxy's state (`state` as given, or what torch created when it was empty)."""
+    proxy = tile.master.detach()[tile.start:tile.end]
+    proxy.grad = tile.master.grad[tile.start:tile.end]
+    owner = next(g for g in optimizer.param_groups if any(p is tile.master for p in g["params"]))
+    saved_groups, saved_params = optimizer.param_groups, owner["params"]
+    optimizer.state[proxy] = state
     try:
-        narrowed = []
-        for group in saved_groups:
-            group["params"] = [p for p in group["params"] if id(p) in keep]
-            if group["params"]:
-                narrowed.append(group)
-        optimizer.param_groups = narrowed
-        yield
+        owner["params"] = [proxy]
+        optimizer.param_groups = [owner]
+        optimizer.step()
     finally:
-        for group, params in zip(saved_groups, saved_params):
-            group["params"] = params
+        owner["params"] = saved_params
         optimizer.param_groups = saved_groups
+        state = optimizer.state.pop(proxy)
+    return state
 
 
 def _remove_stale(root: str) -> None:
@@ -139,10 +156,14 @@ class NvmeOffload(HostOffload):
         self.pipeline_write = bool(options.pipeline_write)
         self._io = ThreadPoolExecutor(self.knobs.threads, thread_name_prefix="rayzero-swap-io")
         self._driver = ThreadPoolExecutor(1, thread_name_prefix="rayzero-swap")
-        self._tiles: dict[int, _Tile] = {}
+        self._tiles: dict[int, list[_Tile]] = {}
+        self._nvme_path = options.nvme_path
+        # Tiles start at multiples of _TILE_ALIGN elements so the fused kernel's vector lanes fall on
+        # the same elements as in one whole-tensor call: the result is bitwise the non-tiled one.
+        sub_group = int(cfg.zero_optimization.sub_group_size)
+        self.tile_elements = max(sub_group // _TILE_ALIGN, 1) * _TILE_ALIGN if sub_group > 0 else 0
         self._slots: list[AlignedBuffer] = []
         self._free: queue.Queue = queue.Queue()
-        self.bytes_on_disk = 0
         self._closed = False
         probe = SwapFile(os.path.join(self.directory, "probe"), self._io, self.knobs)
         self.direct = probe.direct
@@ -159,12 +180,21 @@ class NvmeOffload(HostOffload):
         return io_layer_name(self.direct)
 
     # ---- tiles ---------------------------------------------------------------------------------
-    def _tile(self, param: torch.Tensor) -> _Tile:
-        tile = self._tiles.get(id(param))
-        if tile is None:
-            path = os.path.join(self.directory, f"tile{len(self._tiles):05d}.swp")
-            tile = self._tiles[id(param)] = _Tile(param, SwapFile(path, self._io, self.knobs))
-        return tile
+    def _tiles_of(self, master: torch.Tensor) -> list[_Tile]:
+        tiles = self._tiles.get(id(master))
+        if tiles is None:
+            numel = master.numel()
+            size = self.tile_elements or numel
+            tiles = []
+            for start in range(0, numel, size):
+                path = os.path.join(self.directory, f"master{len(self._tiles):04d}-{start:012d}.swp")
+                tiles.append(_Tile(master, start, min(start + size, numel), SwapFile(path, self._io, self.knobs)))
+            self._tiles[id(master)] = tiles
+        return tiles
+
+    @property
+    def bytes_on_disk(self) -> int:
+        return sum(tile.nbytes for tiles in self._tiles.values() for tile in tiles)
 
     def _acquire(self, nbytes: int) -> AlignedBuffer:
         count = 1 + self.pipeline_read + self.pipeline_write
@@ -179,15 +209,8 @@ class NvmeOffload(HostOffload):
             self._slots.append(slot)
         return slot
 
-    def _bind(self, tile: _Tile, state: dict, slot: AlignedBuffer) -> None:
-        for key, offset, dtype in tile.layout:
-            state[key] = slot.view(offset, tile.param.numel(), dtype).view_as(tile.param)
-
-    def _unbind(self, tile: _Tile, state: dict) -> None:
-        for key, _, dtype in tile.layout:
-            state[key] = torch.empty(tile.param.shape, dtype=dtype, device="meta")
-
-    def _write(self, tile: _Tile, slot: AlignedBuffer) -> None:
+    def _write(self, tile: _Tile, slot: AlignedBuffer) -> float:
+        start = time.perf_counter()
         try:
             tile.file.write(slot, tile.nbytes)
         except OSError as error:
@@ -197,44 +220,7 @@ class NvmeOffload(HostOffload):
                 "at a larger disk") from error
         finally:
             self._free.put(slot)
-
-    def _check_space(self, needed: int) -> None:
-        free = shutil.disk_usage(self.directory).free
-        if needed > free:
-            raise RayZeroValueError(
-                f"{self._key}={os.path.dirname(os.path.dirname(self.directory))!r}: the optimizer state of this "
-                f"rank needs {needed} bytes of swap space but {free} are free: free space, point nvme_path at a "
-                "larger disk, or use offload_optimizer.device \"cpu\"")
-
-    def _swap_out_new(self, tile: _Tile, state: dict) -> None:
-        """First step of a tile: torch created its state in memory; move it to the file."""
-        tile.plan(state)
-        self._check_space(tile.nbytes)
-        slot = self._acquire(tile.nbytes)
-        for key, offset, dtype in tile.layout:
-            slot.view(offset, tile.param.numel(), dtype).copy_(state[key].reshape(-1))
-        self._write(tile, slot)
-        self.bytes_on_disk += tile.nbytes
-        self._unbind(tile, state)
-
-    # ---- the step ([Note: NVMe tiles]) -------------------------------------------------------------
-    def step(self, optimizer: torch.optim.Optimizer) -> None:
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        timings = {"cpu_step": 0.0, "nvme_read": 0.0, "nvme_write": 0.0}
-        swapped = [p for p in params if id(p) in self._tiles and self._tiles[id(p)].layout]
-        for param in params:
-            if not (id(param) in self._tiles and self._tiles[id(param)].layout):
-                start = time.perf_counter()
-                with _only(optimizer, [param]):
-                    optimizer.step()
-                timings["cpu_step"] += time.perf_counter() - start
-                state = optimizer.state.get(param)
-                if state:
-                    start = time.perf_counter()
-                    self._swap_out_new(self._tile(param), state)
-                    timings["nvme_write"] += time.perf_counter() - start
-        self._step_swapped(optimizer, swapped, timings)
-        self._timings = timings
+        return time.perf_counter() - start
 
     def _read(self, tile: _Tile) -> tuple[AlignedBuffer, float]:
         slot = self._acquire(tile.nbytes)
@@ -242,35 +228,61 @@ class NvmeOffload(HostOffload):
         tile.file.read(slot, tile.nbytes)
         return slot, time.perf_counter() - start
 
-    def _timed_write(self, tile: _Tile, slot: AlignedBuffer) -> float:
-        start = time.perf_counter()
-        self._write(tile, slot)
-        return time.perf_counter() - start
+    def _plan_new(self, tile: _Tile, entries: list[tuple[str, torch.dtype]]) -> AlignedBuffer:
+        """A tile's first write: lay it out, check the disk has room, hand out a buffer for it."""
+        tile.plan(entries)
+        free = shutil.disk_usage(self.directory).free
+        if tile.nbytes > free:
+            raise RayZeroValueError(
+                f"{self._key}={self._nvme_path!r}: the next {tile.nbytes} bytes of optimizer state do not fit "
+                f"({free} bytes free): free space, point nvme_path at a larger disk, or use "
+                "offload_optimizer.device \"cpu\"")
+        return self._acquire(tile.nbytes)
 
-    def _step_swapped(self, optimizer: torch.optim.Optimizer, params: list, timings: dict) -> None:
-        tiles = [self._tiles[id(p)] for p in params]
+    # ---- the step ([Note: NVMe tiles]) -------------------------------------------------------------
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        masters = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        tiles = [tile for master in masters for tile in self._tiles_of(master)]
+        timings = {"cpu_step": 0.0, "nvme_read": 0.0, "nvme_write": 0.0}
         reads: dict[int, Future] = {}
         writes: list[Future] = []
+        scalars: dict[int, dict] = {}
         try:
             for index, tile in enumerate(tiles):
-                if index not in reads:
-                    reads[index] = self._driver.submit(self._read, tile)
-                slot, seconds = reads.pop(index).result()
-                timings["nvme_read"] += seconds
-                if self.pipeline_read and index + 1 < len(tiles):
-                    reads[index + 1] = self._driver.submit(self._read, tiles[index + 1])
-                state = optimizer.state[tile.param]
-                self._bind(tile, state, slot)
+                master_state = optimizer.state[tile.master]
+                slot = None
+                if tile.layout:
+                    if index not in reads:
+                        reads[index] = self._driver.submit(self._read, tile)
+                    slot, seconds = reads.pop(index).result()
+                    timings["nvme_read"] += seconds
+                ahead = index + 1
+                if self.pipeline_read and ahead < len(tiles) and tiles[ahead].layout:
+                    reads[ahead] = self._driver.submit(self._read, tiles[ahead])
+                proxy_state = {}
+                if slot is not None:  # scalars copied (torch increments `step` in place), entries bound
+                    proxy_state = {k: v.clone() if isinstance(v, torch.Tensor) else v
+                                   for k, v in master_state.items() if not _elementwise(v, tile.master.numel())}
+                    proxy_state.update({key: tile.view(slot, offset, dtype) for key, offset, dtype in tile.layout})
                 start = time.perf_counter()
-                with _only(optimizer, [tile.param]):
-                    optimizer.step()
+                proxy_state = _step_proxy(optimizer, tile, proxy_state)
                 timings["cpu_step"] += time.perf_counter() - start
-                self._unbind(tile, state)  # the slot still holds the values until written
-                write = self._driver.submit(self._timed_write, tile, slot)
+                entries = {k: v for k, v in proxy_state.items() if _elementwise(v, tile.numel)}
+                if slot is None:  # first step: torch created the (tile-sized) state; move it to a buffer
+                    slot = self._plan_new(tile, [(k, v.dtype) for k, v in entries.items()])
+                    for key, offset, dtype in tile.layout:
+                        tile.view(slot, offset, dtype).copy_(entries[key])
+                scalars[id(tile.master)] = {k: v for k, v in proxy_state.items() if k not in entries}
+                write = self._driver.submit(self._write, tile, slot)
                 if self.pipeline_write:
                     writes.append(write)
                 else:
                     timings["nvme_write"] += write.result()
+            for master in masters:
+                state = optimizer.state[master]
+                state.update(scalars[id(master)])
+                for key, _, dtype in self._tiles_of(master)[0].layout:
+                    state[key] = torch.empty(master.shape, dtype=dtype, device="meta")
         finally:
             for future in [*reads.values(), *writes]:
                 try:
@@ -281,32 +293,42 @@ class NvmeOffload(HostOffload):
                     timings["nvme_write"] += result
                 else:
                     self._free.put(result[0])
+            self._timings = timings
 
     # ---- checkpoints and accounting --------------------------------------------------------------
     @contextlib.contextmanager
     def resident(self, optimizer: torch.optim.Optimizer) -> Iterator[None]:
         """Every state tensor in ordinary memory inside the block; written back and released after
         (state created inside, e.g. by a checkpoint load into a fresh optimizer, is swapped out too)."""
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        for param in params:
-            tile = self._tiles.get(id(param))
-            if tile is None or not tile.layout:
+        masters = [p for group in optimizer.param_groups for p in group["params"]]
+        for master in masters:
+            tiles = self._tiles.get(id(master))
+            if not tiles or not tiles[0].layout:
                 continue
-            slot, _ = self._read(tile)
-            state = optimizer.state[param]
-            for key, offset, dtype in tile.layout:
-                state[key] = slot.view(offset, param.numel(), dtype).clone().view_as(param)
-            self._free.put(slot)
+            state = optimizer.state[master]
+            for key, _, dtype in tiles[0].layout:
+                state[key] = torch.empty(master.shape, dtype=dtype)
+            for tile in tiles:
+                slot, _ = self._read(tile)
+                for key, offset, dtype in tile.layout:
+                    state[key].view(-1)[tile.start:tile.end].copy_(tile.view(slot, offset, dtype))
+                self._free.put(slot)
         try:
             yield
         finally:
-            for param in params:
-                state = optimizer.state.get(param)
-                if state and any(_elementwise(v, param) and v.device.type != "meta" for v in state.values()):
-                    tile = self._tile(param)
-                    had = tile.nbytes if tile.layout else 0
-                    self._swap_out_new(tile, state)
-                    self.bytes_on_disk -= had
+            for master in masters:
+                state = optimizer.state.get(master) or {}
+                entries = {k: v for k, v in state.items()
+                           if _elementwise(v, master.numel()) and v.device.type != "meta"}
+                if not entries:
+                    continue
+                for tile in self._tiles_of(master):
+                    slot = self._plan_new(tile, [(k, v.dtype) for k, v in entries.items()])
+                    for key, offset, dtype in tile.layout:
+                        tile.view(slot, offset, dtype).copy_(entries[key].reshape(-1)[tile.start:tile.end])
+                    self._write(tile, slot)
+                for key, value in entries.items():
+                    state[key] = torch.empty(master.shape, dtype=value.dtype, device="meta")
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "nvme_bytes": self.bytes_on_disk, "io_layer": self.io_layer,
@@ -316,7 +338,7 @@ class NvmeOffload(HostOffload):
         if self._closed:
             return
         self._closed = True
-        for tile in self._tiles.values():
+        for tile in (tile for tiles in self._tiles.values() for tile in tiles):
             with contextlib.suppress(OSError):
                 tile.file.close()
         self._tiles.clear()

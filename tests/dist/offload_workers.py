@@ -23,6 +23,7 @@ def where_state_lives(engine) -> dict:
         "swap_dir": swap_dir,
         "swap_file_bytes": sum(os.path.getsize(os.path.join(swap_dir, name)) for name in files),
         "swap_files": len(files),
+        "optimizer_tensors": sum(len(group["params"]) for group in engine.optimizer.param_groups),
         "placement": {key: stats[key] for key in ("device_bytes", "host_bytes", "nvme_bytes")},
         "breakdown": engine.offload_breakdown(),
     }
