@@ -94,7 +94,7 @@ def _deepspeed(stage, cpu_offload, offload_params, psi, largest, per_node, nodes
     if stage in (1, 2):
         if cpu_offload:
             return 2 * psi, int(psi * max(4 * total, 16) * factor)
-        return 4 * psi + int(16 * psi / total), int(psi * 4 * per_node * factor)
+        return 2 * psi + int(18 * psi / total), int(psi * 4 * per_node * factor)
     if stage == 3:
         largest_mem = 4 * largest
         if cpu_offload and offload_params:

@@ -1,0 +1,68 @@
+"""`rayzero estimate` (issue 9, Deliver 2): its DeepSpeed columns are DeepSpeed 0.19.8's own functions'
+results (oracle: deepspeed, when installed), its own rows follow [the table in estimate.py], and the CLI
+prints a table and JSON and marks what fits. The check against real runs is tests/dist/test_offload.py."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rayzero.engine.estimate import estimate, main
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.mark.parametrize("gpus,nodes", [(1, 1), (8, 1), (8, 4)])
+def test_deepspeed_columns_are_deepspeeds_own_estimates(gpus: int, nodes: int) -> None:
+    stage12 = pytest.importorskip("deepspeed.runtime.zero.stage_1_and_2")
+    stage3 = pytest.importorskip("deepspeed.runtime.zero.stage3")
+    params, largest = 7_000_000_000, 250_000_000
+    rows = {(r.stage, r.offload_optimizer, r.offload_param): r for r in estimate(params, largest, gpus, nodes)}
+    for offload in (False, True):
+        host, device = stage12.estimate_zero2_model_states_mem_needs(params, gpus, nodes, cpu_offload=offload)
+        row = rows[(2, "cpu" if offload else "none", "none")]
+        assert (row.deepspeed_device_bytes, row.deepspeed_host_bytes_per_node) == (device, host)
+    for opt, param in (("none", "none"), ("cpu", "none"), ("cpu", "cpu")):
+        host, device, _ = stage3.estimate_zero3_model_states_mem_needs(
+            params, largest, gpus, nodes, cpu_offload=opt == "cpu", cpu_offload_params=param == "cpu")
+        row = rows[(3, opt, param)]
+        assert (row.deepspeed_device_bytes, row.deepspeed_host_bytes_per_node) == (device, host)
+
+
+def test_rows_follow_the_layout_table() -> None:
+    psi, n = 1_000_000, 4
+    rows = {(r.stage, r.offload_optimizer, r.offload_param): r for r in estimate(psi, 1000, n, precision="bf16")}
+    assert rows[(0, "none", "none")].device_bytes == 2 * psi + 2 * psi + 4 * psi + 4 * psi + 8 * psi
+    assert rows[(3, "none", "none")].device_bytes == (2 + 4 + 4 + 8) * psi // n
+    nvme = rows[(3, "nvme", "none")]
+    assert (nvme.device_bytes, nvme.host_bytes_per_rank, nvme.nvme_bytes_per_node) == (
+        2 * psi // n, 8 * psi // n, 8 * psi // n * n)
+    assert rows[(3, "cpu", "cpu")].device_bytes == 0
+    fp32 = {(r.stage, r.offload_optimizer): r for r in estimate(psi, 1000, n, precision="fp32")}
+    assert fp32[(1, "none")].device_bytes == 4 * psi + 4 * psi + 8 * psi // n  # master and grad alias
+
+
+def test_cli_table_json_and_fits(capsys) -> None:
+    assert main(["--params", "7e9", "--gpus-per-node", "8", "--device-memory", "16", "--host-memory", "512",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    fits = {(r["stage"], r["offload_optimizer"], r["offload_param"]): r["fits"] for r in out["rows"]}
+    assert fits[(0, "none", "none")] is False and fits[(3, "cpu", "cpu")] is True
+    assert main(["--params", "1e9"]) == 0
+    assert "offload opt" in capsys.readouterr().out
+    assert main(["--params", "0"]) == 2
+    assert "--params must be positive" in capsys.readouterr().err
+
+
+def huge_model():
+    """2 billion parameters: only countable because it is built on the meta device."""
+    import torch
+
+    return torch.nn.Sequential(torch.nn.Linear(40_000, 50_000), torch.nn.ReLU(), torch.nn.Linear(50_000, 10))
+
+
+def test_model_is_counted_on_the_meta_device(capsys) -> None:
+    assert main(["--model", f"{__name__}:huge_model", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["params"] == 40_000 * 50_000 + 50_000 + 50_000 * 10 + 10
+    assert out["largest_layer"] == 40_000 * 50_000 + 50_000
