@@ -13,9 +13,10 @@ read into, so torch's own (fused) kernel updates the master in place; the proxy'
 written back to the master's state once all its tiles stepped. A step walks the tiles: read tile i+1
 (`pipeline_read`), step tile i, write tile i-1 (`pipeline_write`), with at most three tile buffers —
 host memory holds O(sub_group_size) of optimizer state, never the whole. Without the pipeline flags
-the phases run one after another with one buffer. A tile's first step lets torch create the proxy's
-state (tile-sized), which is then written out, so first-step semantics (SGD's momentum = gradient)
-are torch's own.
+the phases run one after another with one buffer. A tile's first step starts from zeros bound in its
+buffer when that is bitwise torch's own first step (Adam, SGD without
+dampening: `optim_state.zero_state_template` checks on a probe); otherwise torch creates the
+tile-sized state, which is then written out, so first-step semantics are always torch's own.
 
 Swap files are scratch owned by this process: `<nvme_path>/rayzero-swap/<host>-<pid>-<id>-rank<r>/`,
 created fresh (never read before this process wrote them, so a restart cannot mistake an old file
@@ -44,6 +45,7 @@ import torch
 from rayzero.config.errors import RayZeroValueError
 from rayzero.engine.offload import _SCRATCH_OWNERS
 from rayzero.engine.offload_host import HostOffload
+from rayzero.engine.optim_state import zero_state_template
 from rayzero.engine.swap_io import AlignedBuffer, IOKnobs, SwapFile, align_up, io_layer_name
 
 
@@ -154,7 +156,7 @@ class NvmeOffload(HostOffload):
         self.knobs = IOKnobs.from_config(getattr(cfg, "aio", None))
         self.pipeline_read = bool(options.pipeline_read)
         self.pipeline_write = bool(options.pipeline_write)
-        self._io = ThreadPoolExecutor(self.knobs.threads, thread_name_prefix="rayzero-swap-io")
+        self._io = ThreadPoolExecutor(self.knobs.in_flight, thread_name_prefix="rayzero-swap-io")
         self._driver = ThreadPoolExecutor(1, thread_name_prefix="rayzero-swap")
         self._tiles: dict[int, list[_Tile]] = {}
         self._nvme_path = options.nvme_path
@@ -239,6 +241,11 @@ class NvmeOffload(HostOffload):
                 "offload_optimizer.device \"cpu\"")
         return self._acquire(tile.nbytes)
 
+    def _template(self, optimizer: torch.optim.Optimizer) -> dict | None:
+        if not hasattr(self, "_zero_template"):
+            self._zero_template = zero_state_template(optimizer)
+        return self._zero_template
+
     # ---- the step ([Note: NVMe tiles]) -------------------------------------------------------------
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         masters = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
@@ -260,7 +267,14 @@ class NvmeOffload(HostOffload):
                 if self.pipeline_read and ahead < len(tiles) and tiles[ahead].layout:
                     reads[ahead] = self._driver.submit(self._read, tiles[ahead])
                 proxy_state = {}
-                if slot is not None:  # scalars copied (torch increments `step` in place), entries bound
+                if slot is None and self._template(optimizer) is not None:
+                    # First step from zeroed state in the tile's own buffer: no tile-sized allocation
+                    # that the allocator might keep (exactly torch's first step: zero_state_template).
+                    template = self._template(optimizer)
+                    slot = self._plan_new(tile, [(k, v.dtype) for k, v in template.items() if _elementwise(v, 3)])
+                    proxy_state = {k: torch.zeros_like(v) for k, v in template.items() if not _elementwise(v, 3)}
+                    proxy_state.update({key: tile.view(slot, offset, dtype).zero_() for key, offset, dtype in tile.layout})
+                elif slot is not None:  # scalars copied (torch increments `step` in place), entries bound
                     proxy_state = {k: v.clone() if isinstance(v, torch.Tensor) else v
                                    for k, v in master_state.items() if not _elementwise(v, tile.master.numel())}
                     proxy_state.update({key: tile.view(slot, offset, dtype) for key, offset, dtype in tile.layout})
@@ -268,7 +282,7 @@ class NvmeOffload(HostOffload):
                 proxy_state = _step_proxy(optimizer, tile, proxy_state)
                 timings["cpu_step"] += time.perf_counter() - start
                 entries = {k: v for k, v in proxy_state.items() if _elementwise(v, tile.numel)}
-                if slot is None:  # first step: torch created the (tile-sized) state; move it to a buffer
+                if not tile.layout:  # first step: torch created the (tile-sized) state; move it to a buffer
                     slot = self._plan_new(tile, [(k, v.dtype) for k, v in entries.items()])
                     for key, offset, dtype in tile.layout:
                         tile.view(slot, offset, dtype).copy_(entries[key])

@@ -65,15 +65,7 @@ def ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
         return
     template = _probe_state(optimizer)
     for param in missing:
-        state = {}
-        for key, value in template.items():
-            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() == _PROBE_NUMEL:
-                state[key] = torch.zeros_like(param, dtype=value.dtype)
-            elif isinstance(value, torch.Tensor):
-                state[key] = torch.zeros_like(value)
-            else:
-                state[key] = type(value)(0) if isinstance(value, (int, float)) else value
-        optimizer.state[param] = state
+        optimizer.state[param] = _zeroed(template, param)
 
 
 def scalar_state(optimizer: torch.optim.Optimizer) -> list[dict[str, float]]:
@@ -126,3 +118,42 @@ def hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
                 entry[key] = list(value)
         out.append(entry)
     return out
+
+
+def zero_state_template(optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
+    """The state a fresh parameter gets (elementwise entries as (dtype, None), scalars as zero
+    values) when starting from that zeroed state is *exactly* torch's own first step, else None.
+
+    True for Adam/AdamW (zero moments, step 0); false for SGD with dampening (its first step copies
+    the gradient into the momentum buffer). Checked on a probe, bitwise, so any optimizer works.
+    """
+    template = _probe_state(optimizer)
+    group = optimizer.param_groups[0]
+    hyper = {k: v for k, v in group.items() if k not in ("params", "fused", "capturable", "differentiable")}
+    grad = torch.tensor([0.5, -1.25, 3.0])
+    results = []
+    for pre_initialised in (False, True):
+        probe = torch.tensor([1.0, -2.0, 0.25], requires_grad=True)
+        clone = type(optimizer)([{"params": [probe], **hyper}], **_defaults(optimizer))
+        if pre_initialised:
+            clone.state[probe] = _zeroed(template, probe)
+        probe.grad = grad.clone()
+        clone.step()
+        clone.step()
+        results.append((probe.detach().clone(), {k: v for k, v in clone.state[probe].items()}))
+    (fresh, fresh_state), (zeroed, zeroed_state) = results
+    same = torch.equal(fresh, zeroed) and fresh_state.keys() == zeroed_state.keys() and all(
+        torch.equal(torch.as_tensor(fresh_state[k]), torch.as_tensor(zeroed_state[k])) for k in fresh_state)
+    return template if same else None
+
+
+def _zeroed(template: dict[str, Any], param: torch.Tensor) -> dict[str, Any]:
+    state = {}
+    for key, value in template.items():
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() == _PROBE_NUMEL:
+            state[key] = torch.zeros_like(param, dtype=value.dtype)
+        elif isinstance(value, torch.Tensor):
+            state[key] = torch.zeros_like(value)
+        else:
+            state[key] = type(value)(0) if isinstance(value, (int, float)) else value
+    return state

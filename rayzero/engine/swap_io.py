@@ -3,12 +3,13 @@ writes on files opened with O_DIRECT.
 
 [Note: swap I/O layer]
 Choice by measurement (bench/offload.py, `swap` section): on this kind of machine a pool of
-`os.preadv` / `os.pwritev` calls on an O_DIRECT descriptor, each moving `block_size · queue_depth`
-bytes, reaches the `dd iflag/oflag=direct` figure of the same filesystem, so no native aio library
-is needed (libaio needs a compiled extension; io_uring is disabled in many containers). The
-`aio` section maps onto it: `block_size · queue_depth` bytes per request (DeepSpeed keeps
-`queue_depth` requests of `block_size` in flight per thread), `intra_op_parallelism` (or its legacy
-name `thread_count`) threads, `single_submit` issues one block per request. Buffers are anonymous
+`os.preadv` / `os.pwritev` calls on an O_DIRECT descriptor, `block_size` bytes each, with
+`queue_depth` of them in flight per I/O thread, reaches the `dd iflag/oflag=direct` figure of the
+same filesystem, so no native aio library is needed (libaio needs a compiled extension; io_uring is
+disabled in many containers). The `aio` section maps onto it as DeepSpeed's async_io uses it:
+`block_size` bytes per request, `queue_depth` requests in flight per thread, `intra_op_parallelism`
+(or its legacy name `thread_count`) threads — so threads × queue_depth requests in flight —
+and `single_submit` keeps one request in flight per thread. Buffers are anonymous
 mmaps (page aligned, as O_DIRECT needs) wrapped as tensors, so reads land where the optimizer
 computes: no bounce copy. Where O_DIRECT is refused (tmpfs, some FUSE mounts) the files are opened
 buffered and `layer` says so.
@@ -70,8 +71,12 @@ class IOKnobs:
 
     @property
     def request_bytes(self) -> int:
-        span = self.block_size if self.single_submit else self.block_size * self.queue_depth
-        return align_up(span)
+        return align_up(self.block_size)
+
+    @property
+    def in_flight(self) -> int:
+        """Requests in flight at once: the I/O pool's size."""
+        return self.threads * (1 if self.single_submit else self.queue_depth)
 
 
 class SwapFile:
