@@ -226,6 +226,7 @@ def _status(observed: Observed, phase: str, reason: str, message: str, problems:
 
 def _start(result: Plan, job: dict[str, Any], spec: RayZeroJobSpec, attempt: int,
            resume: str | None) -> None:
+    result.create.append(manifests.auth_secret(job))  # kept when it exists: pods of the job hold its tokens
     if spec.deepspeed.config is not None:
         result.create.append(manifests.config_map(job, spec))
     result.create.append(manifests.ray_job(job, spec, attempt, resume))
