@@ -44,7 +44,8 @@ def test_the_clusterrole_grants_exactly_what_the_operator_uses():
         ("rayzero.io", "rayzerojobs", verb) for verb in ("get", "list", "watch", "patch")} | {
         ("rayzero.io", "rayzerojobs/status", "patch"), ("rayzero.io", "rayzerojobs/finalizers", "update")} | {
         ("ray.io", "rayjobs", verb) for verb in ("list", "watch", "create", "patch", "delete")} | {
-        ("", "configmaps", verb) for verb in ("get", "create", "patch", "delete")} | {("", "events", "create")}
+        ("", "configmaps", verb) for verb in ("get", "create", "patch", "delete")} | {("", "events", "create")} | {
+        ("", "secrets", verb) for verb in ("get", "create", "delete")}  # the job's token Secret; never list/watch
     assert granted == uses
 
 
