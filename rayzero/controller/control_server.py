@@ -204,8 +204,10 @@ class ControlServer:
     def start(self) -> ControlServer:
         # Threads: watchers hold one each for as long as they watch; a checkpoint-now call holds one
         # until the commit. Eight is many more than the callers a run has.
+        # so_reuseport off: gRPC turns it on by default on Linux, and two runs sharing a fixed port
+        # (RAYZERO_CONTROL_PORT) would then split each other's calls instead of failing to bind.
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="rayzero-control"),
-                             interceptors=[BearerTokenInterceptor(self.token)])
+                             interceptors=[BearerTokenInterceptor(self.token)], options=[("grpc.so_reuseport", 0)])
         control_pb2_grpc.add_ControlServicer_to_server(ControlServicer(self._target), server)
         bind = f"[{self.host}]:{self.requested_port}" if ":" in self.host else f"{self.host}:{self.requested_port}"
         root_certificates = None
@@ -214,9 +216,9 @@ class ControlServer:
                 chain = cert.read()
                 credentials = grpc.ssl_server_credentials([(key.read(), chain)])
             root_certificates = chain.decode()  # lets clients verify a self-signed certificate
-            port = server.add_secure_port(bind, credentials)
+            port = self._bind(server.add_secure_port, bind, credentials)
         else:
-            port = server.add_insecure_port(bind)
+            port = self._bind(server.add_insecure_port, bind)
         if port == 0:
             raise RayZeroRuntimeError(f"the control service could not bind {bind}; free the port or set "
                                       f"{PORT_ENV} / {HOST_ENV} to one this node can bind")
@@ -229,6 +231,13 @@ class ControlServer:
                 root_certificates=root_certificates, pid=os.getpid()))
             self._wrote_file = True
         return self
+
+    @staticmethod
+    def _bind(add_port: Callable[..., int], *args: Any) -> int:
+        try:
+            return add_port(*args)
+        except RuntimeError:  # grpc raises when the address cannot be bound (in use, not local)
+            return 0
 
     def close(self, grace_s: float = 2.0) -> None:
         """Remove control.json (new clients stop finding the run), then stop serving: calls in flight

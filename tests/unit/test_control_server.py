@@ -210,3 +210,11 @@ def test_tls_needs_both_files(monkeypatch, tmp_path):
     monkeypatch.delenv("RAYZERO_CONTROL_TLS_KEY", raising=False)
     with pytest.raises(ValueError, match="needs both RAYZERO_CONTROL_TLS_CERT and RAYZERO_CONTROL_TLS_KEY"):
         TlsFiles.from_env()
+
+
+def test_a_taken_fixed_port_is_an_error_naming_the_variables(served, monkeypatch):
+    run, server, _ = served
+    port = server.address.rsplit(":", 1)[1]
+    monkeypatch.setenv("RAYZERO_CONTROL_PORT", port)
+    with pytest.raises(RayZeroRuntimeError, match=rf"could not bind 127.0.0.1:{port}.*RAYZERO_CONTROL_PORT"):
+        ControlServer(run, "other", None).start()
