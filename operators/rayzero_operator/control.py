@@ -33,6 +33,9 @@ STATUS_KEYS = ("runState", "step", "loss", "worldSize", "failures", "lastCheckpo
                "controlTime", "checkpointRequest", "scaleRequest")
 """The status fields this module owns; every reconcile carries them over unless it refreshes them."""
 CALL_TIMEOUT_S = float(os.environ.get("RAYZERO_OPERATOR_CONTROL_TIMEOUT_SECONDS", "5"))
+REFRESH_S = float(os.environ.get("RAYZERO_OPERATOR_CONTROL_REFRESH_SECONDS", "5"))
+"""Most seconds between two status refreshes of a running job. Also the least: a refresh writes the
+status, which is itself an event of the job; refreshing on every event would loop."""
 CHECKPOINT_TIMEOUT_S = float(os.environ.get("RAYZERO_OPERATOR_CHECKPOINT_TIMEOUT_SECONDS", "600"))
 
 
@@ -92,6 +95,10 @@ def converse(job: dict[str, Any], spec: RayZeroJobSpec, ray_job: dict[str, Any],
     if address is None or not token:
         return outcome
     old = job.get("status") or {}
+    request = (meta.get("annotations") or {}).get(CHECKPOINT_NOW_ANNOTATION)
+    checkpoint_pending = bool(request) and request != old.get("checkpointRequest")
+    if not (stop_first or checkpoint_pending or _scale_wanted(spec, ray_job, old) or _refresh_due(old)):
+        return outcome
     try:
         with ControlClient(address, token, timeout_s=CALL_TIMEOUT_S) as client:
             if stop_first:
@@ -106,8 +113,7 @@ def converse(job: dict[str, Any], spec: RayZeroJobSpec, ray_job: dict[str, Any],
                 return outcome
             run = client.status()
             _apply(outcome.status, run)
-            request = (meta.get("annotations") or {}).get(CHECKPOINT_NOW_ANNOTATION)
-            if request and request != old.get("checkpointRequest"):
+            if checkpoint_pending:
                 try:
                     checkpoint = client.checkpoint_now(CHECKPOINT_TIMEOUT_S)
                 except ControlError as error:
@@ -127,14 +133,28 @@ def converse(job: dict[str, Any], spec: RayZeroJobSpec, ray_job: dict[str, Any],
     return outcome
 
 
+def _refresh_due(old: dict[str, Any]) -> bool:
+    stamp = old.get("controlTime")
+    if not stamp:
+        return True
+    then = dt.datetime.fromisoformat(stamp.replace("Z", "+00:00"))
+    return (dt.datetime.now(dt.timezone.utc) - then).total_seconds() >= REFRESH_S
+
+
+def _scale_wanted(spec: RayZeroJobSpec, ray_job: dict[str, Any], old: dict[str, Any]) -> int | None:
+    """The world size to ask for: spec.workers changed since the attempt started and not yet asked."""
+    started_with = ray_job["spec"]["rayClusterSpec"]["workerGroupSpecs"][0].get("replicas")
+    if spec.workers.replicas == started_with and old.get("scaleRequest") is None:
+        return None  # never scaled: the run's own elastic shrink/grow is the controller's business
+    wanted = spec.world_size()
+    return None if wanted == old.get("scaleRequest") else wanted
+
+
 def _scale(client: ControlClient, spec: RayZeroJobSpec, ray_job: dict[str, Any], old: dict[str, Any], run: Any,
            outcome: Outcome) -> None:
     """Ask for spec.workers when the user changed it since the attempt started (once per value)."""
-    started_with = ray_job["spec"]["rayClusterSpec"]["workerGroupSpecs"][0].get("replicas")
-    wanted = spec.world_size()
-    if spec.workers.replicas == started_with and old.get("scaleRequest") is None:
-        return  # never scaled: the run's own elastic shrink/grow is the controller's business
-    if wanted == old.get("scaleRequest") or wanted == run.world_size:
+    wanted = _scale_wanted(spec, ray_job, old)
+    if wanted is None or wanted == run.world_size:
         return
     try:
         client.scale(wanted)

@@ -117,6 +117,8 @@ def _talk_to_the_run(api: KubeApi, job: dict[str, Any], ray_jobs: list[dict[str,
             meta = job["metadata"]
             token = api.control_token(meta["namespace"], meta["name"])
             outcome = control.converse(job, spec, latest, token, stop_first=suspending)
+            if not suspending:  # look again soon: the status follows the run while it trains
+                decided.requeue_after = min(decided.requeue_after or control.REFRESH_S, control.REFRESH_S)
     decided.status.update(outcome.status)
     decided.events += outcome.events
 
