@@ -92,7 +92,7 @@ class ControlClient:
     def __enter__(self) -> ControlClient:
         return self
 
-    def __exit__(self, *_: Any) -> None:
+    def __exit__(self, *_: object) -> None:
         self.close()
 
 

@@ -12,14 +12,14 @@ import sys
 
 import k8s_envtest
 from k8s_support import example, wait_for
-
-from rayzero.config.k8s_job import RayZeroJobSpec
-from rayzero.controller.control_server import ControlServer
 from rayzero_operator import manifests
 from rayzero_operator.control import control_address
 
+from rayzero.config.k8s_job import RayZeroJobSpec
+from rayzero.controller.control_server import ControlServer
+
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "unit"))
-from control_fake_run import FakeRun  # noqa: E402 - the small in-process run of the unit tests
+from control_fake_run import FakeRun
 
 
 def _job(spec: dict | None = None) -> dict:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import socket
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile

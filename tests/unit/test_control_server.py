@@ -100,9 +100,8 @@ def test_calls_without_or_with_a_wrong_token_are_unauthenticated(served):
                     call()
                 assert refused.value.code == "UNAUTHENTICATED"
     # the raw protocol too: no metadata at all
-    with grpc.insecure_channel(server.address) as channel:
-        with pytest.raises(grpc.RpcError) as error:
-            control_pb2_grpc.ControlStub(channel).GetStatus(control_pb2.GetStatusRequest(), timeout=5)
+    with grpc.insecure_channel(server.address) as channel, pytest.raises(grpc.RpcError) as error:
+        control_pb2_grpc.ControlStub(channel).GetStatus(control_pb2.GetStatusRequest(), timeout=5)
     assert error.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert run.state == "running" and run.scaled_to == [] and run.killed is None  # nothing reached the run
 
