@@ -14,7 +14,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "run": ("rayzero.driver.cli", "run a training loop on Ray: rayzero run file.py:fn --config ds.json"),
     "demo": ("rayzero.driver.demo", "train the built-in character language model (the main job)"),
     "checkpoint": ("rayzero.checkpoint.cli", "list, verify or consolidate checkpoints; `now` on a live run"),
-    "status": ("rayzero.control.cli:status_main", "a live run's status: rayzero status NAME [--json] [--watch]"),
+    "status": ("rayzero.control.cli:status_main", "live runs' status: rayzero status [NAME] [--json] [--watch]"),
     "stop": ("rayzero.control.cli:stop_main", "planned stop of a live run: checkpoint, then end it"),
     "scale": ("rayzero.control.cli:scale_main", "resize a live run: rayzero scale NAME WORKERS"),
     "kill": ("rayzero.control.cli:kill_main", "end a live run now, without a checkpoint"),

@@ -115,6 +115,8 @@ def _status(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     from rayzero.control.client import status_dict
 
+    if not args.name and not args.address:
+        return _list_live_runs(args)
     with _client(args, parser.prog) as client:
         if not args.watch:
             status = client.status()
@@ -122,6 +124,32 @@ def _status(argv: list[str]) -> int:
             return 0
         for status in client.watch(args.interval):
             print(json.dumps(status_dict(status)) if args.json else status_line(status), flush=True)
+    return 0
+
+
+def _list_live_runs(args: argparse.Namespace) -> int:
+    """`rayzero status` with no NAME: one line per live run under the storage root."""
+    from rayzero.control.client import connect, status_dict
+    from rayzero.control.discovery import live_runs, storage_root
+
+    names = live_runs(args.storage)
+    if not names:
+        print(f"no live run under {storage_root(args.storage)} (none has a control.json); pass --storage "
+              "as given to the runs", file=sys.stderr)
+        return 1
+    rows = {}
+    for name in names:
+        try:
+            with connect(name, storage=args.storage, timeout_s=3) as client:
+                rows[name] = client.status()
+        except RayZeroError as error:
+            rows[name] = error
+    if args.json:
+        print(json.dumps({name: status_dict(row) if not isinstance(row, Exception) else {"error": str(row)}
+                          for name, row in rows.items()}, indent=2))
+        return 0
+    for name, row in rows.items():
+        print(f"{name:<24} " + (status_line(row) if not isinstance(row, Exception) else f"unreachable: {row}"))
     return 0
 
 

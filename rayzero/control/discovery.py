@@ -111,3 +111,17 @@ def remove_control_file(run_directory: str) -> None:
         filesystem.delete_file(path)
     except FileNotFoundError:
         pass
+
+
+def live_runs(storage: str | None = None) -> list[str]:
+    """Names of the runs under the storage root that have a control.json (sorted)."""
+    import pyarrow.fs as pafs
+
+    filesystem, root = pafs.FileSystem.from_uri(storage_root(storage))
+    try:
+        entries = filesystem.get_file_info(pafs.FileSelector(root, allow_not_found=True))
+    except OSError:
+        return []
+    names = [entry.base_name for entry in entries if entry.type == pafs.FileType.Directory]
+    infos = filesystem.get_file_info([f"{root.rstrip('/')}/{name}/{CONTROL_FILE}" for name in names])
+    return sorted(name for name, info in zip(names, infos) if info.type == pafs.FileType.File)

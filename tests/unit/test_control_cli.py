@@ -92,7 +92,8 @@ def test_wrong_token_and_bad_arguments(served, tmp_path, capsys):
     assert "refused the call: wrong bearer token" in capsys.readouterr().err
     assert main(["status", "--address", server.address]) == 2
     assert "--address needs --token-file" in capsys.readouterr().err
-    assert main(["status"]) == 2
+    assert main(["status", "--storage", str(tmp_path / "empty")]) == 1
+    assert "no live run under" in capsys.readouterr().err
     assert main(["status", "other", "--storage", root]) == 1
     assert "no control.json for run 'other'" in capsys.readouterr().err
     assert main(["status", "a/b", "--storage", root]) == 2
@@ -105,3 +106,12 @@ def test_the_client_and_cli_import_neither_torch_nor_ray_nor_pyarrow():
             "bad = [m for m in ('torch', 'ray', 'pyarrow') if m in sys.modules]; assert not bad, bad")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
+
+
+def test_status_without_a_name_lists_the_live_runs(served, capsys):
+    _, _, root = served
+    assert main(["status", "--storage", root]) == 0
+    (line,) = capsys.readouterr().out.splitlines()
+    assert line.startswith("exp1 ") and "running" in line and "workers 2" in line
+    assert main(["status", "--storage", root, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["exp1"]["state"] == "running"
