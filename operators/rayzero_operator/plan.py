@@ -162,7 +162,7 @@ def plan(observed: Observed) -> Plan:
             result.events.append(("Warning", "InvalidSpec", text))
     if observed.kuberay_missing:
         phase, reason = "Pending", "KubeRayNotInstalled"
-        message = ("this cluster does not serve ray.io/v1 RayJobs: install KubeRay (v1.1 or later); "
+        message = ("this cluster does not serve ray.io/v1 RayJobs: install KubeRay (v1.6 or later); "
                    "the job starts once it is there")
         if not any(c.get("reason") == reason for c in old_status.get("conditions") or []):
             result.events.append(("Warning", reason, message))
