@@ -59,8 +59,10 @@ def control_address(ray_job: dict[str, Any], spec: RayZeroJobSpec, namespace: st
     cluster = (ray_job.get("status") or {}).get("rayClusterStatus") or {}
     head = cluster.get("head") or {}
     host = head.get("serviceIP") or head.get("podIP")
-    if not host and head.get("serviceName"):
-        host = f"{head['serviceName']}.{namespace}.svc"
+    service = head.get("serviceName") or (
+        f"{ray_job['status']['rayClusterName']}-head-svc" if ray_job["status"].get("rayClusterName") else None)
+    if not host and service:  # KubeRay names the head Service <cluster>-head-svc
+        host = f"{service}.{namespace}.svc"
     if not host:
         return None
     port = (cluster.get("endpoints") or {}).get(manifests.CONTROL_PORT_NAME) or spec.head.control_port

@@ -60,10 +60,12 @@ def test_watch_namespaces_binds_the_role_only_there():
 
 def test_values_reach_the_deployment():
     (deployment,) = _render({"image": {"repository": "r.example/op", "tag": "9.9", "pullPolicy": "Always"},
-                             "resyncSeconds": 7, "verbose": True})["deployment.yaml"]
+                             "resyncSeconds": 7, "verbose": True, "controlRefreshSeconds": 2})["deployment.yaml"]
     container = deployment["spec"]["template"]["spec"]["containers"][0]
     assert container["image"] == "r.example/op:9.9" and container["imagePullPolicy"] == "Always"
     assert {"name": "RAYZERO_OPERATOR_RESYNC_SECONDS", "value": "7"} in container["env"]
+    assert {"name": "RAYZERO_OPERATOR_CONTROL_REFRESH_SECONDS", "value": "2"} in container["env"]
+    assert {"name": "RAYZERO_OPERATOR_CHECKPOINT_TIMEOUT_SECONDS", "value": "600"} in container["env"]
     assert "--verbose" in container["args"]
     assert deployment["spec"]["strategy"]["type"] == "Recreate"
 
@@ -73,6 +75,7 @@ def test_values_reach_the_deployment():
     ({"image": {"repository": "x", "pullPolicy": "Sometimes"}}, "/image/pullPolicy"),
     ({"watchNamespaces": "team-a"}, "/watchNamespaces"),
     ({"resyncSecond": 5}, "resyncSecond"),
+    ({"controlRefreshSeconds": 0}, "/controlRefreshSeconds"),
 ])
 def test_the_values_schema_refuses_wrong_values(values, where):
     with pytest.raises(helm_python.HelmValuesError) as raised:

@@ -74,6 +74,8 @@ def test_control_address_from_the_rayjob_status():
     spec = RayZeroJobSpec.model_validate(example("minimal"))
     ray_job = {"status": {}}
     assert control_address(ray_job, spec, "ns") is None  # KubeRay has not reported the head yet
+    ray_job["status"]["rayClusterName"] = "j-attempt-1-abcde"
+    assert control_address(ray_job, spec, "ns") == "j-attempt-1-abcde-head-svc.ns.svc:50051"
     ray_job["status"]["rayClusterStatus"] = {"head": {"serviceName": "c-head-svc"}}
     assert control_address(ray_job, spec, "ns") == "c-head-svc.ns.svc:50051"
     ray_job["status"]["rayClusterStatus"] = {"head": {"serviceIP": "10.0.0.7", "podIP": "10.1.0.3"},
