@@ -8,14 +8,20 @@ from __future__ import annotations
 import importlib
 import sys
 
-# sub-command -> (module exposing `main(argv) -> int`, one-line help)
+# sub-command -> (module exposing `main(argv) -> int`, or "module:function", one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "config": ("rayzero.config.cli", "validate a DeepSpeed config, export its JSON schema or docs"),
     "run": ("rayzero.driver.cli", "run a training loop on Ray: rayzero run file.py:fn --config ds.json"),
     "demo": ("rayzero.driver.demo", "train the built-in character language model (the main job)"),
-    "checkpoint": ("rayzero.checkpoint.cli", "list, verify or consolidate checkpoints"),
+    "checkpoint": ("rayzero.checkpoint.cli", "list, verify or consolidate checkpoints; `now` on a live run"),
+    "status": ("rayzero.control.cli:status_main", "live runs' status: rayzero status [NAME] [--json] [--watch]"),
+    "stop": ("rayzero.control.cli:stop_main", "planned stop of a live run: checkpoint, then end it"),
+    "scale": ("rayzero.control.cli:scale_main", "resize a live run: rayzero scale NAME WORKERS"),
+    "kill": ("rayzero.control.cli:kill_main", "end a live run now, without a checkpoint"),
     "estimate": ("rayzero.engine.estimate", "memory per device / host / NVMe for every stage and offload option"),
 }
+# `rayzero checkpoint now NAME` talks to a live run; the other `checkpoint` commands read files.
+CHECKPOINT_NOW = "rayzero.control.cli:checkpoint_now_main"
 
 
 def _usage() -> str:
@@ -39,8 +45,11 @@ def main(argv: list[str] | None = None) -> int:
     if name not in SUBCOMMANDS:
         print(f"rayzero: unknown command {name!r}.\n\n{_usage()}", file=sys.stderr)
         return 2
-    module = importlib.import_module(SUBCOMMANDS[name][0])
-    return int(module.main(rest) or 0)
+    target = SUBCOMMANDS[name][0]
+    if name == "checkpoint" and rest[:1] == ["now"]:
+        target, rest = CHECKPOINT_NOW, rest[1:]
+    module_name, _, function = target.partition(":")
+    return int(getattr(importlib.import_module(module_name), function or "main")(rest) or 0)
 
 
 if __name__ == "__main__":

@@ -101,7 +101,12 @@ def crd() -> dict[str, Any]:
                     "subresources": {"status": {}},
                     "additionalPrinterColumns": [
                         {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
-                        {"name": "Workers", "type": "integer", "jsonPath": ".status.workers"},
+                        {"name": "Step", "type": "integer", "jsonPath": ".status.step"},
+                        {"name": "Loss", "type": "number", "jsonPath": ".status.loss"},
+                        {"name": "World", "type": "integer", "jsonPath": ".status.worldSize"},
+                        {"name": "Checkpoint", "type": "integer", "jsonPath": ".status.lastCheckpointStep"},
+                        {"name": "Failures", "type": "integer", "jsonPath": ".status.failures"},
+                        {"name": "Workers", "type": "integer", "jsonPath": ".status.workers", "priority": 1},
                         {"name": "Restarts", "type": "integer", "jsonPath": ".status.restarts"},
                         {"name": "RayJob", "type": "string", "jsonPath": ".status.rayJobName",
                          "priority": 1},

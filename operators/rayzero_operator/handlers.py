@@ -16,9 +16,10 @@ import kopf
 from kubernetes.client.exceptions import ApiException
 
 from rayzero.config.k8s_job import CONFIG_FILE_NAME, GROUP, PLURAL, VERSION
-from rayzero_operator import manifests
+from rayzero_operator import control, manifests
 from rayzero_operator.kube import KubeApi, load_client
-from rayzero_operator.plan import Observed, plan
+from rayzero_operator.plan import Observed, Plan, attempt_of, attempt_state, plan
+from rayzero_operator.spec import parse_spec
 
 RESYNC_SECONDS = float(os.environ.get("RAYZERO_OPERATOR_RESYNC_SECONDS", "30"))
 # Fault-injection seam for the k8s tests: exit hard right after the named step of a reconcile
@@ -86,6 +87,7 @@ def reconcile(memo: kopf.Memo, namespace: str, name: str) -> float | None:
             if manifest["kind"] == "RayJob":
                 created_ray_job = made
             _crash_point(memo, manifest["kind"])
+        _talk_to_the_run(api, job, ray_jobs, decided)
         if decided.patch_ray_job is not None:
             api.patch_ray_job(namespace, *decided.patch_ray_job)
         current = {key: value for key, value in (job.get("status") or {}).items() if value is not None}
@@ -99,6 +101,26 @@ def reconcile(memo: kopf.Memo, namespace: str, name: str) -> float | None:
                 continue  # another reconcile created it and said so
             api.post_event(job, kind, reason, message)
         return decided.requeue_after
+
+
+def _talk_to_the_run(api: KubeApi, job: dict[str, Any], ray_jobs: list[dict[str, Any]], decided: Plan) -> None:
+    """Refresh the control fields of the status from the running attempt's controller and carry out
+    checkpoint-now / suspend / scale through it (rayzero_operator.control); before a suspend patch."""
+    spec, _ = parse_spec(job.get("spec") or {})
+    latest = max(ray_jobs, key=attempt_of, default=None)
+    outcome = control.Outcome(control.carried(job))
+    if spec is not None and latest is not None and not decided.create:
+        patch = decided.patch_ray_job
+        suspending = patch is not None and patch[1]["spec"].get("suspend") is True
+        running = attempt_state(latest) == "running"
+        if running and (suspending or decided.status.get("phase") == "Running"):
+            meta = job["metadata"]
+            token = api.control_token(meta["namespace"], meta["name"])
+            outcome = control.converse(job, spec, latest, token, stop_first=suspending)
+            if not suspending:  # look again soon: the status follows the run while it trains
+                decided.requeue_after = min(decided.requeue_after or control.REFRESH_S, control.REFRESH_S)
+    decided.status.update(outcome.status)
+    decided.events += outcome.events
 
 
 def _reconcile_and_requeue(memo: kopf.Memo, namespace: str, name: str) -> None:

@@ -51,6 +51,19 @@ class KubeApi:
             label_selector=f"{manifests.LABEL_JOB}={job_name}")
         return list(found.get("items", []))
 
+    def control_token(self, namespace: str, job_name: str) -> str | None:
+        """The job's control-service token from its Secret ([Note: the job's tokens]); None if absent."""
+        import base64
+
+        try:
+            secret = self.core.read_namespaced_secret(manifests.auth_secret_name(job_name), namespace)
+        except ApiException as error:
+            if error.status == 404:
+                return None
+            raise
+        value = (secret.data or {}).get(manifests.CONTROL_TOKEN_KEY)
+        return base64.b64decode(value).decode() if value else None
+
     def config_map_labels(self, namespace: str, name: str) -> dict[str, str] | None:
         """Labels of a ConfigMap, or None when there is none of that name."""
         try:
@@ -72,14 +85,17 @@ class KubeApi:
     # --- writes -----------------------------------------------------------------------------------
 
     def create(self, manifest: dict[str, Any]) -> bool:
-        """Create a ConfigMap or RayJob; False when it already exists (another reconcile made it).
+        """Create a Secret, ConfigMap or RayJob; False when it already exists (another reconcile made it).
+        An existing Secret is kept as it is (the job's pods hold its tokens).
 
         An existing ConfigMap is brought up to date (its content follows the spec for the next
         attempt); an existing RayJob is left alone (one RayJob per attempt, never rewritten).
         """
         meta = manifest["metadata"]
         try:
-            if manifest["kind"] == "ConfigMap":
+            if manifest["kind"] == "Secret":
+                self.core.create_namespaced_secret(meta["namespace"], manifest)
+            elif manifest["kind"] == "ConfigMap":
                 self.core.create_namespaced_config_map(meta["namespace"], manifest)
             else:
                 self.custom.create_namespaced_custom_object(
@@ -135,6 +151,12 @@ class KubeApi:
             except ApiException as error:
                 if error.status != 404:
                     raise
+        try:
+            self.core.delete_namespaced_secret(manifests.auth_secret_name(job_name), namespace)
+            deleted.append(f"Secret/{manifests.auth_secret_name(job_name)}")
+        except ApiException as error:
+            if error.status != 404:
+                raise
         try:
             self.core.delete_namespaced_config_map(manifests.config_map_name(job_name), namespace)
             deleted.append(f"ConfigMap/{manifests.config_map_name(job_name)}")

@@ -9,7 +9,9 @@ restarts, so it survives the loss of the RayZeroJob's status.
 """
 from __future__ import annotations
 
+import base64
 import json
+import secrets
 import shlex
 from typing import Any
 
@@ -34,6 +36,15 @@ CONFIG_VOLUME = "rayzero-config"
 NODE_LOCAL_VOLUME = "rayzero-node-local"
 DEFAULT_NODE_LOCAL_MOUNT = "/mnt/rayzero-local"
 ENV_RESUME_FROM = "RAYZERO_RESUME_FROM"
+# [Note: the job's tokens] One Secret per RayZeroJob, created by the operator and owned by the job,
+# holds two tokens: `auth_token` for Ray's own token authentication (KubeRay's key name, so
+# `authOptions.secretName` can point at it and KubeRay's job submitter authenticates too) and
+# `control_token` for rayzero's control service, which the operator uses to read status and to ask
+# for checkpoints, stops and scaling. Neither is ever in a RayJob or a status: pods read them through
+# secretKeyRef.
+RAY_TOKEN_KEY, CONTROL_TOKEN_KEY = "auth_token", "control_token"
+CONTROL_PORT_NAME = "rayzero-control"
+RAY_USER_ID, RAY_GROUP_ID = 1000, 100  # the `ray` user of Ray's images and of workers/Dockerfile
 ENV_NODE_LOCAL_DIR = "RAYZERO_NODE_LOCAL_DIR"
 # KubeRay copies the RayJob name into label values (at most 63 characters): leave room for
 # "-attempt-" and a 4-digit attempt number.
@@ -43,6 +54,33 @@ MAX_JOB_NAME_LENGTH = 63 - len("-attempt-") - 4
 def ray_job_name(job_name: str, attempt: int) -> str:
     """The deterministic name of attempt `attempt` (see [Note: one RayJob per attempt])."""
     return f"{job_name}-attempt-{attempt}"
+
+
+def auth_secret_name(job_name: str) -> str:
+    """The Secret holding the job's tokens ([Note: the job's tokens])."""
+    return f"{job_name}-rayzero-auth"
+
+
+def auth_secret(job: dict[str, Any]) -> dict[str, Any]:
+    """The job's token Secret with fresh random tokens. Created once: an existing one is never
+    rewritten (running pods hold its tokens)."""
+    meta = job["metadata"]
+
+    def token() -> str:
+        return base64.b64encode(secrets.token_urlsafe(32).encode()).decode()
+
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "Opaque",
+        "metadata": {
+            "name": auth_secret_name(meta["name"]),
+            "namespace": meta["namespace"],
+            "labels": labels(meta["name"]),
+            "ownerReferences": [owner_reference(job)],
+        },
+        "data": {RAY_TOKEN_KEY: token(), CONTROL_TOKEN_KEY: token()},
+    }
 
 
 def config_map_name(job_name: str) -> str:
@@ -161,6 +199,11 @@ def _container(spec: RayZeroJobSpec, job_name: str, attempt: int, name: str, res
            {"name": ENV_NODE_LOCAL_DIR, "value": mount_path}]
     mounts = [{"name": CONFIG_VOLUME, "mountPath": CONFIG_MOUNT_DIR, "readOnly": True},
               {"name": NODE_LOCAL_VOLUME, "mountPath": mount_path}]
+    # Ray's token authentication: every Ray process and client in the cluster needs the token
+    # (KubeRay sets the same from authOptions; set here too so the pods never run without it).
+    secret = auth_secret_name(job_name)
+    env += [{"name": "RAY_AUTH_MODE", "value": "token"},
+            {"name": "RAY_AUTH_TOKEN", "valueFrom": {"secretKeyRef": {"name": secret, "key": RAY_TOKEN_KEY}}}]
     container: dict[str, Any] = {
         "name": name,
         "image": spec.image,
@@ -168,10 +211,18 @@ def _container(spec: RayZeroJobSpec, job_name: str, attempt: int, name: str, res
         "env": env,
         "volumeMounts": mounts,
         "resources": _resources(resources),
+        "securityContext": {"allowPrivilegeEscalation": False, "privileged": False,
+                            "capabilities": {"drop": ["ALL"]}},
     }
     if spec.storage.credentials_secret is not None:
         container["envFrom"] = [{"secretRef": {"name": spec.storage.credentials_secret}}]
     return container
+
+
+def _pod_security() -> dict[str, Any]:
+    """Ray pods run as the image's non-root `ray` user; volumes are group-writable through fsGroup."""
+    return {"runAsNonRoot": True, "runAsUser": RAY_USER_ID, "runAsGroup": RAY_GROUP_ID, "fsGroup": RAY_GROUP_ID,
+            "seccompProfile": {"type": "RuntimeDefault"}}
 
 
 def ray_job(job: dict[str, Any], spec: RayZeroJobSpec, attempt: int,
@@ -183,10 +234,18 @@ def ray_job(job: dict[str, Any], spec: RayZeroJobSpec, attempt: int,
     head = _container(spec, name, attempt, "ray-head", spec.head.resources)
     head["ports"] = [{"containerPort": 6379, "name": "gcs-server"},
                      {"containerPort": 8265, "name": "dashboard"},
-                     {"containerPort": 10001, "name": "client"}]
+                     {"containerPort": 10001, "name": "client"},
+                     {"containerPort": spec.head.control_port, "name": CONTROL_PORT_NAME}]
+    # The controller's control service: a fixed port the head Service exposes, the job's token.
+    head["env"] += [{"name": "RAYZERO_CONTROL_PORT", "value": str(spec.head.control_port)},
+                    {"name": "RAYZERO_CONTROL_TOKEN", "valueFrom": {"secretKeyRef": {
+                        "name": auth_secret_name(name), "key": CONTROL_TOKEN_KEY}}}]
     worker = _container(spec, name, attempt, "ray-worker", spec.workers.resources)
     worker_pod: dict[str, Any] = {"containers": [worker],
-                                  "volumes": [_config_volume(spec, name), _node_local_volume(spec)]}
+                                  "volumes": [_config_volume(spec, name), _node_local_volume(spec)],
+                                  "securityContext": _pod_security(),
+                                  # time for the planned stop to commit the current step on SIGTERM
+                                  "terminationGracePeriodSeconds": spec.workers.termination_grace_period_seconds}
     if spec.workers.node_selector:
         worker_pod["nodeSelector"] = dict(spec.workers.node_selector)
     ray_job_spec: dict[str, Any] = {
@@ -200,11 +259,13 @@ def ray_job(job: dict[str, Any], spec: RayZeroJobSpec, attempt: int,
             "rayVersion": spec.ray_version,
             # Elastic jobs let the Ray autoscaler add workers up to maxReplicas.
             "enableInTreeAutoscaling": low < high,
+            # Ray token authentication ([Note: the job's tokens]) instead of an open dashboard.
+            "authOptions": {"mode": "token", "secretName": auth_secret_name(name)},
             "headGroupSpec": {
                 "rayStartParams": {"dashboard-host": "0.0.0.0"},
                 "template": {"metadata": {"labels": labels(name, attempt)},
                              # The head trains nothing: scratch space only, never a node-local claim.
-                             "spec": {"containers": [head], "volumes": [
+                             "spec": {"containers": [head], "securityContext": _pod_security(), "volumes": [
                                  _config_volume(spec, name), {"name": NODE_LOCAL_VOLUME, "emptyDir": {}}]}},
             },
             "workerGroupSpecs": [{

@@ -162,7 +162,7 @@ def plan(observed: Observed) -> Plan:
             result.events.append(("Warning", "InvalidSpec", text))
     if observed.kuberay_missing:
         phase, reason = "Pending", "KubeRayNotInstalled"
-        message = ("this cluster does not serve ray.io/v1 RayJobs: install KubeRay (v1.1 or later); "
+        message = ("this cluster does not serve ray.io/v1 RayJobs: install KubeRay (v1.6 or later); "
                    "the job starts once it is there")
         if not any(c.get("reason") == reason for c in old_status.get("conditions") or []):
             result.events.append(("Warning", reason, message))
@@ -226,6 +226,7 @@ def _status(observed: Observed, phase: str, reason: str, message: str, problems:
 
 def _start(result: Plan, job: dict[str, Any], spec: RayZeroJobSpec, attempt: int,
            resume: str | None) -> None:
+    result.create.append(manifests.auth_secret(job))  # kept when it exists: pods of the job hold its tokens
     if spec.deepspeed.config is not None:
         result.create.append(manifests.config_map(job, spec))
     result.create.append(manifests.ray_job(job, spec, attempt, resume))

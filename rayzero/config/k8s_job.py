@@ -129,6 +129,9 @@ class Workers(K8sModel):
     """Resources of each worker pod."""
     node_selector: dict[str, str] = Field(default_factory=dict)
     """Node labels worker pods must match (e.g. a GPU node pool)."""
+    termination_grace_period_seconds: int = Field(default=120, ge=0, le=86400)
+    """Seconds a worker pod gets between SIGTERM (preemption, drain, scale-down) and SIGKILL: long
+    enough for the planned stop to commit a checkpoint of the current step."""
 
 
 class Head(K8sModel):
@@ -136,6 +139,9 @@ class Head(K8sModel):
 
     resources: Resources = Field(default_factory=Resources)
     """Resources of the head pod."""
+    control_port: int = Field(default=50051, ge=1024, le=65535)
+    """Port of the run's control service (gRPC `rayzero.v1.Control`) on the head pod; the operator
+    reads the run's step, loss and checkpoints through it and asks for checkpoints, stops and scaling."""
 
 
 class NodeLocal(K8sModel):
@@ -266,3 +272,23 @@ class RayZeroJobStatus(K8sModel):
     """The spec generation this status describes."""
     conditions: list[Condition] = Field(default_factory=list)
     """Ready, InvalidSpec, Suspended, Restarting, Succeeded, Failed."""
+    run_state: str | None = None
+    """The rayzero controller's state (running, restarting, resizing, ...), from the control service."""
+    step: int | None = None
+    """Newest training step rank 0 reported, from the control service."""
+    loss: float | None = None
+    """Loss of that report."""
+    world_size: int | None = None
+    """Training ranks of the current worker group."""
+    failures: int | None = None
+    """Worker failures the controller restarted from (inside the attempt; `restarts` counts attempts)."""
+    last_checkpoint: str | None = None
+    """Location of the newest committed checkpoint (durable tier when there is one)."""
+    last_checkpoint_step: int | None = None
+    """Step of that checkpoint."""
+    control_time: str | None = None
+    """When the control service last answered (RFC 3339)."""
+    checkpoint_request: str | None = None
+    """The value of the `rayzero.io/checkpoint-now` annotation last carried out."""
+    scale_request: int | None = None
+    """The world size last asked of the run through `Scale`."""

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from rayzero.controller.control_server import ControlServer
 from rayzero.controller.errors import TrainingFailedError
 from rayzero.controller.state import Fail, Failure, FailureKind, FailurePolicy, Retry, RunState
 from rayzero.controller.worker_group import WorkerGroup, setup_failure
@@ -173,12 +174,19 @@ def _training_failed(failure: Failure) -> TrainingFailedError:
 class ControllerActor:
     """The controller as a Ray actor (threaded): `start()` runs steps in a thread, `poll()` streams."""
 
-    def __init__(self, controller_factory: Callable[[], Controller]) -> None:
+    def __init__(self, controller_factory: Callable[[], Controller], run_name: str = "",
+                 run_directory: str | None = None) -> None:
         self._controller = controller_factory()
         self._thread: threading.Thread | None = None
         self._changed = threading.Event()  # set after each step, wakes a waiting poll
+        self._run_name, self._run_directory = run_name, run_directory  # where control.json goes
 
     def start(self) -> None:
+        import ray
+
+        # The control service (rayzero.v1.Control) serves this actor ([Note: the control seam]).
+        self._control = ControlServer(self, self._run_name, self._run_directory,
+                                      host=ray.util.get_node_ip_address()).start()
         self._thread = threading.Thread(target=self._loop, name="rayzero-controller", daemon=True)
         self._thread.start()
 
@@ -197,11 +205,14 @@ class ControllerActor:
                 )
                 controller.state = RunState.ERRORED
             self._changed.set()
+        self._control.close()  # control.json goes first; a Stop waiting for this end still gets its answer
 
     def poll(self, timeout_s: float) -> ControllerUpdate:
         deadline = time.monotonic() + timeout_s
         while True:
             update = self._controller.take_update()
+            if update.state.is_terminal and self._thread is not None:
+                self._thread.join(5.0)  # the control service is closed before the driver kills this actor
             if update.reports or update.events or update.state.is_terminal or time.monotonic() >= deadline:
                 return update
             self._changed.wait(max(0.0, deadline - time.monotonic()))

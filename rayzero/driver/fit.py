@@ -228,7 +228,14 @@ def fit(
         )
 
     # num_cpus=0: the controller only waits; it must not take a CPU a worker bundle needs.
-    controller = ray.remote(ControllerActor).options(num_cpus=0, max_concurrency=4).remote(make_controller)
+    # RAYZERO_CONTROL_* (host, port, TLS files) reach the control service in the controller actor;
+    # not the token: a runtime env is readable through Ray's state API (the operator's pods have it
+    # in the environment of every process on the head already).
+    control_env = {key: value for key, value in os.environ.items()
+                   if key.startswith("RAYZERO_CONTROL_") and key != "RAYZERO_CONTROL_TOKEN"}
+    controller = ray.remote(ControllerActor).options(
+        num_cpus=0, max_concurrency=4, **({"runtime_env": {"env_vars": control_env}} if control_env else {})
+    ).remote(make_controller, name, run_uri)
     wall_clock_breakdown = bool(validated.get("wall_clock_breakdown"))
     batch = validated.get("train_batch_size")
     progress = Progress(batch if isinstance(batch, int) else None, run.progress_interval_s, wall_clock_breakdown)

@@ -159,6 +159,14 @@ class Cluster:
                 return None
             raise
 
+    def secret(self, name: str) -> client.V1Secret | None:
+        try:
+            return self.core.read_namespaced_secret(name, self.namespace)
+        except ApiException as error:
+            if error.status == 404:
+                return None
+            raise
+
     def events(self, name: str) -> list[client.CoreV1Event]:
         found = self.core.list_namespaced_event(self.namespace,
                                                 field_selector=f"involvedObject.name={name}")

@@ -44,7 +44,8 @@ def test_the_clusterrole_grants_exactly_what_the_operator_uses():
         ("rayzero.io", "rayzerojobs", verb) for verb in ("get", "list", "watch", "patch")} | {
         ("rayzero.io", "rayzerojobs/status", "patch"), ("rayzero.io", "rayzerojobs/finalizers", "update")} | {
         ("ray.io", "rayjobs", verb) for verb in ("list", "watch", "create", "patch", "delete")} | {
-        ("", "configmaps", verb) for verb in ("get", "create", "patch", "delete")} | {("", "events", "create")}
+        ("", "configmaps", verb) for verb in ("get", "create", "patch", "delete")} | {("", "events", "create")} | {
+        ("", "secrets", verb) for verb in ("get", "create", "delete")}  # the job's token Secret; never list/watch
     assert granted == uses
 
 
@@ -59,10 +60,12 @@ def test_watch_namespaces_binds_the_role_only_there():
 
 def test_values_reach_the_deployment():
     (deployment,) = _render({"image": {"repository": "r.example/op", "tag": "9.9", "pullPolicy": "Always"},
-                             "resyncSeconds": 7, "verbose": True})["deployment.yaml"]
+                             "resyncSeconds": 7, "verbose": True, "controlRefreshSeconds": 2})["deployment.yaml"]
     container = deployment["spec"]["template"]["spec"]["containers"][0]
     assert container["image"] == "r.example/op:9.9" and container["imagePullPolicy"] == "Always"
     assert {"name": "RAYZERO_OPERATOR_RESYNC_SECONDS", "value": "7"} in container["env"]
+    assert {"name": "RAYZERO_OPERATOR_CONTROL_REFRESH_SECONDS", "value": "2"} in container["env"]
+    assert {"name": "RAYZERO_OPERATOR_CHECKPOINT_TIMEOUT_SECONDS", "value": "600"} in container["env"]
     assert "--verbose" in container["args"]
     assert deployment["spec"]["strategy"]["type"] == "Recreate"
 
@@ -72,6 +75,7 @@ def test_values_reach_the_deployment():
     ({"image": {"repository": "x", "pullPolicy": "Sometimes"}}, "/image/pullPolicy"),
     ({"watchNamespaces": "team-a"}, "/watchNamespaces"),
     ({"resyncSecond": 5}, "resyncSecond"),
+    ({"controlRefreshSeconds": 0}, "/controlRefreshSeconds"),
 ])
 def test_the_values_schema_refuses_wrong_values(values, where):
     with pytest.raises(helm_python.HelmValuesError) as raised:
@@ -90,7 +94,8 @@ def test_the_chart_installed_into_the_apiserver(release, admin):
     client.AppsV1Api(admin).read_namespaced_deployment(f"{RELEASE}-rayzero-operator", RELEASE_NAMESPACE)
     crd = client.ApiextensionsV1Api(admin).read_custom_resource_definition("rayzerojobs.rayzero.io")
     columns = [column.name for column in crd.spec.versions[0].additional_printer_columns]
-    assert columns == ["Phase", "Workers", "Restarts", "RayJob", "Age"]
+    assert columns == ["Phase", "Step", "Loss", "World", "Checkpoint", "Failures", "Workers", "Restarts", "RayJob",
+                       "Age"]
     assert crd.spec.names.short_names == ["rzj"] and crd.spec.versions[0].subresources.status is not None
 
 

@@ -47,7 +47,7 @@ def test_a_rayzerojob_becomes_the_expected_rayjob(cluster, operator):
     assert container["image"] == "ghcr.io/rayzero/rayzero-worker:0.1.0"
     assert container["resources"]["limits"] == {"memory": "200Gi", "nvidia.com/gpu": 8}
     assert pod["nodeSelector"] == {"node.kubernetes.io/instance-type": "p4d.24xlarge"}
-    env = {item["name"]: item["value"] for item in container["env"]}
+    env = {item["name"]: item.get("value") for item in container["env"]}
     assert env["RAYZERO_NODE_LOCAL_DIR"] == "/mnt/rayzero-local"
     assert container["envFrom"] == [{"secretRef": {"name": "s3-credentials"}}]
     mounts = {mount["name"]: mount["mountPath"] for mount in container["volumeMounts"]}
@@ -55,7 +55,7 @@ def test_a_rayzerojob_becomes_the_expected_rayjob(cluster, operator):
     volumes = {volume["name"]: volume for volume in pod["volumes"]}
     assert volumes["rayzero-node-local"]["hostPath"] == {"path": "/mnt/nvme/rayzero", "type": "DirectoryOrCreate"}
     assert volumes["rayzero-config"]["configMap"]["name"] == "llm-deepspeed"
-    head_env = {item["name"]: item["value"] for item in head["containers"][0]["env"]}
+    head_env = {item["name"]: item.get("value") for item in head["containers"][0]["env"]}
     assert head_env["RAYZERO_NODE_LOCAL_DIR"] == "/mnt/rayzero-local"  # the controller runs on the head
     assert {"name": "rayzero-node-local", "emptyDir": {}} in head["volumes"]
 

@@ -33,8 +33,9 @@ def _ago(seconds: float) -> str:
 
 def test_a_new_job_gets_its_config_map_and_first_rayjob():
     decided = plan(Observed(_job(), [], now=NOW))
-    assert [item["kind"] for item in decided.create] == ["ConfigMap", "RayJob"]
-    assert decided.create[1]["metadata"]["name"] == "j-attempt-1"
+    # the token Secret first: the RayJob's pods read their tokens from it
+    assert [item["kind"] for item in decided.create] == ["Secret", "ConfigMap", "RayJob"]
+    assert decided.create[2]["metadata"]["name"] == "j-attempt-1"
     assert decided.status["phase"] == "Pending" and decided.status["attempt"] == 1
     assert decided.status["observedGeneration"] == 3
     assert [event[1] for event in decided.events] == ["RayJobCreated"]
@@ -51,8 +52,8 @@ def test_the_backoff_is_timed_from_the_rayjob_end():
 
     due = plan(Observed(job, [_ray_job(job, 1, jobStatus="FAILED", endTime=_ago(31))], now=NOW))
     # The ConfigMap is written again too: a new attempt runs the spec's current config.
-    assert [item["kind"] for item in due.create] == ["ConfigMap", "RayJob"]
-    second = due.create[1]
+    assert [item["kind"] for item in due.create] == ["Secret", "ConfigMap", "RayJob"]
+    second = due.create[2]
     assert second["metadata"]["name"] == "j-attempt-2"
     env = yaml.safe_load(second["spec"]["runtimeEnvYAML"])["env_vars"]
     assert env == {"RAYZERO_RESUME_FROM": "s3://b/p/j"}

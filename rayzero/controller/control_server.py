@@ -1,0 +1,253 @@
+"""The gRPC control service of one run (`rayzero.v1.Control`), served from the controller actor.
+
+It serves a `ControlTarget` ([Note: the control seam] in status.py): every call maps protobuf in,
+calls the target, maps the answer out. What it adds is access and discovery:
+
+- it binds the controller node's address on a free port (`RAYZERO_CONTROL_HOST` / `RAYZERO_CONTROL_PORT`
+  override both; tests bind loopback);
+- every call must carry `authorization: Bearer <token>` with the run's token (generated per run,
+  compared in constant time); anything else is refused with UNAUTHENTICATED before the target sees it;
+- TLS when `RAYZERO_CONTROL_TLS_CERT` and `RAYZERO_CONTROL_TLS_KEY` name a PEM certificate and key;
+- `<run directory>/control.json` (address, token) is written once the port is bound and removed at
+  `close()`, so `rayzero status NAME` finds a live run and nothing else.
+"""
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import secrets
+import time
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from rayzero.config.errors import RayZeroRuntimeError, RayZeroValueError
+from rayzero.control.discovery import ControlInfo, remove_control_file, write_control_file
+from rayzero.control.v1 import control_pb2, control_pb2_grpc
+from rayzero.controller.status import CheckpointRecord, ControlTarget, RunStatus
+
+logger = logging.getLogger(__name__)
+
+HOST_ENV, PORT_ENV = "RAYZERO_CONTROL_HOST", "RAYZERO_CONTROL_PORT"
+TLS_CERT_ENV, TLS_KEY_ENV = "RAYZERO_CONTROL_TLS_CERT", "RAYZERO_CONTROL_TLS_KEY"
+TOKEN_ENV = "RAYZERO_CONTROL_TOKEN"
+"""A token to use instead of a generated one (the Kubernetes operator passes the job Secret's)."""
+WATCH_DEFAULT_INTERVAL_S, WATCH_MAX_INTERVAL_S, WATCH_MIN_INTERVAL_S = 0.5, 1.0, 0.05
+DEFAULT_WAIT_S = 600.0
+TERMINAL_STATES = ("finished", "errored")
+
+
+def status_message(status: RunStatus) -> control_pb2.Status:
+    """A RunStatus as the protobuf `Status` (field by field; see the note in status.py)."""
+    message = control_pb2.Status(
+        run_name=status.run_name, state=status.state, attempt=status.attempt, world_size=status.world_size,
+        min_workers=status.min_workers, max_workers=status.max_workers, started_at=status.started_at,
+        step=status.step, last_report_time=status.last_report_time,
+        checkpoints=[checkpoint_message(record) for record in status.checkpoints],
+        failures=status.failures, max_failures=status.max_failures, message=status.message,
+        extra={str(key): str(value) for key, value in status.extra.items()},
+        ranks=[control_pb2.RankStatus(
+            rank=rank.rank, node_id=rank.node_id, heartbeat_age_s=rank.heartbeat_age_s, step=rank.step,
+            micro_step=rank.micro_step, memory_bytes=rank.memory_bytes,
+            host_memory_bytes=rank.host_memory_bytes) for rank in status.ranks],
+    )
+    for key in ("loss", "samples_per_s", "tokens_per_s"):  # optional fields: unset when unknown
+        value = getattr(status, key)
+        if value is not None:
+            setattr(message, key, float(value))
+    return message
+
+
+def checkpoint_message(record: CheckpointRecord) -> control_pb2.Checkpoint:
+    return control_pb2.Checkpoint(tier=record.tier, location=record.location, step=record.step, time=record.time)
+
+
+def _wait_s(requested: float, context: grpc.ServicerContext) -> float:
+    """The request's timeout, else what is left of the call's deadline, else DEFAULT_WAIT_S."""
+    if requested > 0:
+        return requested
+    remaining = context.time_remaining()
+    return max(0.1, remaining - 0.5) if remaining is not None else DEFAULT_WAIT_S
+
+
+def _guarded(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Turn the target's errors into gRPC status codes with their messages (which name the fix)."""
+    def call(self: ControlServicer, request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            return method(self, request, context)
+        except RayZeroValueError as error:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        except TimeoutError as error:
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(error) or "timed out")
+        except RayZeroRuntimeError as error:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
+        except Exception as error:
+            logger.exception("control call %s failed", method.__name__)
+            context.abort(grpc.StatusCode.INTERNAL, f"{type(error).__name__}: {error}")
+    call.__name__ = method.__name__
+    return call
+
+
+class ControlServicer(control_pb2_grpc.ControlServicer):
+    """`rayzero.v1.Control` over one ControlTarget."""
+
+    def __init__(self, target: ControlTarget) -> None:
+        self._target = target
+
+    @_guarded
+    def GetStatus(self, request: control_pb2.GetStatusRequest, context: grpc.ServicerContext) -> control_pb2.Status:
+        return status_message(self._target.status())
+
+    def WatchStatus(self, request: control_pb2.WatchStatusRequest, context: grpc.ServicerContext
+                    ) -> Iterator[control_pb2.Status]:
+        interval = request.interval_s or WATCH_DEFAULT_INTERVAL_S
+        interval = min(max(interval, WATCH_MIN_INTERVAL_S), WATCH_MAX_INTERVAL_S)
+        while context.is_active():
+            try:
+                status = self._target.status()
+            except Exception as error:
+                context.abort(grpc.StatusCode.INTERNAL, f"{type(error).__name__}: {error}")
+            yield status_message(status)
+            if status.state in TERMINAL_STATES:
+                return
+            time.sleep(interval)
+
+    @_guarded
+    def CheckpointNow(self, request: control_pb2.CheckpointNowRequest, context: grpc.ServicerContext
+                      ) -> control_pb2.Checkpoint:
+        return checkpoint_message(self._target.checkpoint_now(_wait_s(request.timeout_s, context)))
+
+    @_guarded
+    def Stop(self, request: control_pb2.StopRequest, context: grpc.ServicerContext) -> control_pb2.StopResponse:
+        record = self._target.stop(_wait_s(request.timeout_s, context))
+        return control_pb2.StopResponse(checkpoint=checkpoint_message(record) if record is not None else None)
+
+    @_guarded
+    def Scale(self, request: control_pb2.ScaleRequest, context: grpc.ServicerContext) -> control_pb2.ScaleResponse:
+        self._target.scale(request.workers)
+        return control_pb2.ScaleResponse()
+
+    @_guarded
+    def Kill(self, request: control_pb2.KillRequest, context: grpc.ServicerContext) -> control_pb2.KillResponse:
+        self._target.kill(request.reason or "killed through the control service")
+        return control_pb2.KillResponse()
+
+
+class BearerTokenInterceptor(grpc.ServerInterceptor):
+    """Refuse every call without `authorization: Bearer <the run's token>` (UNAUTHENTICATED)."""
+
+    def __init__(self, token: str) -> None:
+        self._expected = f"Bearer {token}".encode()
+
+    def intercept_service(self, continuation: Callable[..., Any], details: grpc.HandlerCallDetails) -> Any:
+        given = dict(details.invocation_metadata or ()).get("authorization", "")
+        if hmac.compare_digest(given.encode(), self._expected):
+            return continuation(details)
+        handler = continuation(details)
+        why = "missing bearer token" if not given else "wrong bearer token"
+
+        def refuse(request: Any, context: grpc.ServicerContext) -> Any:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                          f"{why}: send `authorization: Bearer <token>` with the run's token")
+
+        if handler is None:
+            return None
+        # The refusal must have the method's own shape (unary or streaming response).
+        if handler.response_streaming:
+            return grpc.unary_stream_rpc_method_handler(refuse)
+        return grpc.unary_unary_rpc_method_handler(refuse)
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    certificate: str
+    """PEM certificate chain file."""
+    private_key: str
+    """PEM private key file."""
+
+    @classmethod
+    def from_env(cls) -> TlsFiles | None:
+        cert, key = os.environ.get(TLS_CERT_ENV), os.environ.get(TLS_KEY_ENV)
+        if not cert and not key:
+            return None
+        if not (cert and key):
+            raise RayZeroValueError(f"TLS for the control service needs both {TLS_CERT_ENV} and {TLS_KEY_ENV}; "
+                                    f"got {TLS_CERT_ENV}={cert!r}, {TLS_KEY_ENV}={key!r}: set both or neither")
+        for variable, path in ((TLS_CERT_ENV, cert), (TLS_KEY_ENV, key)):
+            if not os.path.isfile(path):
+                raise RayZeroValueError(f"{variable}={path!r} is not a file; give a PEM file readable on the "
+                                        "controller's node")
+        return cls(cert, key)
+
+
+class ControlServer:
+    """The gRPC server of one run: `start()` binds, serves and writes control.json; `close()` undoes it."""
+
+    def __init__(self, target: ControlTarget, run_name: str, run_directory: str | None, *,
+                 host: str | None = None, port: int | None = None, token: str | None = None,
+                 tls: TlsFiles | None = None) -> None:
+        self.run_name = run_name
+        self.run_directory = run_directory  # URI of <storage>/<name>; None: do not write control.json
+        self.host = os.environ.get(HOST_ENV) or host or "127.0.0.1"
+        self.requested_port = int(os.environ.get(PORT_ENV) or port or 0)  # 0: a free port
+        self.token = token or os.environ.get(TOKEN_ENV) or secrets.token_urlsafe(32)
+        self.tls = tls if tls is not None else TlsFiles.from_env()
+        self.address = ""
+        self._target = target
+        self._server: grpc.Server | None = None
+        self._wrote_file = False
+
+    def start(self) -> ControlServer:
+        # Threads: watchers hold one each for as long as they watch; a checkpoint-now call holds one
+        # until the commit. Eight is many more than the callers a run has.
+        # so_reuseport off: gRPC turns it on by default on Linux, and two runs sharing a fixed port
+        # (RAYZERO_CONTROL_PORT) would then split each other's calls instead of failing to bind.
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="rayzero-control"),
+                             interceptors=[BearerTokenInterceptor(self.token)], options=[("grpc.so_reuseport", 0)])
+        control_pb2_grpc.add_ControlServicer_to_server(ControlServicer(self._target), server)
+        bind = f"[{self.host}]:{self.requested_port}" if ":" in self.host else f"{self.host}:{self.requested_port}"
+        root_certificates = None
+        if self.tls is not None:
+            with open(self.tls.certificate, "rb") as cert, open(self.tls.private_key, "rb") as key:
+                chain = cert.read()
+                credentials = grpc.ssl_server_credentials([(key.read(), chain)])
+            root_certificates = chain.decode()  # lets clients verify a self-signed certificate
+            port = self._bind(server.add_secure_port, bind, credentials)
+        else:
+            port = self._bind(server.add_insecure_port, bind)
+        if port == 0:
+            raise RayZeroRuntimeError(f"the control service could not bind {bind}; free the port or set "
+                                      f"{PORT_ENV} / {HOST_ENV} to one this node can bind")
+        server.start()
+        self._server = server
+        self.address = bind.rsplit(":", 1)[0] + f":{port}"
+        if self.run_directory:
+            write_control_file(self.run_directory, ControlInfo(
+                address=self.address, token=self.token, run_name=self.run_name, tls=self.tls is not None,
+                root_certificates=root_certificates, pid=os.getpid()))
+            self._wrote_file = True
+        return self
+
+    @staticmethod
+    def _bind(add_port: Callable[..., int], *args: Any) -> int:
+        try:
+            return add_port(*args)
+        except RuntimeError:  # grpc raises when the address cannot be bound (in use, not local)
+            return 0
+
+    def close(self, grace_s: float = 2.0) -> None:
+        """Remove control.json (new clients stop finding the run), then stop serving: calls in flight
+        (a `Stop` waiting for the run's end) get `grace_s` to answer."""
+        if self._wrote_file and self.run_directory:
+            try:
+                remove_control_file(self.run_directory)
+            except OSError as error:  # the run is over either way; a stale file only misleads clients
+                logger.warning("could not remove %s/control.json: %s", self.run_directory, error)
+            self._wrote_file = False
+        if self._server is not None:
+            self._server.stop(grace_s).wait(grace_s + 1)
+            self._server = None

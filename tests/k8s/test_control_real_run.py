@@ -1,0 +1,89 @@
+"""The operator against a real rayzero run: `rayzero.fit` in a subprocess (its own local Ray) serves
+its control service on loopback with the port and token the operator put in the job (the head pod's
+RAYZERO_CONTROL_PORT / RAYZERO_CONTROL_TOKEN); the operator copies the run's step and loss into the
+RayZeroJob's status, and `spec.suspend` stops the run with a final checkpoint (the run exits 0)."""
+from __future__ import annotations
+
+import base64
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+
+import k8s_envtest
+import pytest
+from k8s_support import example, wait_for
+
+from rayzero.controller.controller import ControllerActor
+
+pytestmark = pytest.mark.skipif(
+    not hasattr(ControllerActor, "status"),
+    reason="needs the controller's ControlTarget on ControllerActor (issue 11's controller side)")
+
+DRIVER = textwrap.dedent(
+    """
+    import sys, time
+    import torch
+    import rayzero
+
+    def loop(config):
+        context = rayzero.get_context()
+        engine, _, _, _ = rayzero.initialize(model=torch.nn.Linear(4, 1))
+        inputs, targets = torch.randn(8, 4), torch.randn(8, 1)
+        should_stop = getattr(context, "should_stop", lambda: False)
+        while engine.global_steps < 100000 and not should_stop():
+            loss = torch.nn.functional.mse_loss(engine(inputs), targets)
+            engine.backward(loss)
+            engine.step()
+            rayzero.report({"step": engine.global_steps, "loss": float(loss)})
+            time.sleep(0.05)
+
+    rayzero.fit(loop, config={"train_micro_batch_size_per_gpu": 8, "optimizer": {"type": "SGD", "params": {"lr": 0.01}}},
+                scaling=rayzero.ScalingConfig(num_workers=1),
+                run=rayzero.RunConfig(name=sys.argv[1], storage=sys.argv[2], progress_interval_s=60))
+    print("FIT RETURNED", flush=True)
+    """
+)
+
+
+def test_the_operator_follows_and_suspends_a_real_run(cluster, operator, tmp_path):
+    port = k8s_envtest.free_port()
+    spec = example("minimal")
+    spec["head"] = {"controlPort": port}
+    cluster.create_job("real", spec)
+    wait_for(lambda: cluster.ray_jobs("real"), what="the RayJob")
+    secret = wait_for(lambda: cluster.secret("real-rayzero-auth"), what="the token Secret")
+    token = base64.b64decode(secret.data["control_token"]).decode()
+
+    script = tmp_path / "driver.py"
+    script.write_text(DRIVER)
+    ray_tmp = tempfile.mkdtemp(prefix="rzk8s", dir="/tmp")  # Ray's socket paths must stay short
+    # What the operator's head pod gives the run: the port and the job Secret's token.
+    env = {**os.environ, "RAYZERO_CONTROL_HOST": "127.0.0.1", "RAYZERO_CONTROL_PORT": str(port),
+           "RAYZERO_CONTROL_TOKEN": token, "RAY_TMPDIR": ray_tmp}
+    env.pop("RAY_ADDRESS", None)
+    driver = subprocess.Popen([sys.executable, str(script), "real", (tmp_path / "runs").as_uri()], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        cluster.set_ray_job_status("real-attempt-1", jobDeploymentStatus="Running", jobStatus="RUNNING",
+                                   rayClusterStatus={"head": {"serviceIP": "127.0.0.1"}})
+        status = wait_for(lambda: (s := cluster.status("real")) and (s.get("step") or 0) >= 2 and s, 120,
+                          "the run's step in the RayZeroJob status")
+        assert status["runState"] == "running" and status["worldSize"] == 1 and status["loss"] is not None
+
+        cluster.patch_job("real", {"spec": {"suspend": True}})
+        wait_for(lambda: cluster.ray_job("real-attempt-1")["spec"]["suspend"] is True, 120, "RayJob suspended")
+        output, _ = driver.communicate(timeout=120)
+        assert driver.returncode == 0 and "FIT RETURNED" in output, output
+        latest = tmp_path / "runs" / "real" / "checkpoints" / "latest"
+        assert latest.exists(), output  # the loop never saves: this is the stop's checkpoint
+        final = int(latest.read_text().strip().removeprefix("global_step"))
+        status = wait_for(lambda: (s := cluster.status("real")).get("phase") == "Suspended" and s, 30, "Suspended")
+        assert status["lastCheckpointStep"] == final >= status["step"] - 1
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait(30)
+        shutil.rmtree(ray_tmp, ignore_errors=True)

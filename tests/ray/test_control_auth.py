@@ -1,0 +1,71 @@
+"""What the operator generates relies on Ray's token authentication (RAY_AUTH_MODE=token with the
+job Secret's token): a Ray head started that way refuses job-API requests without the token, as the
+control service refuses calls without its own (tests/unit/test_control_server.py)."""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import urllib.error
+import urllib.request
+
+HEAD = textwrap.dedent(
+    """
+    import sys
+    import ray
+
+    ray.init(num_cpus=1, include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=int(sys.argv[1]),
+             logging_level="ERROR")
+    print("READY", flush=True)
+    sys.stdin.read()  # until the test closes it
+    ray.shutdown()
+    """
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _get(url: str, token: str | None) -> int:
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as answer:
+            json.loads(answer.read() or b"null")
+            return answer.status
+    except urllib.error.HTTPError as error:
+        return error.code
+
+
+def test_a_token_mode_ray_head_refuses_the_job_api_without_the_token(tmp_path):
+    token = secrets.token_urlsafe(32)
+    port = _free_port()
+    short = tempfile.mkdtemp(prefix="rzauth", dir="/tmp")  # Ray's socket paths must stay < 108 bytes
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token,
+           "RAY_TMPDIR": short, "HOME": str(tmp_path)}
+    env.pop("RAY_ADDRESS", None)
+    head = subprocess.Popen([sys.executable, "-c", HEAD, str(port)], env=env, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        for line in head.stdout:
+            lines.append(line)
+            if line.startswith("READY"):
+                break
+        assert lines and lines[-1].startswith("READY"), "".join(lines)
+        url = f"http://127.0.0.1:{port}/api/jobs/"
+        assert _get(url, None) in (401, 403)
+        assert _get(url, "not-the-token") in (401, 403)
+        assert _get(url, token) == 200
+    finally:
+        head.stdin.close()
+        head.wait(60)
+        shutil.rmtree(short, ignore_errors=True)
