@@ -24,8 +24,11 @@ a CPU-only machine, so the tested path is the accelerator path.
 """
 from __future__ import annotations
 
+import contextlib
+import os
 import time
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -58,6 +61,7 @@ class HostOffload(OffloadBackend):
                 f"zero_optimization.offload_optimizer.ratio={optimizer_cfg.ratio}: the whole optimizer step "
                 "runs on the host (partial offload is not implemented); the math is the same", stacklevel=3)
         self._timings: dict[str, float] = {}
+        self.step_threads = step_thread_budget() if self.optimizer_home != "device" else 0
 
     @property
     def device(self) -> torch.device:
@@ -79,8 +83,34 @@ class HostOffload(OffloadBackend):
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         start = time.perf_counter()
-        optimizer.step()
+        with cpu_threads(self.step_threads):
+            optimizer.step()
         self._timings = {"cpu_step": time.perf_counter() - start}
 
     def breakdown(self) -> dict[str, float]:
         return dict(self._timings)
+
+
+def step_thread_budget() -> int:
+    """Threads for one rank's CPU optimizer step: the cores this process may run on, shared by the
+    ranks of this host (LOCAL_WORLD_SIZE) — so several ranks on one host do not oversubscribe it.
+    `RAYZERO_CPU_STEP_THREADS` overrides."""
+    override = os.environ.get("RAYZERO_CPU_STEP_THREADS")
+    if override:
+        return max(1, int(override))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+
+
+@contextlib.contextmanager
+def cpu_threads(count: int) -> Iterator[None]:
+    """torch's intra-op threads set to `count` inside the block (0: unchanged)."""
+    if count <= 0 or count == torch.get_num_threads():
+        yield
+        return
+    previous = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)

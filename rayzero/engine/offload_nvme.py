@@ -44,7 +44,7 @@ import torch
 
 from rayzero.config.errors import RayZeroValueError
 from rayzero.engine.offload import _SCRATCH_OWNERS
-from rayzero.engine.offload_host import HostOffload
+from rayzero.engine.offload_host import HostOffload, cpu_threads
 from rayzero.engine.optim_state import zero_state_template
 from rayzero.engine.swap_io import AlignedBuffer, IOKnobs, SwapFile, align_up, io_layer_name
 
@@ -279,7 +279,8 @@ class NvmeOffload(HostOffload):
                                    for k, v in master_state.items() if not _elementwise(v, tile.master.numel())}
                     proxy_state.update({key: tile.view(slot, offset, dtype) for key, offset, dtype in tile.layout})
                 start = time.perf_counter()
-                proxy_state = _step_proxy(optimizer, tile, proxy_state)
+                with cpu_threads(self.step_threads):
+                    proxy_state = _step_proxy(optimizer, tile, proxy_state)
                 timings["cpu_step"] += time.perf_counter() - start
                 entries = {k: v for k, v in proxy_state.items() if _elementwise(v, tile.numel)}
                 if not tile.layout:  # first step: torch created the (tile-sized) state; move it to a buffer

@@ -23,12 +23,21 @@ pytestmark = pytest.mark.skipif(
 # gas 1 runs AdamW with clipping (checks the global norm), gas 2 SGD without (checks 1/world, 1/gas).
 CASES = [H.Case(stage=s, precision=p, gas=g, optimizer="adamw" if g == 1 else "sgd")
          for s in (0, 1, 2, 3) for p in ("fp32", "bf16") for g in (1, 2)]
+_NVME = __import__("tempfile").mkdtemp(prefix="rayzero-gpu-nvme-")
+# Offload (issue 9): masters and optimizer state in pinned host memory / NVMe, the step on the CPU.
+CASES += [H.Case(stage=s, gas=2, optimizer="sgd" if s == 1 else "adamw",
+                 zero=(("offload_optimizer", {"device": "cpu", "pin_memory": True}),)) for s in (1, 2, 3)]
+CASES += [H.Case(stage=3, gas=2, zero=(("offload_optimizer", {"device": "nvme", "nvme_path": _NVME,
+                                                              "pipeline_read": True, "pipeline_write": True}),
+                                       ("offload_param", {"device": "cpu", "pin_memory": True}),
+                                       ("sub_group_size", 1000)))]
 FP16_CASES = [H.Case(stage=s, precision="fp16", steps=12, extra=W.FP16_EXTRA) for s in (0, 3)]
 ALL_CASES = CASES + FP16_CASES
 
 
 def _case_id(case: H.Case) -> str:
-    return f"stage{case.stage}-{case.precision}-gas{case.gas}-{case.optimizer}"
+    offload = "".join(f"-{key}={value['device']}" for key, value in case.zero if key.startswith("offload"))
+    return f"stage{case.stage}-{case.precision}-gas{case.gas}-{case.optimizer}{offload}"
 
 
 @functools.cache
@@ -80,3 +89,23 @@ def test_memory_stats_report_the_cuda_allocator_peak(index: int) -> None:
     # read by memory_stats() just before the worker read the allocator itself: nothing ran between
     assert memory["peak_device_allocated"] == result["allocator_peak"]
     assert memory["peak_device_allocated"] >= memory["model_state"] > 0, "the peak covers the model state"
+
+
+def test_cpu_offload_pins_host_state_and_keeps_compute_on_the_gpu() -> None:
+    """One process: masters and optimizer state pinned on the host, parameters on the GPU."""
+    import rayzero
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    config = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}}}
+    engine, optimizer, _, _ = rayzero.initialize(model=model, config=config)
+    loss = engine(torch.randn(4, 64, device="cuda")).pow(2).mean()
+    engine.backward(loss)
+    engine.step()
+    masters = [p for group in optimizer.param_groups for p in group["params"]]
+    assert all(m.device.type == "cpu" and m.is_pinned() for m in masters)
+    assert all(s["exp_avg"].device.type == "cpu" for s in optimizer.state.values())
+    assert all(p.device.type == "cuda" for p in model.parameters())
+    stats = engine.memory_stats()
+    assert stats["host_bytes"] > 0 and stats["device_bytes"] > 0
+    engine.close()

@@ -66,3 +66,17 @@ def test_swap_files_are_scratch_removed_on_close_and_after_a_crash(tmp_path) -> 
     again = _init({"device": "nvme", "nvme_path": str(tmp_path)}, stage=1)
     assert not os.path.exists(tmp_path / "rayzero-swap" / left[0])
     again.close()
+
+
+def test_cpu_step_threads_are_shared_by_the_ranks_of_a_host(monkeypatch) -> None:
+    from rayzero.engine.offload_host import cpu_threads, step_thread_budget
+
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert step_thread_budget() == max(1, cores // 2)
+    monkeypatch.setenv("RAYZERO_CPU_STEP_THREADS", "3")
+    assert step_thread_budget() == 3
+    before = torch.get_num_threads()
+    with cpu_threads(before + 1):
+        assert torch.get_num_threads() == before + 1
+    assert torch.get_num_threads() == before
