@@ -224,7 +224,7 @@ class ZeroEngine:
         where[state_home] += stats.get("master_weights", 0) + stats.get("master_grads", 0)
         where[state_home] += max(stats.get("optimizer_state", 0) - nvme, 0)
         where["nvme"] += nvme
-        shards_home = "host" if self.strategy.stage == 3 and offload.param_home == "host" else "device"
+        shards_home = offload.param_home if self.strategy.stage == 3 else "device"
         where[shards_home] += stats.get("params", 0)
         where["device"] += (stats.get("grads", 0) - stats.get("master_grads", 0) + stats.get("buffers", 0)
                             + stats.get("bucket_buffers", 0))

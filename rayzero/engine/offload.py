@@ -61,7 +61,7 @@ class OffloadBackend(abc.ABC):
     optimizer_home: str = "device"
     """Where optimizer state lives: `device`, `host` or `nvme` (memory_stats' placement)."""
     param_home: str = "device"
-    """Where stage-3 parameter shards live between uses: `device` or `host`."""
+    """Where stage-3 parameter shards live between uses: `device`, `host` or `nvme`."""
 
     def may_alias(self, compute_device: torch.device | str) -> bool:
         """True when an fp32 master may *be* the compute parameter (same tensor, no copy): only

@@ -24,8 +24,10 @@ a CPU-only machine, so the tested path is the accelerator path.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
+import shutil
 import time
 import warnings
 from collections.abc import Iterator
@@ -33,7 +35,7 @@ from typing import Any
 
 import torch
 
-from rayzero.engine.offload import OffloadBackend, StateKind
+from rayzero.engine.offload import _SCRATCH_OWNERS, OffloadBackend, StateKind
 
 
 class HostOffload(OffloadBackend):
@@ -47,15 +49,15 @@ class HostOffload(OffloadBackend):
         accelerator = self.compute_device.type != "cpu"
         optimizer_cfg, param_cfg = zero.offload_optimizer, zero.offload_param
         self.optimizer_home = "device" if zero.offload_optimizer_device == "none" else "host"
-        self.param_home = "device" if zero.offload_param_device == "none" else "host"
+        self.param_home = {"none": "device", "cpu": "host", "nvme": "nvme"}[zero.offload_param_device]
         # Pinning needs an accelerator (pin_memory() raises on CPU-only torch, ENVIRONMENT.md).
         self._pin_state = accelerator and optimizer_cfg is not None and bool(optimizer_cfg.pin_memory)
         self._pin_params = accelerator and param_cfg is not None and bool(param_cfg.pin_memory)
+        self._arena = None
         if zero.offload_param_device == "nvme":
-            warnings.warn(
-                "zero_optimization.offload_param.device=\"nvme\": parameter shards are kept in host memory "
-                "(the CPU tier); swapping parameter shards to NVMe is not implemented in this release. "
-                "Training is unaffected; set offload_param.device to \"cpu\" to silence this", stacklevel=3)
+            self._arena = _param_arena(param_cfg)
+            atexit.register(self.close)
+            _SCRATCH_OWNERS.add(self)
         if optimizer_cfg is not None and optimizer_cfg.ratio < 1.0:
             warnings.warn(
                 f"zero_optimization.offload_optimizer.ratio={optimizer_cfg.ratio}: the whole optimizer step "
@@ -69,6 +71,8 @@ class HostOffload(OffloadBackend):
 
     def allocate(self, kind: StateKind, numel: int, dtype: torch.dtype) -> torch.Tensor:
         if kind is StateKind.PARAM_SHARD:
+            if self._arena is not None:
+                return self._arena.allocate(numel, dtype)
             if self.param_home == "device":
                 return torch.zeros(numel, dtype=dtype, device=self.compute_device)
             return torch.zeros(numel, dtype=dtype, device="cpu", pin_memory=self._pin_params)
@@ -89,6 +93,18 @@ class HostOffload(OffloadBackend):
 
     def breakdown(self) -> dict[str, float]:
         return dict(self._timings)
+
+    def close(self) -> None:
+        """Remove the parameter swap files (mapped shards stay readable until released)."""
+        if self._arena is not None:
+            shutil.rmtree(self._arena.directory, ignore_errors=True)
+
+    def describe(self) -> dict[str, Any]:
+        out = super().describe()
+        if self._arena is not None:
+            out["nvme_param_bytes"] = self._arena.bytes
+            out["param_swap_dir"] = self._arena.directory
+        return out
 
 
 def step_thread_budget() -> int:
@@ -114,3 +130,17 @@ def cpu_threads(count: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(previous)
+
+
+def _param_arena(param_cfg: Any):
+    """Swap files for stage-3 parameter shards ([Note: NVMe parameter shards])."""
+    from rayzero.engine.offload_nvme import scratch_directory
+    from rayzero.engine.offload_params import ParamArena
+
+    arena = ParamArena(scratch_directory(param_cfg.nvme_path, "zero_optimization.offload_param.nvme_path",
+                                         "params"))
+    warnings.warn(
+        "zero_optimization.offload_param.device=\"nvme\": parameter shards live in memory-mapped swap files "
+        "(the page cache is the in-memory tier); buffer_count, buffer_size and max_in_cpu are not used",
+        stacklevel=4)
+    return arena

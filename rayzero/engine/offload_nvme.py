@@ -121,6 +121,17 @@ def _remove_stale(root: str) -> None:
             pass
 
 
+def scratch_directory(nvme_path: str | None, key: str, suffix: str) -> str:
+    """A fresh directory of this process under `<nvme_path>/rayzero-swap/` (checked, created; dead
+    processes' directories removed first)."""
+    root = os.path.join(_checked_directory(nvme_path, key), "rayzero-swap")
+    os.makedirs(root, exist_ok=True)
+    _remove_stale(root)
+    directory = os.path.join(root, f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}-{suffix}")
+    os.makedirs(directory)
+    return directory
+
+
 def _checked_directory(nvme_path: str | None, key: str) -> str:
     if not nvme_path:
         raise RayZeroValueError(f"{key} is missing: NVMe offload needs a directory on a fast local disk, e.g. "
@@ -146,12 +157,7 @@ class NvmeOffload(HostOffload):
         self.optimizer_home = "nvme"
         options = cfg.zero_optimization.offload_optimizer
         key = "zero_optimization.offload_optimizer.nvme_path"
-        root = os.path.join(_checked_directory(options.nvme_path, key), "rayzero-swap")
-        os.makedirs(root, exist_ok=True)
-        _remove_stale(root)
-        self.directory = os.path.join(
-            root, f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}-rank{rank}")
-        os.makedirs(self.directory)
+        self.directory = scratch_directory(options.nvme_path, key, f"rank{rank}")
         self._key = key
         self.knobs = IOKnobs.from_config(getattr(cfg, "aio", None))
         self.pipeline_read = bool(options.pipeline_read)
@@ -363,3 +369,4 @@ class NvmeOffload(HostOffload):
         self._driver.shutdown(wait=True)
         self._io.shutdown(wait=True)
         shutil.rmtree(self.directory, ignore_errors=True)
+        super().close()  # parameter swap files, if any

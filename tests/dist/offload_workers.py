@@ -16,7 +16,15 @@ def where_state_lives(engine) -> dict:
     swap_dir = getattr(backend, "directory", None)
     files = sorted(os.listdir(swap_dir)) if swap_dir else []
     stats = engine.memory_stats()
+    param_dir = backend.describe().get("param_swap_dir")
+    shards = [e.shard for e in getattr(getattr(engine.strategy, "partitions", None), "entries", [])]
     return {
+        "param_swap_dir": param_dir,
+        # the file each shard's storage maps (torch.from_file), read from the tensors themselves
+        "param_shard_files": sorted({s.untyped_storage().filename or "" for s in shards}) if param_dir else [],
+        "param_shard_bytes": sum(s.numel() * s.element_size() for s in shards),
+        "param_swap_file_bytes": sum(os.path.getsize(os.path.join(param_dir, f)) for f in os.listdir(param_dir))
+        if param_dir else 0,
         "backend": backend.name,
         "state_devices": sorted({value.device.type for value in per_element}),
         "state_bytes": sum(value.numel() * value.element_size() for value in per_element),

@@ -37,7 +37,8 @@ MODES = [
     ("s3-nvme-read-ahead", 3, "adamw", (("offload_optimizer", _nvme(pipeline_read=True)),
                                         ("sub_group_size", 300))),
     ("s3-nvme-params", 3, "adamw", (("offload_optimizer", _nvme(pipeline_write=True)),
-                                    ("offload_param", {"device": "cpu"}), ("sub_group_size", 500))),
+                                    ("offload_param", {"device": "nvme", "nvme_path": NVME}),
+                                    ("sub_group_size", 500), ("stage3_param_persistence_threshold", 0))),
 ]
 STEPS, GAS = 10, 2
 
@@ -99,9 +100,20 @@ def test_nvme_holds_the_optimizer_state_on_disk(index: int) -> None:
         if "tiled" in MODES[index][0]:  # tiles cut masters: more files than optimizer tensors
             assert probe["swap_files"] > probe["optimizer_tensors"], probe
         assert probe["swap_file_bytes"] >= probe["state_bytes"] > 0, probe
-        assert probe["placement"]["nvme_bytes"] == probe["swap_file_bytes"]
+        params_on_nvme = probe["param_shard_bytes"] if probe["param_swap_dir"] else 0
+        assert probe["placement"]["nvme_bytes"] == probe["swap_file_bytes"] + params_on_nvme
         assert set(probe["breakdown"]) == {"cpu_step", "nvme_read", "nvme_write"}
         assert all(v >= 0 for v in probe["breakdown"].values())
+
+
+def test_nvme_parameter_shards_are_mapped_swap_files() -> None:
+    index = next(i for i, m in enumerate(MODES) if m[0] == "s3-nvme-params")
+    for rank_result in results()[index]:
+        probe = rank_result.extra
+        assert probe["param_shard_files"] and all(
+            f.startswith(probe["param_swap_dir"]) for f in probe["param_shard_files"]), probe
+        assert probe["param_swap_file_bytes"] >= probe["param_shard_bytes"] > 0
+        assert probe["placement"]["nvme_bytes"] >= probe["param_shard_bytes"] + probe["state_bytes"]
 
 
 def test_cpu_offload_keeps_state_in_host_memory() -> None:
