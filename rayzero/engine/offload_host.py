@@ -120,8 +120,9 @@ def step_thread_budget() -> int:
 
 @contextlib.contextmanager
 def cpu_threads(count: int) -> Iterator[None]:
-    """torch's intra-op threads set to `count` inside the block (0: unchanged)."""
-    if count <= 0 or count == torch.get_num_threads():
+    """torch's intra-op threads capped at `count` inside the block (0: unchanged). A cap, never a
+    raise: a process set to fewer threads (Ray actors get their num_cpus) keeps its setting."""
+    if count <= 0 or count >= torch.get_num_threads():
         yield
         return
     previous = torch.get_num_threads()
