@@ -63,8 +63,14 @@ class BF16Config(ConfigModel):
     """Compute in bf16. "auto" = the trainer's `bf16` argument."""
     immediate_grad_update: Bool = Field(False, json_schema_extra=_TODO)
     """Apply gradients to fp32 accumulators as soon as they are produced; recognised, not implemented."""
-    check_grad_overflow: Bool = Field(False, json_schema_extra=_TODO)
-    """Check bf16 gradients for inf/nan; recognised, not implemented."""
+    check_grad_overflow: Bool = Field(True, json_schema_extra=_TODO)
+    """Check bf16 gradients for inf/nan (DeepSpeed 0.19 default true); recognised, not implemented."""
+    bf16_master_weights_and_grads: Bool = Field(False, json_schema_extra=_TODO)
+    """Keep master weights and gradients in bf16 (ZeRO 1-3); recognised, not implemented: rayzero
+    keeps fp32 master weights (more precise, 2 more bytes per parameter per rank's shard)."""
+    bf16_optimizer_states: Bool = Field(False, json_schema_extra=_TODO)
+    """Keep optimizer states in bf16 (needs bf16_master_weights_and_grads); recognised, not
+    implemented: rayzero keeps fp32 optimizer state."""
 
 
 class AmpConfig(ConfigModel):
@@ -190,9 +196,9 @@ class CheckpointConfig(ConfigModel):
 class ElasticityConfig(ConfigModel):
     """DeepSpeed elasticity: batch sizes that stay valid as the GPU count changes."""
 
-    enabled: Bool = Field(False, json_schema_extra=_TODO)
-    """Use DeepSpeed's elastic batch computation; recognised, not implemented (rayzero resizes by
-    changing gradient accumulation, see the driver's ScalingConfig)."""
+    enabled: Bool = False
+    """DeepSpeed's elastic batch computation, removed in DeepSpeed 0.19: `true` is refused (rayzero
+    resizes by changing gradient accumulation, see the driver's ScalingConfig)."""
     max_train_batch_size: Int = Field(2000, ge=1)
     """Largest acceptable global batch."""
     micro_batch_sizes: list[Int] = Field(default_factory=lambda: [2, 4, 6])

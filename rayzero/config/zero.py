@@ -17,6 +17,7 @@ from rayzero.config.base import (
     STAGE3_ONLY,
     UNIMPLEMENTED,
     AutoCount,
+    AutoPositive,
     Bool,
     ConfigModel,
     Int,
@@ -36,8 +37,8 @@ class ZeroConfig(ConfigModel):
     """Copy gradients into one contiguous buffer as they are produced (less fragmentation)."""
     reduce_scatter: Bool = True
     """Average gradients with reduce-scatter (each rank receives its shard) instead of all-reduce."""
-    reduce_bucket_size: AutoCount = 500_000_000
-    """Elements reduced at once; "auto" = hidden_size² (needs the model's hidden size)."""
+    reduce_bucket_size: AutoPositive = 500_000_000
+    """Elements reduced at once (at least 1, as DeepSpeed); "auto" = hidden_size² (needs the model's hidden size)."""
     use_multi_rank_bucket_allreduce: Bool = Field(True, json_schema_extra=_TODO)
     """Combine reduction buckets destined for several ranks into one all-reduce; recognised, not implemented."""
     allgather_partitions: Bool = Field(True, json_schema_extra={NOT_STAGE3: True})
