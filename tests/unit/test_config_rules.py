@@ -119,8 +119,8 @@ def test_unknown_optimizer_and_scheduler_types_suggest():
     assert "did you mean 'WarmupDecayLR'" in _problem({"scheduler": {"type": "WarmupDecay"}}, "scheduler.type")
     text = _problem({"scheduler": {"type": "WarmupDecayLR", "params": {}}}, "scheduler.params.total_num_steps")
     assert "required key is missing" in text
-    notes = _notes({"optimizer": {"type": "Lamb", "params": {"lr": 1e-3}}})
-    assert any("`optimizer.type` = 'Lamb'" in n for n in notes)
+    # valid DeepSpeed; that this build cannot run it is runnable's verdict (test_fidelity_runnable.py)
+    assert load_config({"optimizer": {"type": "Lamb", "params": {"lr": 1e-3}}}).optimizer.type == "Lamb"
 
 
 def test_optimizer_params_are_normalised():
