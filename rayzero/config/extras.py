@@ -88,12 +88,6 @@ class UnimplementedSections(ConfigModel):
     """Sequence-parallel communication dtype; recognised, not implemented."""
     flops_profiler: Optional[Any] = _todo()
     """DeepSpeed's FLOPS profiler; recognised, not implemented."""
-    tensorboard: Optional[Any] = _todo()
-    """TensorBoard monitor; recognised, not implemented (use `rayzero.report`)."""
-    wandb: Optional[Any] = _todo()
-    """Weights & Biases monitor; recognised, not implemented (use `rayzero.report`)."""
-    csv_monitor: Optional[Any] = _todo()
-    """CSV monitor; recognised, not implemented (use `rayzero.report`)."""
     comet: Optional[Any] = _todo()
     """Comet monitor; recognised, not implemented."""
     comms_logger: Optional[Any] = _todo()

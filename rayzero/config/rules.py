@@ -25,6 +25,10 @@ def check_rules(config: RayZeroConfig, notes: list[str], problems: list[Problem]
     _offload(config, notes, problems)
     _removed(config, notes, problems)
     _flagged_fields(config, notes)
+    if config.zero_optimization.load_from_fp32_weights is False:
+        notes.append(f"ignored: `{_ZERO}.load_from_fp32_weights` = false: rayzero always restores fp32 master "
+                     "weights from the checkpoint's fp32 copy when it has one (rebuilding them from 16-bit "
+                     "weights would lose precision)")
     _optimizer(config, notes, problems)
     _scheduler(config, problems)
 

@@ -38,8 +38,9 @@ class FP16Config(ConfigModel):
 
     enabled: AutoBool = False
     """Compute in fp16. "auto" = the trainer's `fp16` argument."""
-    auto_cast: Bool = Field(False, json_schema_extra=_TODO)
-    """Cast inputs of the forward to fp16 automatically; recognised, not implemented."""
+    auto_cast: Bool = False
+    """Cast floating tensors among the forward's positional inputs to fp16 (DeepSpeed's
+    `_cast_inputs_half`); without it inputs are passed as given."""
     loss_scale: Float = Field(0.0, ge=0.0)
     """0 = dynamic loss scaling; a positive value = that static loss scale."""
     initial_scale_power: Int = Field(16, ge=0)

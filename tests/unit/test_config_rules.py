@@ -78,8 +78,8 @@ def test_allgather_keys_at_stage_3_warn_ignored():
 
 def test_recognised_but_unimplemented_keys_warn_by_name():
     notes = _notes({"zero_optimization": {"stage": 3, "zero_quantized_weights": True},
-                    "flops_profiler": {"enabled": True}, "fp16": {"auto_cast": True}})
-    for key in ("zero_optimization.zero_quantized_weights", "flops_profiler", "fp16.auto_cast"):
+                    "flops_profiler": {"enabled": True}, "aio": {"use_gds": True}})
+    for key in ("zero_optimization.zero_quantized_weights", "flops_profiler", "aio.use_gds"):
         assert any(f"recognised but not implemented: `{key}`" in n for n in notes), key
 
 
