@@ -133,20 +133,23 @@ def _false_is_none(value: Any) -> Any:
 
 
 class ActivationCheckpointingConfig(ConfigModel):
-    """DeepSpeed's activation-checkpointing options (used by `rayzero.checkpointing` wrappers)."""
+    """DeepSpeed's activation-checkpointing options, used by `rayzero.checkpointing.checkpoint`
+    (`rayzero.initialize` applies this section when the config has it)."""
 
-    partition_activations: Bool = Field(False, json_schema_extra=_TODO)
-    """Shard checkpointed activations across model-parallel ranks; recognised, not implemented."""
+    partition_activations: Bool = False
+    """Split checkpointed activations across model-parallel ranks; rayzero has no model parallelism
+    (size 1), where DeepSpeed's partition is the whole tensor: same behaviour."""
     contiguous_memory_optimization: Bool = Field(False, json_schema_extra=_TODO)
-    """Copy checkpointed activations into one contiguous buffer; recognised, not implemented."""
-    cpu_checkpointing: Bool = Field(False, json_schema_extra=_TODO)
-    """Keep checkpointed activations in CPU memory; recognised, not implemented."""
+    """Copy partitioned checkpoints into one contiguous buffer (needs partition_activations and
+    number_checkpoints, as DeepSpeed); recognised, not implemented (memory layout only)."""
+    cpu_checkpointing: Bool = False
+    """Keep checkpointed activations (each region's inputs) in CPU memory until the recompute."""
     number_checkpoints: Annotated[Optional[Int], BeforeValidator(_false_is_none)] = None
     """Number of checkpoints, to size the contiguous buffer."""
-    synchronize_checkpoint_boundary: Bool = Field(False, json_schema_extra=_TODO)
-    """Synchronise the device at each checkpoint boundary; recognised, not implemented."""
-    profile: Bool = Field(False, json_schema_extra=_TODO)
-    """Time the checkpointed forward and recompute; recognised, not implemented."""
+    synchronize_checkpoint_boundary: Bool = False
+    """Synchronise the accelerator before and after each checkpointed region."""
+    profile: Bool = False
+    """Log the forward time of each checkpointed region."""
 
 
 class TagValidation(str, Enum):

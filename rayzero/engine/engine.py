@@ -26,7 +26,7 @@ import torch
 
 from rayzero.checkpoint.types import ShardedTensor, ShardSpec
 from rayzero.config.errors import RayZeroRuntimeError, RayZeroValueError
-from rayzero.engine import optim_state
+from rayzero.engine import activation_checkpointing, optim_state
 from rayzero.engine.comm import Communicator
 from rayzero.engine.distributed import compute_device
 from rayzero.engine.monitor import StepTimers, build_monitor, progress_line
@@ -94,6 +94,9 @@ class ZeroEngine:
         self.timers = StepTimers(bool(config.wall_clock_breakdown), compute_device())
         self.monitor = build_monitor(config, comm.rank)
         self._window_losses: list[torch.Tensor] = []  # this window's losses, for train_loss
+        if "activation_checkpointing" in config.model_fields_set:
+            # [Note: activation checkpointing settings]: the config's section, as if configure() was called
+            activation_checkpointing.configure_from_section(config.activation_checkpointing)
 
     # ---- DeepSpeed-shaped API ---------------------------------------------------------------
     @property
