@@ -82,8 +82,6 @@ class UnimplementedSections(ConfigModel):
     """Print memory use at each step; recognised, not implemented."""
     dump_state: Optional[Any] = _todo()
     """Print the engine state after initialisation; recognised, not implemented."""
-    data_types: Optional[Any] = _todo()
-    """`grad_accum_dtype` for gradient accumulation; recognised, not implemented."""
     seq_parallel_communication_data_type: Optional[Any] = _todo()
     """Sequence-parallel communication dtype; recognised, not implemented."""
     flops_profiler: Optional[Any] = _todo()

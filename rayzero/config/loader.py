@@ -53,7 +53,7 @@ def load_config(
     check_rules(config, notes, problems)
     resolve(config, world_size=world_size, hidden_size=hidden_size, trainer=trainer,
             allow_unresolved=allow_unresolved, notes=notes, problems=problems)
-    check_resolved(config, problems)
+    check_resolved(config, problems, notes)
     if problems:
         raise ConfigError(problems, name)
     notes[:] = list(dict.fromkeys(notes))  # each note once, in order

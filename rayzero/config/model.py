@@ -22,6 +22,7 @@ from rayzero.config.sections import (
     AmpConfig,
     BF16Config,
     CheckpointConfig,
+    DataTypesConfig,
     ElasticityConfig,
     FP16Config,
     OptimizerConfig,
@@ -75,6 +76,8 @@ class RayZeroConfig(UnimplementedSections):
     """Checkpoint writing options."""
     elasticity: ElasticityConfig = Field(default_factory=ElasticityConfig)
     """DeepSpeed elasticity (removed in DeepSpeed 0.19: `enabled: true` is refused)."""
+    data_types: DataTypesConfig = Field(default_factory=DataTypesConfig)
+    """Gradient-accumulation and load dtypes (DeepSpeed's `data_types`)."""
     tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig)
     """TensorBoard monitor (DeepSpeed's tags, rank 0)."""
     csv_monitor: CSVMonitorConfig = Field(default_factory=CSVMonitorConfig)

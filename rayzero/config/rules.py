@@ -33,9 +33,24 @@ def check_rules(config: RayZeroConfig, notes: list[str], problems: list[Problem]
     _scheduler(config, problems)
 
 
-def check_resolved(config: RayZeroConfig, problems: list[Problem]) -> None:
+def check_resolved(config: RayZeroConfig, problems: list[Problem], notes: list[str] | None = None) -> None:
     """Rules that need "auto" values resolved first."""
     _precision(config, problems)
+    if notes is not None:
+        _grad_accum_dtype(config, notes)
+
+
+def _grad_accum_dtype(config: RayZeroConfig, notes: list[str]) -> None:
+    asked = config.data_types.grad_accum_dtype
+    if asked is None or isinstance(config.fp16.enabled, str) or isinstance(config.bf16.enabled, str):
+        return
+    stage = config.zero_optimization.stage
+    done = "fp32" if stage >= 2 else config.compute_dtype
+    if asked != done:
+        notes.append(f"ignored: `data_types.grad_accum_dtype` = {asked!r}: at ZeRO stage {stage} with "
+                     f"{config.compute_dtype} compute rayzero accumulates gradients in {done} "
+                     + ("(each micro step is reduced into the fp32 master gradients)" if stage >= 2 else
+                        "(stages 0-1 accumulate in the compute dtype; use stage 2 for fp32 accumulation)"))
 
 
 def _precision(config: RayZeroConfig, problems: list[Problem]) -> None:

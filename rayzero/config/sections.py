@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from enum import Enum
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 from pydantic import AfterValidator, BeforeValidator, ConfigDict, Field
 from typing_extensions import Annotated
@@ -150,6 +150,21 @@ class ActivationCheckpointingConfig(ConfigModel):
     """Synchronise the accelerator before and after each checkpointed region."""
     profile: Bool = False
     """Log the forward time of each checkpointed region."""
+
+
+class DataTypesConfig(ConfigModel):
+    """DeepSpeed's `data_types` section."""
+
+    grad_accum_dtype: Optional[Literal["fp32", "fp16", "bf16"]] = None
+    """dtype gradients accumulate in across micro steps. rayzero accumulates in fp32 at ZeRO stages
+    2-3 (each micro step is reduced into the fp32 master gradients) and in the compute dtype at
+    stages 0-1; a different request is warned about."""
+    param_dtype: Optional[str] = Field(None, json_schema_extra=_TODO)
+    """dtype parameters are loaded in; recognised, not implemented."""
+    buffer_dtype: Optional[str] = Field(None, json_schema_extra=_TODO)
+    """dtype buffers are kept in; recognised, not implemented."""
+    keep_in_fp32_modules: Optional[Any] = Field(None, json_schema_extra=_TODO)
+    """Module name patterns whose buffers stay fp32; recognised, not implemented."""
 
 
 class TagValidation(str, Enum):

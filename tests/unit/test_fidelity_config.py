@@ -124,3 +124,13 @@ def test_each_note_is_printed_once(caplog):
                               "monitor_config": {}})
     assert len(config.notes) == len(set(config.notes))
     assert sum("monitor_config" in record.getMessage() for record in caplog.records) == 1
+
+
+@pytest.mark.parametrize("stage, compute, asked, warned", [
+    (2, "bf16", "fp32", False), (3, "bf16", "fp32", False), (1, "bf16", "fp32", True), (0, "fp32", "fp32", False),
+    (3, "bf16", "bf16", True),
+])
+def test_grad_accum_dtype_is_honoured_or_warned(stage, compute, asked, warned):
+    config = load_config({**BATCH, "zero_optimization": {"stage": stage}, "data_types": {"grad_accum_dtype": asked},
+                          "bf16": {"enabled": compute == "bf16"}})
+    assert any("data_types.grad_accum_dtype" in note for note in config.notes) == warned
