@@ -183,8 +183,7 @@ class ZeroEngine:
 
     @property
     def _auto_cast(self) -> bool:
-        fp16 = getattr(self.config, "fp16", None)
-        return bool(getattr(fp16, "auto_cast", False))
+        return bool(self.config.fp16.auto_cast)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> None:
         """Backward of `loss` averaged over the accumulation window (unless `scale_wrt_gas=False`),
