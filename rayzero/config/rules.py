@@ -25,6 +25,10 @@ def check_rules(config: RayZeroConfig, notes: list[str], problems: list[Problem]
     _offload(config, notes, problems)
     _removed(config, notes, problems)
     _flagged_fields(config, notes)
+    zero = config.zero_optimization
+    if zero.stage == 0 and "overlap_comm" in zero.model_fields_set:
+        notes.append(f"ignored: `{_ZERO}.overlap_comm` = {str(zero.overlap_comm).lower()} at ZeRO stage 0: stage 0 "
+                     "all-reduces each bucket as soon as backward fills it (like DDP), whatever this key says")
     if config.zero_optimization.load_from_fp32_weights is False:
         notes.append(f"ignored: `{_ZERO}.load_from_fp32_weights` = false: rayzero always restores fp32 master "
                      "weights from the checkpoint's fp32 copy when it has one (rebuilding them from 16-bit "

@@ -134,3 +134,13 @@ def test_grad_accum_dtype_is_honoured_or_warned(stage, compute, asked, warned):
     config = load_config({**BATCH, "zero_optimization": {"stage": stage}, "data_types": {"grad_accum_dtype": asked},
                           "bf16": {"enabled": compute == "bf16"}})
     assert any("data_types.grad_accum_dtype" in note for note in config.notes) == warned
+
+
+def test_keys_that_do_nothing_here_say_so():
+    config = load_config({**BATCH, "zero_optimization": {"stage": 0, "overlap_comm": False,
+                                                         "load_from_fp32_weights": False,
+                                                         "allgather_bucket_size": 1000}})
+    for key in ("overlap_comm", "load_from_fp32_weights", "allgather_bucket_size"):
+        assert any(f"zero_optimization.{key}" in note for note in config.notes), key
+    quiet = load_config({**BATCH, "zero_optimization": {"stage": 2, "overlap_comm": False}})
+    assert not any("overlap_comm" in note for note in quiet.notes)  # honoured at stages 1-3
