@@ -151,6 +151,10 @@ def merge_rounds(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             row["rounds_failed"] = [r["error"] for r in group if "error" in r]
         row["step_time_round_medians_s"] = [r["step_time_median_s"] for r in good]
         row["step_time_median_s"] = statistics.median(row["step_time_round_medians_s"])
+        # spread of the round medians around their median: how far one round's figure can be trusted
+        medians = row["step_time_round_medians_s"]
+        row["step_time_round_spread"] = round((max(medians) - min(medians)) / row["step_time_median_s"], 4) \
+            if row["step_time_median_s"] else None
         row["step_time_min_s"] = min(r["step_time_min_s"] for r in good)
         row["step_cpu_time_median_s"] = statistics.median(r["step_cpu_time_median_s"] for r in good)
         merged.append(row)
@@ -230,7 +234,13 @@ def main(argv: list[str] | None = None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(document, indent=1))
         print(f"wrote {args.json}")
-    return 0
+    # A failed rayzero row fails the run (its error is still in the JSON); other systems only report.
+    failed = [row for row in results if row["system"].startswith("rayzero") and "error" in row
+              and not str(row["error"]).startswith("skipped: time budget")]
+    for row in failed:
+        print(f"FAILED {row['system']} ({row['model']}, world size {row['world_size']}): {row['error']}",
+              file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

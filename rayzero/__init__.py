@@ -32,8 +32,8 @@ _LAZY = {
     "report": "rayzero.workers",
     "get_dataset_shard": "rayzero.workers",
 }
-# sub-modules reachable as attributes, e.g. rayzero.zero.GatheredParameters
-_SUBMODULES = {"zero": "rayzero.zero"}
+# sub-modules reachable as attributes, e.g. rayzero.zero.GatheredParameters, rayzero.checkpointing.checkpoint
+_SUBMODULES = {"zero": "rayzero.zero", "checkpointing": "rayzero.checkpointing"}
 
 
 def __getattr__(name: str) -> Any:

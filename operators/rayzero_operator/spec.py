@@ -18,6 +18,7 @@ from pydantic import ValidationError
 from rayzero.config import ConfigError, load_config
 from rayzero.config.errors import nearest
 from rayzero.config.k8s_job import RayZeroJobSpec
+from rayzero.config.runnable import check_runnable
 
 
 @dataclass(frozen=True)
@@ -115,7 +116,8 @@ def deepspeed_problems(config: Any, world_size: int, where: str) -> list[SpecPro
         return [SpecProblem(where, f"must be a JSON object, got {type(config).__name__}",
                             "store the DeepSpeed config as a JSON object")]
     try:
-        load_config(config, world_size=world_size, allow_unresolved=True)
+        # valid for DeepSpeed and runnable by this build, before any RayJob or pod exists
+        check_runnable(load_config(config, world_size=world_size, allow_unresolved=True), where)
     except ConfigError as error:
         return [SpecProblem(f"{where}.{problem.path}" if problem.path else where,
                             f"{problem.value!r}: {problem.rule}", problem.fix or "see docs/config.md")

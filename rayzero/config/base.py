@@ -5,6 +5,7 @@ JSON configs write integers as `5e8` or `0.94e6` (floats to a JSON parser) and b
 """
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, PlainValidator, WithJsonSchema
@@ -15,13 +16,13 @@ AUTO = "auto"
 def _to_int(value: Any) -> Any:
     """Accept 5e8, 0.94e6, "5e8" and "1_000" as integers; refuse 2.5, True and "abc"."""
     if isinstance(value, bool):
-        raise ValueError(f"expected an integer, got the boolean {value}")
+        raise ValueError(f"expected an integer, got the boolean {json.dumps(value)}")
     if isinstance(value, str) and value != AUTO:
         text = value.strip().replace("_", "")
         try:
             value = float(text) if any(c in text for c in ".eE") else int(text)
         except ValueError:
-            raise ValueError(f"expected an integer, got the string {value!r}") from None
+            raise ValueError(f"expected an integer, got the string {json.dumps(value)}") from None
     if isinstance(value, float):
         if not value.is_integer():
             raise ValueError(f"expected an integer, got {value} which has a fractional part")
@@ -31,12 +32,12 @@ def _to_int(value: Any) -> Any:
 
 def _to_float(value: Any) -> Any:
     if isinstance(value, bool):
-        raise ValueError(f"expected a number, got the boolean {value}")
+        raise ValueError(f"expected a number, got the boolean {json.dumps(value)}")
     if isinstance(value, str) and value != AUTO:
         try:
             return float(value.strip())
         except ValueError:
-            raise ValueError(f"expected a number, got the string {value!r}") from None
+            raise ValueError(f"expected a number, got the string {json.dumps(value)}") from None
     return value
 
 
@@ -46,7 +47,7 @@ def _to_bool(value: Any) -> Any:
         lowered = value.strip().lower()
         if lowered in ("true", "false"):
             return lowered == "true"
-        raise ValueError(f"expected true or false, got the string {value!r}")
+        raise ValueError(f"expected true or false, got the string {json.dumps(value)}")
     if isinstance(value, int) and not isinstance(value, bool) and value in (0, 1):
         return bool(value)
     return value
@@ -91,6 +92,8 @@ AutoBool = _or_auto(_to_bool, bool, "boolean")
 # Field metadata (json_schema_extra keys) read by the rules and the docs generator.
 UNIMPLEMENTED = "x-rayzero-unimplemented"
 """Recognised DeepSpeed key that rayzero accepts but does not act on: setting it warns."""
+REMOVED = "x-rayzero-removed"
+"""A training feature DeepSpeed 0.19 removed (the value names it): refused when enabled."""
 STAGE3_ONLY = "x-rayzero-stage3-only"
 """Only ZeRO stage 3 reads this key: setting it at a lower stage warns that it is ignored."""
 NOT_STAGE3 = "x-rayzero-not-stage3"

@@ -2,7 +2,7 @@
 
     rayzero config validate FILE [--world-size N] [--hidden-size H] [--trainer KEY=VALUE ...] [--allow-auto]
         prints the normalised config (stdout) and every warning/resolution (stderr); exit 0,
-        or every problem (stderr); exit 2.
+        or every problem (stderr), including what this build cannot run (rayzero.config.runnable); exit 2.
     rayzero config schema [--output FILE]     JSON schema of the DeepSpeed config
     rayzero config docs [--write P | --check P]  the reference (docs/config.md)
 """
@@ -50,12 +50,15 @@ def _parser() -> argparse.ArgumentParser:
 def _validate(args: argparse.Namespace) -> int:
     from rayzero.config.errors import ConfigError
     from rayzero.config.loader import load_config
+    from rayzero.config.runnable import check_runnable
 
     try:
         config = load_config(
             args.file, world_size=args.world_size, hidden_size=args.hidden_size,
             trainer=dict(args.trainer) if args.trainer else None, allow_unresolved=args.allow_auto,
         )
+        # --allow-auto keeps "auto" on purpose (a trainer fills it later): only the rest is checked.
+        check_runnable(config, args.file, trainer_present=args.allow_auto)
     except ConfigError as error:
         print(f"invalid: {error}", file=sys.stderr)
         return EXIT_INVALID

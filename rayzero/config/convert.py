@@ -28,7 +28,7 @@ def to_problem(item: Mapping[str, Any], root: type[BaseModel], prefix: tuple = (
     expected = (item.get("ctx") or {}).get("expected")
     if kind in ("enum", "literal_error") and expected:
         choices = [choice.strip(" '") for choice in expected.replace(" or ", ",").split(",")]
-        guess = nearest(str(value), choices) if isinstance(value, str) else None
+        guess = nearest(str(value), choices, cutoff=0.6) if isinstance(value, str) else None
         fix = f"did you mean {guess!r}?" if guess else f"use one of: {', '.join(choices)}"
     elif kind in _BOUNDS:
         ctx = item.get("ctx") or {}
@@ -41,7 +41,13 @@ def to_problem(item: Mapping[str, Any], root: type[BaseModel], prefix: tuple = (
     elif "true or false" in message or kind.startswith("bool"):
         fix = "write true or false"
     elif kind == "string_pattern_mismatch":
-        fix = "use one of the values the rule allows"
+        # pydantic prints the regex; users need the words it allows.
+        pattern = str((item.get("ctx") or {}).get("pattern", ""))
+        choices = pattern.removeprefix("^(").removesuffix(")$").split("|") if pattern.startswith("^(") else []
+        message = f"not one of the accepted values ({', '.join(choices)})" if choices else message
+        guess = nearest(str(value), choices, cutoff=0.6) if isinstance(value, str) and choices else None
+        fix = f"did you mean {guess!r}?" if guess else (f"use one of: {', '.join(choices)}" if choices
+                                                         else "use one of the values the rule allows")
     return Problem(_path(prefix + loc), value, message, fix)
 
 

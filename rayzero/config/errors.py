@@ -16,6 +16,7 @@ pass instead of one error per run (DeepSpeed stops at the first one, or silently
 from __future__ import annotations
 
 import difflib
+import json
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -58,7 +59,7 @@ class Problem:
 
     def __str__(self) -> str:
         where = self.path or "<top level>"
-        text = f"{where} = {self.value!r}: {self.rule}"
+        text = f"{where} = {as_json(self.value)}: {self.rule}"
         return f"{text}. Fix: {self.fix}" if self.fix else text
 
 
@@ -76,9 +77,19 @@ class ConfigError(RayZeroValueError):
         return (type(self), (self.problems, self.source))
 
 
-def nearest(key: str, candidates: Iterable[str]) -> str | None:
-    """The closest valid key to a misspelled one, or None when nothing is close."""
-    matches = difflib.get_close_matches(key, list(candidates), n=1, cutoff=0.6)
+def as_json(value: Any) -> str:
+    """A value as the user wrote it in JSON (`true`, `"x"`, `5e8` -> 500000000.0), for messages."""
+    try:
+        return json.dumps(value, default=lambda v: getattr(v, "value", str(v)))
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+def nearest(key: str, candidates: Iterable[str], cutoff: float = 0.8) -> str | None:
+    """The closest valid key to a misspelled one, or None when nothing is close enough to be a typo
+    (0.8 for keys: `weight_decya` -> `weight_decay`, but not `tensor_parallel` -> `tensorboard`;
+    short enum values use 0.6: `bf61` -> `bf16`)."""
+    matches = difflib.get_close_matches(key, list(candidates), n=1, cutoff=cutoff)
     return matches[0] if matches else None
 
 

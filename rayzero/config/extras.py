@@ -1,7 +1,10 @@
-"""Top-level DeepSpeed keys rayzero recognises but does not implement.
+"""Top-level DeepSpeed keys rayzero recognises but does not implement, and the training features
+DeepSpeed 0.19 removed.
 
-They are accepted (so a DeepSpeed file loads unchanged) and each one present produces a warning
-naming it; none of them changes what rayzero does.
+Recognised keys are accepted (so a DeepSpeed file loads unchanged) and each one present produces a
+warning naming it; none of them changes what rayzero does. Removed features (`REMOVED`) change the
+math when enabled, so an enabled one is refused, as DeepSpeed refuses it; a disabled leftover is
+accepted with a note (DeepSpeed 0.19 refuses even that: a deliberate, harmless difference).
 """
 from __future__ import annotations
 
@@ -9,13 +12,59 @@ from typing import Any, Optional
 
 from pydantic import Field
 
-from rayzero.config.base import UNIMPLEMENTED, ConfigModel
+from rayzero.config.base import REMOVED, UNIMPLEMENTED, Bool, ConfigModel, Int
 
 _TODO = {UNIMPLEMENTED: True}
 
 
 def _todo() -> Any:
     return Field(None, json_schema_extra=_TODO)
+
+
+def _removed(what: str) -> Any:
+    return Field(None, json_schema_extra={REMOVED: what})
+
+
+class CompileConfig(ConfigModel):
+    """DeepSpeed's `compile` section (DeepCompile), with DeepSpeed 0.19's keys; recognised, not implemented.
+    It does not take torch.compile's arguments (`backend`, `disable`): DeepSpeed refuses those here."""
+
+    deepcompile: Bool = Field(False, json_schema_extra=_TODO)
+    """Compile the model with DeepSpeed's ZeRO-aware compiler passes."""
+    autoep_non_moe: Bool = Field(False, json_schema_extra=_TODO)
+    """DeepCompile for the non-MoE part of an AutoEP model."""
+    free_activation: Bool = Field(False, json_schema_extra=_TODO)
+    """Free activations early."""
+    free_activation_threshold: Int = Field(10 * 1024 * 1024, json_schema_extra=_TODO)
+    """Smallest activation (bytes) freed early."""
+    offload_activation: Bool = Field(False, json_schema_extra=_TODO)
+    """Offload activations to the host between forward and backward."""
+    offload_activation_pin_memory: Bool = Field(True, json_schema_extra=_TODO)
+    """Pin the host buffers of offloaded activations."""
+    offload_opt_states: Bool = Field(False, json_schema_extra=_TODO)
+    """Offload optimizer states during forward/backward."""
+    double_buffer: Bool = Field(True, json_schema_extra=_TODO)
+    """Double-buffer offloaded optimizer states."""
+    symmetric_memory: Bool = Field(False, json_schema_extra=_TODO)
+    """Use symmetric memory for collectives."""
+    debug_log: Bool = Field(False, json_schema_extra=_TODO)
+    """Log the compiler passes."""
+    offload_parameters: Bool = Field(False, json_schema_extra=_TODO)
+    """Offload parameters during forward/backward."""
+    sync_before_reduce: Bool = Field(False, json_schema_extra=_TODO)
+    """Synchronise the device before each reduce."""
+    sync_after_reduce: Bool = Field(False, json_schema_extra=_TODO)
+    """Synchronise the device after each reduce."""
+    sync_before_allgather: Bool = Field(False, json_schema_extra=_TODO)
+    """Synchronise the device before each all-gather."""
+    sync_after_allgather: Bool = Field(False, json_schema_extra=_TODO)
+    """Synchronise the device after each all-gather."""
+    keep_int_input_tensors: Bool = Field(True, json_schema_extra=_TODO)
+    """Keep integer input tensors alive."""
+    keep_all_input_tensors: Bool = Field(False, json_schema_extra=_TODO)
+    """Keep every input tensor alive."""
+    passes: Optional[list[str]] = Field(None, json_schema_extra=_TODO)
+    """Compiler passes to run."""
 
 
 class UnimplementedSections(ConfigModel):
@@ -25,26 +74,18 @@ class UnimplementedSections(ConfigModel):
     """Scale gradients before all-reduce instead of after; recognised, not implemented."""
     gradient_predivide_factor: Optional[Any] = _todo()
     """Divide gradients by this before all-reduce; recognised, not implemented."""
-    sparse_gradients: Optional[Any] = _todo()
-    """Sparse all-reduce for embedding gradients; recognised, not implemented."""
+    sparse_gradients: Optional[Any] = _removed("Sparse compression of dense embedding gradients")
+    """Sparse compression of dense embedding gradients: removed in DeepSpeed 0.19; refused when enabled."""
     zero_force_ds_cpu_optimizer: Optional[Any] = _todo()
     """Insist on DeepSpeed's CPU Adam with offload; recognised, not implemented."""
     memory_breakdown: Optional[Any] = _todo()
     """Print memory use at each step; recognised, not implemented."""
     dump_state: Optional[Any] = _todo()
     """Print the engine state after initialisation; recognised, not implemented."""
-    data_types: Optional[Any] = _todo()
-    """`grad_accum_dtype` for gradient accumulation; recognised, not implemented."""
     seq_parallel_communication_data_type: Optional[Any] = _todo()
     """Sequence-parallel communication dtype; recognised, not implemented."""
     flops_profiler: Optional[Any] = _todo()
     """DeepSpeed's FLOPS profiler; recognised, not implemented."""
-    tensorboard: Optional[Any] = _todo()
-    """TensorBoard monitor; recognised, not implemented (use `rayzero.report`)."""
-    wandb: Optional[Any] = _todo()
-    """Weights & Biases monitor; recognised, not implemented (use `rayzero.report`)."""
-    csv_monitor: Optional[Any] = _todo()
-    """CSV monitor; recognised, not implemented (use `rayzero.report`)."""
     comet: Optional[Any] = _todo()
     """Comet monitor; recognised, not implemented."""
     comms_logger: Optional[Any] = _todo()
@@ -53,37 +94,54 @@ class UnimplementedSections(ConfigModel):
     """DeepSpeed autotuner; recognised, not implemented."""
     pipeline: Optional[Any] = _todo()
     """Pipeline parallelism; recognised, not implemented."""
-    sparse_attention: Optional[Any] = _todo()
-    """Sparse attention kernels; recognised, not implemented."""
-    compression_training: Optional[Any] = _todo()
-    """Compression-aware training; recognised, not implemented."""
+    sparse_attention: Optional[Any] = _removed("DeepSpeed Sparse Attention")
+    """DeepSpeed Sparse Attention: removed in DeepSpeed 0.19; refused when enabled."""
+    compression_training: Optional[Any] = _removed("The DeepSpeed compression library")
+    """The DeepSpeed compression library: removed in DeepSpeed 0.19; refused when enabled."""
     data_efficiency: Optional[Any] = _todo()
     """Data sampling/routing library; recognised, not implemented."""
-    curriculum_learning: Optional[Any] = _todo()
-    """Curriculum learning; recognised, not implemented."""
-    eigenvalue: Optional[Any] = _todo()
-    """Eigenvalue computation for quantisation; recognised, not implemented."""
-    progressive_layer_drop: Optional[Any] = _todo()
-    """Progressive layer dropping; recognised, not implemented."""
-    quantize_training: Optional[Any] = _todo()
-    """Quantisation-aware training; recognised, not implemented."""
+    curriculum_learning: Optional[Any] = _removed("Legacy top-level curriculum learning")
+    """Legacy top-level curriculum learning: removed in DeepSpeed 0.19; refused when enabled."""
+    eigenvalue: Optional[Any] = _removed("Eigenvalue-based Mixture-of-Quantization")
+    """Eigenvalue-based Mixture-of-Quantization: removed in DeepSpeed 0.19; refused when enabled."""
+    progressive_layer_drop: Optional[Any] = _removed("Progressive Layer Dropping")
+    """Progressive Layer Dropping: removed in DeepSpeed 0.19; refused when enabled."""
+    quantize_training: Optional[Any] = _removed("Mixture-of-Quantization (quantize_training)")
+    """Mixture-of-Quantization (quantize_training): removed in DeepSpeed 0.19; refused when enabled."""
     weight_quantization: Optional[Any] = _todo()
     """Post-training weight quantisation; recognised, not implemented."""
     hybrid_engine: Optional[Any] = _todo()
     """RLHF hybrid engine; recognised, not implemented."""
-    nebula: Optional[Any] = _todo()
-    """Azure Nebula checkpointing; recognised, not implemented."""
+    nebula: Optional[Any] = _removed("Nebula checkpointing")
+    """Nebula checkpointing: removed in DeepSpeed 0.19; refused when enabled."""
     dataloader_drop_last: Optional[Any] = _todo()
     """Drop the last incomplete batch of DeepSpeed's loader; recognised, not implemented."""
     disable_allgather: Optional[Any] = _todo()
     """Legacy stage-1 switch; recognised, not implemented."""
     torch_autocast: Optional[Any] = _todo()
     """torch.autocast integration; recognised, not implemented."""
-    compile: Optional[Any] = _todo()
-    """torch.compile integration; recognised, not implemented."""
+    compile: Optional[CompileConfig] = None
+    """DeepSpeed's DeepCompile options (not torch.compile's); recognised, not implemented."""
     timers: Optional[Any] = _todo()
     """Throughput timers; recognised, not implemented."""
-    graph_harvesting: Optional[Any] = _todo()
-    """CUDA-graph harvesting; recognised, not implemented."""
+    graph_harvesting: Optional[Any] = _removed("Graph harvesting")
+    """Graph harvesting: removed in DeepSpeed 0.19; refused when enabled."""
     use_data_before_expert_parallelism: Optional[Any] = _todo()
     """MoE data/expert parallel group order; recognised, not implemented."""
+    tensor_parallel: Optional[dict[str, Any]] = _todo()
+    """AutoTP training (`autotp_size`, ...); recognised, not implemented: the model is replicated on
+    every rank, and with `autotp_size` > 1 each rank trains as a data-parallel rank instead."""
+    expert_parallel: Optional[Any] = _todo()
+    """AutoEP expert parallelism; recognised, not implemented."""
+    sequence_parallel_size: Optional[Any] = _todo()
+    """Ulysses sequence-parallel degree; recognised, not implemented."""
+    disable_python_gc: Optional[Any] = _todo()
+    """Disable Python's garbage collector during training; recognised, not implemented."""
+    gradient_allreduce_op: Optional[Any] = _todo()
+    """`mean` or `sum` for the gradient all-reduce; recognised, not implemented (rayzero averages)."""
+    managed_gradient_accumulation: Optional[Any] = _todo()
+    """Let DeepSpeed decide gradient-accumulation boundaries; recognised, not implemented."""
+    log_level: Optional[Any] = _todo()
+    """DeepSpeed's logger level; recognised, not implemented (use the `rayzero` logger)."""
+    vocabulary_size: Optional[Any] = _todo()
+    """Vocabulary size, for a tensor-core alignment warning; recognised, not implemented."""

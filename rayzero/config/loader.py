@@ -1,7 +1,7 @@
 """`load_config`: JSON file / dict / model in, one validated `RayZeroConfig` out, or one
 `ConfigError` listing every problem.
 
-Pipeline: read -> migrate deprecated keys -> pydantic validation (unknown keys, types, ranges) ->
+Pipeline: read -> migrate deprecated keys -> DeepSpeed's leniencies (prepare.py) -> pydantic validation (unknown keys, types, ranges) ->
 cross-field rules -> "auto" resolution and batch-size derivation. Later stages still run when an
 earlier one found problems (on the config minus the offending keys), so one run reports everything.
 """
@@ -19,6 +19,7 @@ from rayzero.config.convert import to_problem
 from rayzero.config.errors import ConfigError, Problem
 from rayzero.config.migrate import migrate
 from rayzero.config.model import RayZeroConfig
+from rayzero.config.prepare import prepare
 from rayzero.config.rules import check_resolved, check_rules
 
 logger = logging.getLogger("rayzero.config")
@@ -47,16 +48,18 @@ def load_config(
     problems: list[Problem] = []
     raw = _read(source, name)
     raw = migrate(raw, notes, problems)
+    raw = prepare(raw, notes, problems)
     config = _validate(raw, problems)
     check_rules(config, notes, problems)
     resolve(config, world_size=world_size, hidden_size=hidden_size, trainer=trainer,
             allow_unresolved=allow_unresolved, notes=notes, problems=problems)
-    check_resolved(config, problems)
+    check_resolved(config, problems, notes)
     if problems:
         raise ConfigError(problems, name)
+    notes[:] = list(dict.fromkeys(notes))  # each note once, in order
     for note in notes:
         # resolutions are information; everything else (ignored, deprecated, unimplemented) warns
-        level = logging.INFO if note.startswith(("auto:", "derived:", "filled:")) else logging.WARNING
+        level = logging.INFO if note.startswith(("auto:", "derived:", "filled:", "rounded:")) else logging.WARNING
         logger.log(level, note)
     config._notes = notes
     return config

@@ -15,12 +15,14 @@ from pydantic import Field, PrivateAttr
 
 from rayzero.config.base import AUTO, AutoNonNegativeFloat, AutoPositive, Bool, Int
 from rayzero.config.extras import UnimplementedSections
+from rayzero.config.monitor import CSVMonitorConfig, TensorBoardConfig, WandbConfig
 from rayzero.config.sections import (
     ActivationCheckpointingConfig,
     AioConfig,
     AmpConfig,
     BF16Config,
     CheckpointConfig,
+    DataTypesConfig,
     ElasticityConfig,
     FP16Config,
     OptimizerConfig,
@@ -42,10 +44,12 @@ class RayZeroConfig(UnimplementedSections):
     gradient_clipping: AutoNonNegativeFloat = 1.0
     """Clip the global gradient norm to this (0 = off). 1.0 matches DeepSpeed 0.19's default.
     "auto" = the trainer's `max_grad_norm`."""
-    steps_per_print: Optional[Int] = Field(10, ge=1)
-    """Log progress every this many optimizer steps."""
+    steps_per_print: Optional[Int] = Field(None, ge=1)
+    """Log `step, skipped, lr, mom` from rank 0 every this many optimizer steps (None = never, as
+    DeepSpeed 0.19)."""
     wall_clock_breakdown: Bool = False
-    """Time forward, backward and step separately and log them."""
+    """Time forward, backward (its autograd and communication parts) and step in the engine; log them
+    at every accumulation boundary (and to the monitors, DeepSpeed's `elapsed_time_ms_*` tags)."""
     optimizer: Optional[OptimizerConfig] = None
     """The optimizer to build; absent = the one passed to `rayzero.initialize`."""
     scheduler: Optional[SchedulerConfig] = None
@@ -71,7 +75,15 @@ class RayZeroConfig(UnimplementedSections):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     """Checkpoint writing options."""
     elasticity: ElasticityConfig = Field(default_factory=ElasticityConfig)
-    """DeepSpeed elasticity (recognised)."""
+    """DeepSpeed elasticity (removed in DeepSpeed 0.19: `enabled: true` is refused)."""
+    data_types: DataTypesConfig = Field(default_factory=DataTypesConfig)
+    """Gradient-accumulation and load dtypes (DeepSpeed's `data_types`)."""
+    tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig)
+    """TensorBoard monitor (DeepSpeed's tags, rank 0)."""
+    csv_monitor: CSVMonitorConfig = Field(default_factory=CSVMonitorConfig)
+    """CSV monitor (DeepSpeed's file layout, rank 0)."""
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+    """Weights & Biases monitor (rank 0; only when wandb is installed)."""
 
     # Warnings and "auto" resolutions from load_config, for the CLI and logs; not configuration,
     # so they are neither serialised nor compared.

@@ -16,6 +16,7 @@ from rayzero.config.base import (
     AutoFloat,
     AutoInt,
     AutoNonNegativeFloat,
+    AutoPositive,
     Bool,
     ConfigModel,
     Float,
@@ -102,8 +103,9 @@ class WarmupLRParams(_SchedulerBase):
     """Learning rate at step 0. "auto" = 0."""
     warmup_max_lr: AutoNonNegativeFloat = 0.001
     """Learning rate after warm-up. "auto" = the trainer's `learning_rate`."""
-    warmup_num_steps: AutoInt = 1000
-    """Warm-up length in steps. "auto" = the trainer's `warmup_steps` (or warmup_ratio × max_steps)."""
+    warmup_num_steps: AutoPositive = 1000
+    """Warm-up length in steps (at least 1, as DeepSpeed). "auto" = the trainer's `warmup_steps` (or
+    warmup_ratio × max_steps)."""
     warmup_type: str = Field("log", pattern="^(log|linear)$")
     """Warm-up curve: `log` or `linear`."""
 
@@ -122,8 +124,8 @@ class WarmupCosineLRParams(_SchedulerBase):
     """Total training steps (required). "auto" = the trainer's `max_steps`."""
     warmup_min_ratio: AutoNonNegativeFloat = 0.0
     """Starting lr as a fraction of the optimizer's lr."""
-    warmup_num_steps: AutoInt = 1000
-    """Warm-up length in steps. "auto" = the trainer's `warmup_steps`."""
+    warmup_num_steps: AutoPositive = 1000
+    """Warm-up length in steps (at least 1, as DeepSpeed). "auto" = the trainer's `warmup_steps`."""
     cos_min_ratio: AutoNonNegativeFloat = 0.0001
     """Final lr as a fraction of the optimizer's lr."""
     warmup_type: str = Field("log", pattern="^(log|linear)$")

@@ -10,7 +10,7 @@ from typing import Any, Iterator
 from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 
-from rayzero.config.base import NOT_STAGE3, STAGE3_ONLY, UNIMPLEMENTED
+from rayzero.config.base import NOT_STAGE3, REMOVED, STAGE3_ONLY, UNIMPLEMENTED
 from rayzero.config.convert import to_problem
 from rayzero.config.errors import Problem, nearest
 from rayzero.config.model import RayZeroConfig
@@ -22,15 +22,39 @@ _ZERO = "zero_optimization"
 def check_rules(config: RayZeroConfig, notes: list[str], problems: list[Problem]) -> None:
     """Append every cross-field error to `problems` and every warning to `notes`.
     Precision rules run later (`check_resolved`): "auto" may decide fp16, bf16 and amp."""
-    _offload(config, problems)
+    _offload(config, notes, problems)
+    _removed(config, notes, problems)
     _flagged_fields(config, notes)
+    zero = config.zero_optimization
+    if zero.stage == 0 and "overlap_comm" in zero.model_fields_set:
+        notes.append(f"ignored: `{_ZERO}.overlap_comm` = {str(zero.overlap_comm).lower()} at ZeRO stage 0: stage 0 "
+                     "all-reduces each bucket as soon as backward fills it (like DDP), whatever this key says")
+    if config.zero_optimization.load_from_fp32_weights is False:
+        notes.append(f"ignored: `{_ZERO}.load_from_fp32_weights` = false: rayzero always restores fp32 master "
+                     "weights from the checkpoint's fp32 copy when it has one (rebuilding them from 16-bit "
+                     "weights would lose precision)")
     _optimizer(config, notes, problems)
     _scheduler(config, problems)
 
 
-def check_resolved(config: RayZeroConfig, problems: list[Problem]) -> None:
+def check_resolved(config: RayZeroConfig, problems: list[Problem], notes: list[str] | None = None) -> None:
     """Rules that need "auto" values resolved first."""
     _precision(config, problems)
+    if notes is not None:
+        _grad_accum_dtype(config, notes)
+
+
+def _grad_accum_dtype(config: RayZeroConfig, notes: list[str]) -> None:
+    asked = config.data_types.grad_accum_dtype
+    if asked is None or isinstance(config.fp16.enabled, str) or isinstance(config.bf16.enabled, str):
+        return
+    stage = config.zero_optimization.stage
+    done = "fp32" if stage >= 2 else config.compute_dtype
+    if asked != done:
+        notes.append(f"ignored: `data_types.grad_accum_dtype` = {asked!r}: at ZeRO stage {stage} with "
+                     f"{config.compute_dtype} compute rayzero accumulates gradients in {done} "
+                     + ("(each micro step is reduced into the fp32 master gradients)" if stage >= 2 else
+                        "(stages 0-1 accumulate in the compute dtype; use stage 2 for fp32 accumulation)"))
 
 
 def _precision(config: RayZeroConfig, problems: list[Problem]) -> None:
@@ -45,24 +69,77 @@ def _precision(config: RayZeroConfig, problems: list[Problem]) -> None:
             "set one of fp16.enabled / bf16.enabled to false"))
 
 
-def _offload(config: RayZeroConfig, problems: list[Problem]) -> None:
+def _offload(config: RayZeroConfig, notes: list[str], problems: list[Problem]) -> None:
     zero = config.zero_optimization
-    if zero.offload_param_device != "none" and zero.stage != 3:
-        problems.append(Problem(
-            f"{_ZERO}.offload_param.device", zero.offload_param_device,
-            f"parameter offload needs ZeRO stage 3 (stage is {zero.stage}): only stage 3 partitions parameters",
-            f'set "{_ZERO}.stage": 3, or remove offload_param (offload_optimizer works at stages 1-3)'))
-    if zero.offload_optimizer is not None and zero.offload_optimizer.ratio < 1.0 and zero.stage != 3:
-        problems.append(Problem(
-            f"{_ZERO}.offload_optimizer.ratio", zero.offload_optimizer.ratio,
-            f"partial optimizer offload (ratio < 1) needs ZeRO stage 3 (stage is {zero.stage})",
-            f'set "{_ZERO}.stage": 3, or set ratio to 1.0'))
+    # DeepSpeed reads offload_param and the partial-offload ratio at stage 3 only and ignores them
+    # below it: warn and drop them, so nothing downstream acts on a setting DeepSpeed ignores.
+    if zero.offload_param is not None and zero.stage != 3:
+        if zero.offload_param_device != "none":
+            notes.append(f"ignored: `{_ZERO}.offload_param` (device {zero.offload_param_device!r}) only applies to "
+                         f"ZeRO stage 3 (stage is {zero.stage}): parameters stay where they are. Set "
+                         f'"{_ZERO}.stage": 3 to offload them, or remove offload_param')
+        zero.offload_param = None
+    optimizer = zero.offload_optimizer
+    if optimizer is not None and optimizer.ratio < 1.0:
+        if optimizer.device.value == "nvme":
+            problems.append(Problem(
+                f"{_ZERO}.offload_optimizer.ratio", optimizer.ratio,
+                "partial optimizer offload (ratio < 1) works with device \"cpu\" only",
+                'set ratio to 1.0, or use "device": "cpu"'))
+        elif zero.stage != 3:
+            notes.append(f"ignored: `{_ZERO}.offload_optimizer.ratio` = {optimizer.ratio} only applies to ZeRO stage 3 "
+                         f"(stage is {zero.stage}): all optimizer state is offloaded")
+            optimizer.ratio = 1.0
     for name in ("offload_param", "offload_optimizer"):
         section = getattr(zero, name)
         if section is not None and section.device.value == "nvme" and not section.nvme_path:
             problems.append(Problem(
                 f"{_ZERO}.{name}.nvme_path", None, 'device "nvme" needs a directory for the swap files',
                 f'add "nvme_path": "/local_nvme" (a directory on a fast local NVMe drive) to {_ZERO}.{name}'))
+
+
+def _enabled(section: Any) -> bool:
+    """Whether a removed feature's leftover section turns it on: `true`, `enabled: true` anywhere
+    inside, or a non-empty block with no `enabled` key at all (sparse_attention is on by presence)."""
+    def any_enabled(node: Any) -> bool | None:
+        if isinstance(node, dict):
+            found = None
+            for key, value in node.items():
+                if key == "enabled":
+                    flag = value is True or (isinstance(value, str) and value.lower() == "true")
+                    found = bool(found) or flag
+                else:
+                    inner = any_enabled(value)
+                    if inner is not None:
+                        found = bool(found) or inner
+            return found
+        return None
+    if isinstance(section, bool):
+        return section
+    flag = any_enabled(section)
+    return bool(section) if flag is None else flag
+
+
+def _removed(config: RayZeroConfig, notes: list[str], problems: list[Problem]) -> None:
+    """DeepSpeed 0.19 removed these training features and refuses their keys: an enabled one would
+    change the math, so it is refused here too; a disabled leftover is only noted."""
+    for name, field in type(config).model_fields.items():
+        extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+        what = extra.get(REMOVED)
+        value = getattr(config, name)
+        if not what or value is None:
+            continue
+        if _enabled(value):
+            problems.append(Problem(name, value, f"{what} was removed in DeepSpeed 0.19 and rayzero does not "
+                                    "implement it: training would silently differ from what this section asks",
+                                    f"remove `{name}` (train without it)"))
+        else:
+            notes.append(f"ignored: `{name}` is disabled; {what} was removed in DeepSpeed 0.19 (which refuses the "
+                         "key): remove it")
+    if config.elasticity.enabled is True:
+        problems.append(Problem("elasticity.enabled", True, "elastic training was removed in DeepSpeed 0.19",
+                                "remove the elasticity section; rayzero keeps the global batch across resizes "
+                                "by changing gradient accumulation (see ScalingConfig)"))
 
 
 def _walk(model: BaseModel, path: str) -> Iterator[tuple[str, FieldInfo, Any]]:
@@ -126,8 +203,7 @@ def _optimizer(config: RayZeroConfig, notes: list[str], problems: list[Problem])
     if model is not None:
         _check_params(config.optimizer, model, "optimizer", problems)
     elif name.lower() in RECOGNISED_OPTIMIZERS:
-        notes.append(f"recognised but not implemented: `optimizer.type` = {name!r}; rayzero builds "
-                     f"Adam, AdamW and SGD itself. Pass your own optimizer to rayzero.initialize instead")
+        pass  # valid DeepSpeed; whether this build can run it is rayzero.config.runnable's call
     else:
         known = ["Adam", "AdamW", "SGD", *sorted(RECOGNISED_OPTIMIZERS)]
         guess = nearest(name.lower(), [k.lower() for k in known])

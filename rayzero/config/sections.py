@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from enum import Enum
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 from pydantic import AfterValidator, BeforeValidator, ConfigDict, Field
 from typing_extensions import Annotated
@@ -38,8 +38,9 @@ class FP16Config(ConfigModel):
 
     enabled: AutoBool = False
     """Compute in fp16. "auto" = the trainer's `fp16` argument."""
-    auto_cast: Bool = Field(False, json_schema_extra=_TODO)
-    """Cast inputs of the forward to fp16 automatically; recognised, not implemented."""
+    auto_cast: Bool = False
+    """Cast floating tensors among the forward's positional inputs to fp16 (DeepSpeed's
+    `_cast_inputs_half`); without it inputs are passed as given."""
     loss_scale: Float = Field(0.0, ge=0.0)
     """0 = dynamic loss scaling; a positive value = that static loss scale."""
     initial_scale_power: Int = Field(16, ge=0)
@@ -63,8 +64,14 @@ class BF16Config(ConfigModel):
     """Compute in bf16. "auto" = the trainer's `bf16` argument."""
     immediate_grad_update: Bool = Field(False, json_schema_extra=_TODO)
     """Apply gradients to fp32 accumulators as soon as they are produced; recognised, not implemented."""
-    check_grad_overflow: Bool = Field(False, json_schema_extra=_TODO)
-    """Check bf16 gradients for inf/nan; recognised, not implemented."""
+    check_grad_overflow: Bool = Field(True, json_schema_extra=_TODO)
+    """Check bf16 gradients for inf/nan (DeepSpeed 0.19 default true); recognised, not implemented."""
+    bf16_master_weights_and_grads: Bool = Field(False, json_schema_extra=_TODO)
+    """Keep master weights and gradients in bf16 (ZeRO 1-3); recognised, not implemented: rayzero
+    keeps fp32 master weights (more precise, 2 more bytes per parameter per rank's shard)."""
+    bf16_optimizer_states: Bool = Field(False, json_schema_extra=_TODO)
+    """Keep optimizer states in bf16 (needs bf16_master_weights_and_grads); recognised, not
+    implemented: rayzero keeps fp32 optimizer state."""
 
 
 class AmpConfig(ConfigModel):
@@ -126,20 +133,38 @@ def _false_is_none(value: Any) -> Any:
 
 
 class ActivationCheckpointingConfig(ConfigModel):
-    """DeepSpeed's activation-checkpointing options (used by `rayzero.checkpointing` wrappers)."""
+    """DeepSpeed's activation-checkpointing options, used by `rayzero.checkpointing.checkpoint`
+    (`rayzero.initialize` applies this section when the config has it)."""
 
-    partition_activations: Bool = Field(False, json_schema_extra=_TODO)
-    """Shard checkpointed activations across model-parallel ranks; recognised, not implemented."""
+    partition_activations: Bool = False
+    """Split checkpointed activations across model-parallel ranks; rayzero has no model parallelism
+    (size 1), where DeepSpeed's partition is the whole tensor: same behaviour."""
     contiguous_memory_optimization: Bool = Field(False, json_schema_extra=_TODO)
-    """Copy checkpointed activations into one contiguous buffer; recognised, not implemented."""
-    cpu_checkpointing: Bool = Field(False, json_schema_extra=_TODO)
-    """Keep checkpointed activations in CPU memory; recognised, not implemented."""
+    """Copy partitioned checkpoints into one contiguous buffer (needs partition_activations and
+    number_checkpoints, as DeepSpeed); recognised, not implemented (memory layout only)."""
+    cpu_checkpointing: Bool = False
+    """Keep checkpointed activations (each region's inputs) in CPU memory until the recompute."""
     number_checkpoints: Annotated[Optional[Int], BeforeValidator(_false_is_none)] = None
     """Number of checkpoints, to size the contiguous buffer."""
-    synchronize_checkpoint_boundary: Bool = Field(False, json_schema_extra=_TODO)
-    """Synchronise the device at each checkpoint boundary; recognised, not implemented."""
-    profile: Bool = Field(False, json_schema_extra=_TODO)
-    """Time the checkpointed forward and recompute; recognised, not implemented."""
+    synchronize_checkpoint_boundary: Bool = False
+    """Synchronise the accelerator before and after each checkpointed region."""
+    profile: Bool = False
+    """Log the forward time of each checkpointed region."""
+
+
+class DataTypesConfig(ConfigModel):
+    """DeepSpeed's `data_types` section."""
+
+    grad_accum_dtype: Optional[Literal["fp32", "fp16", "bf16"]] = None
+    """dtype gradients accumulate in across micro steps. rayzero accumulates in fp32 at ZeRO stages
+    2-3 (each micro step is reduced into the fp32 master gradients) and in the compute dtype at
+    stages 0-1; a different request is warned about."""
+    param_dtype: Optional[str] = Field(None, json_schema_extra=_TODO)
+    """dtype parameters are loaded in; recognised, not implemented."""
+    buffer_dtype: Optional[str] = Field(None, json_schema_extra=_TODO)
+    """dtype buffers are kept in; recognised, not implemented."""
+    keep_in_fp32_modules: Optional[Any] = Field(None, json_schema_extra=_TODO)
+    """Module name patterns whose buffers stay fp32; recognised, not implemented."""
 
 
 class TagValidation(str, Enum):
@@ -190,9 +215,9 @@ class CheckpointConfig(ConfigModel):
 class ElasticityConfig(ConfigModel):
     """DeepSpeed elasticity: batch sizes that stay valid as the GPU count changes."""
 
-    enabled: Bool = Field(False, json_schema_extra=_TODO)
-    """Use DeepSpeed's elastic batch computation; recognised, not implemented (rayzero resizes by
-    changing gradient accumulation, see the driver's ScalingConfig)."""
+    enabled: Bool = False
+    """DeepSpeed's elastic batch computation, removed in DeepSpeed 0.19: `true` is refused (rayzero
+    resizes by changing gradient accumulation, see the driver's ScalingConfig)."""
     max_train_batch_size: Int = Field(2000, ge=1)
     """Largest acceptable global batch."""
     micro_batch_sizes: list[Int] = Field(default_factory=lambda: [2, 4, 6])

@@ -17,6 +17,7 @@ from rayzero.config.base import (
     STAGE3_ONLY,
     UNIMPLEMENTED,
     AutoCount,
+    AutoPositive,
     Bool,
     ConfigModel,
     Int,
@@ -36,18 +37,21 @@ class ZeroConfig(ConfigModel):
     """Copy gradients into one contiguous buffer as they are produced (less fragmentation)."""
     reduce_scatter: Bool = True
     """Average gradients with reduce-scatter (each rank receives its shard) instead of all-reduce."""
-    reduce_bucket_size: AutoCount = 500_000_000
-    """Elements reduced at once; "auto" = hidden_size² (needs the model's hidden size)."""
+    reduce_bucket_size: AutoPositive = 500_000_000
+    """Elements reduced at once (at least 1, as DeepSpeed); "auto" = hidden_size² (needs the model's hidden size)."""
     use_multi_rank_bucket_allreduce: Bool = Field(True, json_schema_extra=_TODO)
     """Combine reduction buckets destined for several ranks into one all-reduce; recognised, not implemented."""
-    allgather_partitions: Bool = Field(True, json_schema_extra={NOT_STAGE3: True})
-    """Stages 1-2: all-gather updated parameters (True) or broadcast them one rank at a time (False)."""
-    allgather_bucket_size: AutoCount = Field(500_000_000, json_schema_extra={NOT_STAGE3: True})
-    """Stages 1-2: elements all-gathered at once after the step."""
+    allgather_partitions: Bool = Field(True, json_schema_extra={NOT_STAGE3: True, **_TODO})
+    """Stages 1-2: all-gather updated parameters (True) or broadcast them one rank at a time (False);
+    recognised, not implemented: rayzero always all-gathers (same result, one collective per bucket)."""
+    allgather_bucket_size: AutoCount = Field(500_000_000, json_schema_extra={NOT_STAGE3: True, **_TODO})
+    """Stages 1-2: elements all-gathered at once after the step; recognised, not implemented: rayzero
+    all-gathers per reduce bucket (`reduce_bucket_size`)."""
     overlap_comm: Optional[Bool] = None
     """Overlap gradient reduction with the backward pass. Unset: true at stage 3, false below."""
     load_from_fp32_weights: Bool = True
-    """On load, initialise fp32 master weights from the checkpoint's fp32 copy (not the 16-bit weights)."""
+    """On load, initialise fp32 master weights from the checkpoint's fp32 copy (not the 16-bit weights).
+    rayzero always does when the checkpoint has them: `false` is warned about and ignored."""
     elastic_checkpoint: Bool = False
     """Allow loading optimizer state saved at another world size (rayzero always reshards)."""
     offload_param: Optional[OffloadParamConfig] = Field(None, json_schema_extra=_S3)

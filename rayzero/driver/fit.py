@@ -42,9 +42,6 @@ class Result:
     """URI of the Parquet metrics log (every rank's reports)."""
 
 
-_MODEL_AUTOS = ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
-                "stage3_param_persistence_threshold")
-"""Keys whose "auto" the engine resolves from the model's hidden size (rayzero.engine.config_resolution)."""
 
 
 def _validated_config(config: Any, world_size: int) -> tuple[dict[str, Any] | None, dict[str, Any]]:
@@ -60,15 +57,11 @@ def _validated_config(config: Any, world_size: int) -> tuple[dict[str, Any] | No
 
     # allow_unresolved: "auto" values that need the model (hidden size) are resolved in the engine.
     checked = load_config(config, world_size=world_size, allow_unresolved=True)
-    # Only those: the engine resolves again with this world size and the model's hidden size and no
-    # trainer arguments, so any other "auto" would fail on every worker after they started.
-    left = [path for path in checked.unresolved_autos() if path.rsplit(".", 1)[-1] not in _MODEL_AUTOS]
-    if left:
-        raise ConfigError([Problem(
-            path, "auto", "\"auto\" cannot be resolved in the workers (rayzero.initialize resolves only "
-            f"{', '.join(_MODEL_AUTOS)} from the model, and the batch keys from the world size)",
-            "write a value, or pass rayzero.config.load_config(path, trainer={...}, allow_unresolved=True) "
-            "as config") for path in left], str(config) if isinstance(config, (str, Path)) else "config")
+    # What this build cannot run (optimizer, scheduler, an "auto" only a trainer fills) is refused
+    # here, before any worker starts ([Note: valid vs runnable]).
+    from rayzero.config.runnable import check_runnable
+
+    check_runnable(checked, str(config) if isinstance(config, (str, Path)) else "config")
     validated = checked.to_deepspeed_dict()
     if isinstance(config, RayZeroConfig):
         return config.to_deepspeed_dict(), validated

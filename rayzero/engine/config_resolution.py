@@ -12,6 +12,7 @@ import torch
 
 from rayzero.config import RayZeroConfig, load_config
 from rayzero.config.errors import RayZeroValueError
+from rayzero.config.runnable import check_runnable
 
 CONFIG_ENV = "RAYZERO_CONFIG"
 """Path to a JSON config, or the JSON text itself; the Ray worker sets it for the user's loop."""
@@ -41,9 +42,10 @@ def resolve_config(config: Any, world_size: int, model: torch.nn.Module) -> RayZ
     # hidden_size is only a fact for resolving "auto" bucket sizes: pass it only when one is left,
     # so explicit values are never second-guessed by a guess at the model's width.
     first = load_config(config, world_size=world_size, allow_unresolved=True)
-    if not _has_auto(first.model_dump()):
-        return first
-    return load_config(config, world_size=world_size, hidden_size=detect_hidden_size(model))
+    resolved = (first if not _has_auto(first.model_dump())
+                else load_config(config, world_size=world_size, hidden_size=detect_hidden_size(model)))
+    check_runnable(resolved)  # [Note: valid vs runnable]
+    return resolved
 
 
 def _has_auto(value: Any) -> bool:

@@ -2,8 +2,8 @@
 strategy (strategy.py), numerics in the policies and the loss scaler.
 
 [Note: engine step]
-  engine(*inputs)      strategy.before_forward(); module(*inputs) (floating inputs cast to the
-                       compute dtype)
+  engine(*inputs)      strategy.before_forward(); module(*inputs) (floating positional inputs
+                       cast to fp16 only with fp16.auto_cast, as DeepSpeed)
   engine.backward(l)   strategy.before_backward(boundary); (scale · l / gas).backward() — the
                        strategy's hooks reduce buckets as gradients appear; strategy.after_backward()
   engine.step()        not at a boundary: count the micro step, nothing else. At a boundary:
@@ -18,6 +18,7 @@ import enum
 import logging
 import math
 import resource
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -26,9 +27,10 @@ import torch
 
 from rayzero.checkpoint.types import ShardedTensor, ShardSpec
 from rayzero.config.errors import RayZeroRuntimeError, RayZeroValueError
-from rayzero.engine import optim_state
+from rayzero.engine import activation_checkpointing, optim_state
 from rayzero.engine.comm import Communicator
 from rayzero.engine.distributed import compute_device
+from rayzero.engine.monitor import StepTimers, build_monitor, progress_line
 from rayzero.engine.policies import MixedPrecisionPolicy, Precision
 from rayzero.engine.strategy import ZeroStrategy
 
@@ -53,6 +55,41 @@ class StepPolicy:
     micro_batch_size: int | None
 
 
+# [Note: one engine per module]
+# An engine re-lays a module's parameters out (flat buffers; at stage 3, partitions and hooks that
+# gather them). A second engine over the same module would flatten or partition what the first
+# still owns and train wrong without a word, so `rayzero.initialize` refuses a module (or any of its
+# submodules) that a live engine wraps; `engine.close()` hands the module back (stage 3 leaves its
+# parameters gathered), after which wrapping it again is fine. This process-wide map is the one
+# piece of global state the engine keeps: it must see engines the caller may have lost track of.
+_WRAPPED: weakref.WeakKeyDictionary[torch.nn.Module, weakref.ReferenceType] = weakref.WeakKeyDictionary()
+
+
+def ensure_not_wrapped(module: torch.nn.Module) -> None:
+    """Refuse a module a live engine already wraps ([Note: one engine per module])."""
+    for name, submodule in module.named_modules():
+        owner_ref = _WRAPPED.get(submodule)
+        owner = owner_ref() if owner_ref is not None else None
+        if owner is not None and not owner.closed:
+            where = "this model" if not name else f"its submodule `{name}`"
+            how = "wrapped by" if submodule is owner.module else "part of a model wrapped by"
+            raise RayZeroValueError(
+                f"rayzero.initialize: {where} is already {how} a ZeroEngine (ZeRO stage {owner.strategy.stage}) "
+                "that is still open; a second engine would re-partition parameters the first one owns. Call "
+                "engine.close() on the first engine before wrapping the model again, or keep using it")
+
+
+def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
+    """DeepSpeed's `_cast_inputs_half`: floating tensors to `dtype`, containers rebuilt, rest as is."""
+    if isinstance(value, (list, tuple)):
+        return value.__class__(_cast_floats(v, dtype) for v in value)
+    if isinstance(value, dict):
+        return {k: _cast_floats(v, dtype) for k, v in value.items()}
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        return value.to(dtype)
+    return value
+
+
 class ZeroEngine:
     """Runs forward, backward and the optimizer step of one rank (see [Note: engine step])."""
 
@@ -67,6 +104,10 @@ class ZeroEngine:
         self.loss_scaler = loss_scaler  # static 1.0 unless fp16
         self.lr_scheduler = lr_scheduler
         self.config = config  # the resolved RayZeroConfig, for the checkpoint layer and logs
+        self.closed = False  # close() hands the module back ([Note: one engine per module])
+        ensure_not_wrapped(module)
+        for submodule in module.modules():
+            _WRAPPED[submodule] = weakref.ref(self)
         self.global_steps = 0  # optimizer steps, skipped ones included (DeepSpeed's count)
         self.micro_steps = 0  # backward passes completed by step()
         self.skipped_steps = 0  # fp16 overflows
@@ -77,6 +118,14 @@ class ZeroEngine:
         # initialize(training_data=...)'s loader (DeepSpeed's name): load_checkpoint restores its
         # sampler's position ([Note: data position]).
         self.training_dataloader: torch.utils.data.DataLoader | None = None
+        # Reporting as DeepSpeed reports ([Note: monitor events]).
+        self.global_samples = 0  # samples trained, the monitors' step axis
+        self.timers = StepTimers(bool(config.wall_clock_breakdown), compute_device())
+        self.monitor = build_monitor(config, comm.rank)
+        self._window_losses: list[torch.Tensor] = []  # this window's losses, for train_loss
+        if "activation_checkpointing" in config.model_fields_set:
+            # [Note: activation checkpointing settings]: the config's section, as if configure() was called
+            activation_checkpointing.configure_from_section(config.activation_checkpointing)
 
     # ---- DeepSpeed-shaped API ---------------------------------------------------------------
     @property
@@ -123,16 +172,18 @@ class ZeroEngine:
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         self.strategy.before_forward()
-        if self.precision.precision is not Precision.FP32:
-            inputs = tuple(self._cast(x) for x in inputs)
-            kwargs = {k: self._cast(v) for k, v in kwargs.items()}
+        # Inputs are cast only as DeepSpeed casts them: with fp16.auto_cast, every floating tensor
+        # among the positional inputs (nested lists/tuples/dicts too) to fp16; keyword arguments and
+        # everything under bf16 are left alone (a float regression target keeps its precision).
+        if self.precision.precision is Precision.FP16 and self._auto_cast:
+            inputs = _cast_floats(inputs, torch.float16)
         self.phase = Phase.FORWARD
-        return self.module(*inputs, **kwargs)
+        with self.timers.time("forward"):
+            return self.module(*inputs, **kwargs)
 
-    def _cast(self, value: Any) -> Any:
-        if isinstance(value, torch.Tensor) and value.is_floating_point():
-            return value.to(self.precision.param_dtype)
-        return value
+    @property
+    def _auto_cast(self) -> bool:
+        return bool(self.config.fp16.auto_cast)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> None:
         """Backward of `loss` averaged over the accumulation window (unless `scale_wrt_gas=False`),
@@ -140,6 +191,12 @@ class ZeroEngine:
         if not torch.is_grad_enabled() or not loss.requires_grad:
             raise RayZeroValueError("engine.backward(loss) needs a loss that requires grad: call it on the output "
                              "of engine(...) outside torch.no_grad()")
+        with self.timers.time("backward"):
+            self._backward(loss, retain_graph, scale_wrt_gas)
+        if self.monitor.enabled:
+            self._window_losses.append(loss.detach())
+
+    def _backward(self, loss: torch.Tensor, retain_graph: bool, scale_wrt_gas: bool) -> None:
         self.strategy.before_backward(self.is_gradient_accumulation_boundary())
         # [Note: gradient averaging] Dividing the loss (a scalar) by gas × world makes every
         # gradient come out of backward already scaled, so summing reductions yield the mean with
@@ -148,8 +205,10 @@ class ZeroEngine:
         if scale_wrt_gas:
             divisor *= self.step_policy.gradient_accumulation_steps
         scaled = loss.float() / divisor if divisor != 1.0 else loss.float()
-        self.loss_scaler.scale_loss(scaled).backward(retain_graph=retain_graph)
-        self.strategy.after_backward()
+        with self.timers.time("backward_inner"):
+            self.loss_scaler.scale_loss(scaled).backward(retain_graph=retain_graph)
+        with self.timers.time("backward_allreduce"):
+            self.strategy.after_backward()
         self.phase = Phase.BACKWARD
 
     def step(self) -> None:
@@ -160,12 +219,39 @@ class ZeroEngine:
         if not self.is_gradient_accumulation_boundary():
             self.micro_steps += 1
             return
-        self.strategy.finish_gradients()
-        self.last_step_overflowed = self._apply_update()
-        self.strategy.zero_grad()
+        with self.timers.time("backward_allreduce"):
+            self.strategy.finish_gradients()
+        with self.timers.time("step"):
+            self.last_step_overflowed = self._apply_update()
+            self.strategy.zero_grad()
+        self._report()
         self.micro_steps += 1
         self.global_steps += 1
         self.comm.begin_step()
+
+    def _report(self) -> None:
+        """Progress line, timers and monitor events at a boundary ([Note: monitor events])."""
+        self.global_samples += self.train_batch_size() or 0
+        every = self.config.steps_per_print
+        if every and self.comm.rank == 0 and (self.global_steps + 1) % every == 0:
+            logger.info(progress_line(self.global_steps + 1, self.skipped_steps, self.optimizer))
+        timings = self.timers.take() if self.timers.enabled else None
+        if timings is not None and self.comm.rank == 0:
+            logger.info("rank 0 step %d time (ms) | %s", self.global_steps + 1,
+                        " | ".join(f"{name}: {value:.2f}" for name, value in timings.items()))
+        if not self.monitor.enabled:
+            return
+        losses, self._window_losses = self._window_losses, []
+        events = [("Train/Samples/lr", float(self.optimizer.param_groups[0]["lr"]), self.global_samples)]
+        if losses:
+            mean = float(torch.stack([loss.float() for loss in losses]).mean())
+            events.insert(0, ("Train/Samples/train_loss", mean, self.global_samples))
+        if self.precision.precision is Precision.FP16:
+            events.append(("Train/Samples/loss_scale", float(self.loss_scaler.loss_scale), self.global_samples))
+        if timings is not None:
+            events += [(f"Train/Samples/elapsed_time_ms_{name}", value, self.global_samples)
+                       for name, value in timings.items()]
+        self.monitor.write_events(events)
 
     def _apply_update(self) -> bool:
         """Unscale, clip, step; returns True when the step was skipped for overflow."""
@@ -247,6 +333,7 @@ class ZeroEngine:
             "global_steps": self.global_steps,
             "micro_steps": self.micro_steps,
             "skipped_steps": self.skipped_steps,
+            "global_samples": self.global_samples,
             "loss_scaler": self.loss_scaler.state_dict(),
             "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
             "optimizer": {"param_groups": optim_state.hyperparameters(self.optimizer),
@@ -259,6 +346,7 @@ class ZeroEngine:
         self.global_steps = int(state["global_steps"])
         self.micro_steps = int(state["micro_steps"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
+        self.global_samples = int(state.get("global_samples", 0))  # absent in older checkpoints
         self.loss_scaler.load_state_dict(state["loss_scaler"])
         optimizer_state = state.get("optimizer") or {}
         for group, saved in zip(self.optimizer.param_groups, optimizer_state.get("param_groups", [])):
@@ -272,6 +360,10 @@ class ZeroEngine:
 
     def save_checkpoint(self, *args: Any, **kwargs: Any) -> Any:
         from rayzero.engine import checkpoint_io
+        if kwargs.get("save_latest", True) is False or (len(args) >= 4 and args[3] is False):
+            logger.warning("save_checkpoint(save_latest=False) is ignored: rayzero moves `latest` to every "
+                           "committed checkpoint (it only ever names a complete one); pass a tag to "
+                           "load_checkpoint to load another")
         return checkpoint_io.save_checkpoint(self, *args, **kwargs)
 
     def load_checkpoint(self, *args: Any, **kwargs: Any) -> Any:
@@ -288,11 +380,16 @@ class ZeroEngine:
         return checkpoint_io.wait_for_checkpoint(self)
 
     def close(self) -> None:
-        """Finish an async checkpoint save in flight, then remove the strategy's hooks."""
+        """Finish an async checkpoint save in flight, then remove the strategy's hooks and hand the
+        module back (idempotent)."""
+        if self.closed:
+            return
         if self.checkpointer is not None:
             # The save runs in a background thread over its own gloo group: it must be committed
             # before the caller tears the process group down (the usual next call after close()).
             from rayzero.engine import checkpoint_io
             checkpoint_io.wait_for_checkpoint(self)
+        self.monitor.close()
         self.strategy.close()
         self.strategy.offload.close()
+        self.closed = True

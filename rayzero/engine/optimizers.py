@@ -1,5 +1,14 @@
 """The optimizer a strategy builds over its fp32 master tensors: the config's `optimizer` section or
-the client's own optimizer, rebound."""
+the client's own optimizer, rebound.
+
+[Note: DeepSpeed's Adam defaults]
+DeepSpeed builds "Adam"/"AdamW" with its own kernels (FusedAdam, or DeepSpeedCPUAdam when offloading)
+whose defaults are not torch's: `weight_decay` 0 (torch's AdamW: 0.01) and decoupled weight decay
+(`adam_w_mode` true) even for type "Adam". `torch_adam: true` makes DeepSpeed pass the params straight
+to torch.optim.Adam/AdamW, so torch's own defaults apply. rayzero runs torch's implementations with
+DeepSpeed's defaults filled in, so a config without `weight_decay` trains as it does under DeepSpeed
+(tests/unit/test_fidelity_optimizer.py checks the defaults against FusedAdam's signature).
+"""
 from __future__ import annotations
 
 import torch
@@ -14,18 +23,27 @@ TESTED_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 whole parameters. Others (LAMB, Adafactor, Shampoo...) may read whole-tensor statistics."""
 
 
-def _config_optimizer_class(kind: str, params: dict, allow_untested: bool) -> type:
+def _config_optimizer(kind: str, params: dict, stage: int, allow_untested: bool) -> tuple[type, dict]:
+    """(optimizer class, keyword arguments) for the config's `optimizer` section, as DeepSpeed
+    0.19's `_configure_basic_optimizer` builds it ([Note: DeepSpeed's Adam defaults])."""
     name = kind.lower()
-    if name == "adam":
-        # DeepSpeed's "Adam" decouples weight decay unless adam_w_mode is false (FusedAdam default).
-        return torch.optim.AdamW if params.pop("adam_w_mode", True) else torch.optim.Adam
-    if name == "adamw":
-        return torch.optim.AdamW
+    params = dict(params)
+    if name in ("adam", "adamw"):
+        # "AdamW" always decouples weight decay; "Adam" does unless adam_w_mode is false.
+        decoupled = params.pop("adam_w_mode", True) or name == "adamw"
+        torch_adam = params.pop("torch_adam", False)
+        params.pop("fp32_optimizer_states", None)
+        params.pop("bias_correction", None)  # only true is runnable (rayzero.config.runnable)
+        optimizer_class = torch.optim.AdamW if decoupled else torch.optim.Adam
+        if not torch_adam:
+            params.setdefault("weight_decay", 0.0)
+        return optimizer_class, params
     if name == "sgd":
-        return torch.optim.SGD
+        return torch.optim.SGD, params
     candidate = {n.lower(): getattr(torch.optim, n) for n in dir(torch.optim)}.get(name)
-    if isinstance(candidate, type) and issubclass(candidate, torch.optim.Optimizer) and allow_untested:
-        return candidate
+    if isinstance(candidate, type) and issubclass(candidate, torch.optim.Optimizer) and (
+            allow_untested or stage == 0):
+        return candidate, params
     raise RayZeroValueError(
         f"optimizer.type={kind!r} is not supported: use Adam, AdamW or SGD, or a torch.optim name together "
         "with zero_allow_untested_optimizer=true, or pass optimizer= to rayzero.initialize")
@@ -58,9 +76,7 @@ def optimizer_factory(cfg: RayZeroConfig, client: torch.optim.Optimizer | None,
         raise RayZeroValueError("no optimizer: add an `optimizer` section to the config or pass optimizer= "
                          "to rayzero.initialize")
     params = {k: (tuple(v) if isinstance(v, list) else v) for k, v in dict(cfg.optimizer.params).items()}
-    for deepspeed_only in ("torch_adam", "fp32_optimizer_states", "adam_w_mode_default"):
-        params.pop(deepspeed_only, None)
-    optimizer_class = _config_optimizer_class(cfg.optimizer.type, params, cfg.zero_allow_untested_optimizer)
+    optimizer_class, params = _config_optimizer(cfg.optimizer.type, params, stage, cfg.zero_allow_untested_optimizer)
     if optimizer_class in TESTED_OPTIMIZERS:
         params = {**offload.fused_optimizer_kwargs(), **params}
 

@@ -1,4 +1,4 @@
-"""DeepSpeed's four learning-rate schedules as torch ``LRScheduler`` subclasses.
+"""DeepSpeed's five learning-rate schedules as torch ``LRScheduler`` subclasses.
 
 The formulas and parameter names are DeepSpeed's (``deepspeed/runtime/lr_schedules.py``) so a
 ``"scheduler": {"type": ..., "params": {...}}`` section trains the same way here. Being real
@@ -150,6 +150,65 @@ class WarmupDecayLR(WarmupLR):
         return max(0.0, remaining / float(max(1.0, self.total_num_steps - self.warmup_num_steps)))
 
 
+class WarmupCosineLR(_DeepSpeedSchedule):
+    """Warm up from ``warmup_min_ratio`` × the optimizer's lr to its full lr over
+    ``warmup_num_steps``, then cosine-decay to ``cos_min_ratio`` × lr at ``total_num_steps`` and hold.
+
+    Ratios are of each group's lr when the schedule is built (DeepSpeed's ``org_lrs``):
+    warm-up ratio = min + (1 - min) * (ln(i + 1) / ln(N) for ``log``, i / N for ``linear``);
+    after it, ratio = max(0, c + (1 - c) * (1 + cos(pi * min(1, (i - N + 1) / max(1, T - N)))) / 2).
+    Before the first step (iteration -1) the lr is 0, as in DeepSpeed.
+    """
+
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        total_num_steps: int,
+        warmup_min_ratio: float = 0.0,
+        warmup_num_steps: int = 1000,
+        cos_min_ratio: float = 0.0001,
+        warmup_type: str = WARMUP_LOG_RATE,
+        last_batch_iteration: int = -1,
+    ) -> None:
+        if int(warmup_num_steps) != warmup_num_steps or warmup_num_steps <= 0:
+            raise RayZeroValueError(f"scheduler.params.warmup_num_steps={warmup_num_steps!r}: use a positive integer")
+        if int(total_num_steps) != total_num_steps or total_num_steps <= 0:
+            raise RayZeroValueError(f"scheduler.params.total_num_steps={total_num_steps!r}: use a positive integer")
+        if warmup_type not in (WARMUP_LOG_RATE, WARMUP_LINEAR_RATE):
+            raise RayZeroValueError(f"scheduler.params.warmup_type={warmup_type!r}: use 'log' or 'linear'")
+        self.total_num_steps = int(total_num_steps)
+        self.warmup_min_ratio = float(warmup_min_ratio)
+        self.cos_min_ratio = float(cos_min_ratio)
+        self.warmup_type = warmup_type
+        # DeepSpeed floors the step count at 2 so that ln(N) is never 0.
+        self.warmup_num_steps = max(2, int(warmup_num_steps))
+        self.inverse_log_warm_up = 1.0 / math.log(self.warmup_num_steps)
+        super().__init__(optimizer, last_batch_iteration)
+        # The base lrs (torch's initial_lr, set by the base class) are DeepSpeed's org_lrs.
+        self.org_lrs = [float(group["initial_lr"]) for group in optimizer.param_groups]
+
+    def _ratio(self, iteration: int) -> float:
+        if iteration < self.warmup_num_steps:
+            if self.warmup_type == WARMUP_LOG_RATE:
+                ratio = self.inverse_log_warm_up * math.log(iteration + 1)
+            else:
+                ratio = iteration / self.warmup_num_steps
+            return self.warmup_min_ratio + ratio * (1.0 - self.warmup_min_ratio)
+        real_last_step = iteration - self.warmup_num_steps + 1
+        real_total_steps = max(1, self.total_num_steps - self.warmup_num_steps)
+        progress = min(1.0, real_last_step / real_total_steps)
+        cosine = (1 + math.cos(math.pi * progress)) / 2
+        return max(0.0, self.cos_min_ratio + (1.0 - self.cos_min_ratio) * cosine)
+
+    def get_lr(self) -> list[float]:  # type: ignore[override]
+        iteration = self.last_batch_iteration
+        bases = [float(group["initial_lr"]) for group in self.optimizer.param_groups]
+        if iteration < 0:
+            return [0.0 for _ in bases]
+        ratio = self._ratio(iteration)
+        return [base * ratio for base in bases]
+
+
 class OneCycle(_DeepSpeedSchedule):
     """1Cycle: lr rises min→max over ``cycle_first_step_size`` batches, falls back over
     ``cycle_second_step_size``, then decays as ``min / (1 + decay_lr_rate * k / decay_step_size)``.
@@ -281,6 +340,7 @@ class LRRangeTest(_DeepSpeedSchedule):
 SCHEDULERS: dict[str, type[_DeepSpeedSchedule]] = {
     "WarmupLR": WarmupLR,
     "WarmupDecayLR": WarmupDecayLR,
+    "WarmupCosineLR": WarmupCosineLR,
     "OneCycle": OneCycle,
     "LRRangeTest": LRRangeTest,
 }

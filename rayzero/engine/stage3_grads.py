@@ -1,24 +1,67 @@
-"""Stage 3 gradient reduction: full gradients are reduce-scattered in buckets during backward.
+"""Stage 3 gradient reduction: full gradients are reduce-scattered in planned buckets during backward.
 
 As soon as a parameter's gradient is complete (its post-accumulate-grad hook, which fires once per
-backward even for a tied weight used twice), the full gradient joins a bucket and the parameter's
-`.grad` is dropped. A bucket of at most `reduce_bucket_size` elements becomes one
-`reduce_scatter` whose input is laid out rank-major — rank r's slice is the concatenation of the
-r-th shard of every gradient in the bucket — so the output is exactly this rank's gradient shards,
-which are added (in fp32) into the fp32 master gradient views. With `overlap_comm` the collective
-runs asynchronously and is only waited for when the next bucket is sent or at the end of backward,
-so at most two buckets are alive.
+backward even for a tied weight used twice), the full gradient joins its bucket and the parameter's
+`.grad` is dropped. Each bucket becomes one `reduce_scatter` whose input is laid out rank-major —
+rank r's slice is the concatenation of the r-th shard of every gradient in the bucket — so the
+output is exactly this rank's gradient shards, which are added (in fp32) into the fp32 master
+gradient views. With `overlap_comm` the collective runs asynchronously and is only waited for when
+the next bucket is sent or at the end of backward, so at most two buckets are alive.
+
+[Note: stage 3 bucket plan]
+Buckets are planned in a fixed order every rank shares, as stages 0-2 plan theirs: first the
+parameters in reverse registration order (about the order backward produces their gradients),
+then, after the first backward, once more in the order rank 0's gradients actually arrived
+(broadcast, so every rank adopts the same plan; a plan that matches arrival keeps at most two
+buckets of full gradients alive). Buckets are sent strictly in plan order: bucket k goes out once all its gradients arrived and
+buckets 0..k-1 went out. At the end of backward the remaining buckets go out in order with zeros
+for the parameters this rank did not use (DeepSpeed's semantics: an unused parameter's gradient is
+zero). So a parameter used on some ranks only is averaged with the others' zeros, and one no rank
+used gets a zero gradient, instead of the ranks sending different buckets and crashing or hanging.
+When usage differs across ranks, a bucket goes out mid-backward on one rank and at the end on
+another; the parameter all-gathers of backward would then interleave with it differently on each
+rank, so reductions run on a process group of their own (same ranks), which orders them only
+among themselves. Their traffic is still counted by the engine's communicator.
 """
 from __future__ import annotations
 
-import torch
+import datetime
+import os
 
-from rayzero.engine.comm import Communicator
+import torch
+import torch.distributed as dist
+
+from rayzero.engine.comm import Communicator, _reduce_scatter_flat
+from rayzero.engine.distributed import DEFAULT_TIMEOUT_S
 from rayzero.engine.stage3_params import PartitionedParam
 
 
+class _SeenThisBackward(set):
+    """Entries that received a gradient in this backward. `stage3.py` clears it before every
+    backward, which is also where a new round of planned buckets starts."""
+
+    def __init__(self, on_clear) -> None:
+        super().__init__()
+        self._on_clear = on_clear
+
+    def clear(self) -> None:
+        super().clear()
+        self._on_clear()
+
+
+def _reduction_group(comm: Communicator) -> dist.ProcessGroup | None:
+    """A process group over the same ranks for gradient reductions only ([Note: stage 3 bucket plan]);
+    None when not distributed or when the engine runs on a subgroup (new_group must be entered by
+    every rank of the world, which a subgroup's outsiders would not do)."""
+    if not comm.distributed or comm.group is not dist.group.WORLD:
+        return None
+    timeout = float(os.environ.get("RAYZERO_COLLECTIVE_TIMEOUT_S", DEFAULT_TIMEOUT_S))
+    return dist.new_group(backend=dist.get_backend(comm.group), timeout=datetime.timedelta(seconds=timeout))
+
+
 class GradientReducer:
-    """Buckets full gradients, reduce-scatters them, accumulates shards into master gradients."""
+    """Buckets full gradients in a fixed plan, reduce-scatters them in plan order, accumulates shards
+    into master gradients ([Note: stage 3 bucket plan])."""
 
     def __init__(self, comm: Communicator, bucket_size: int, reduce_dtype: torch.dtype,
                  overlap: bool, master_grads: dict[int, torch.Tensor]) -> None:
@@ -28,46 +71,113 @@ class GradientReducer:
         self.overlap = overlap
         # id(entry) -> fp32 view of that parameter's master-gradient shard (padded length).
         self.master_grads = master_grads
-        self._bucket: list[tuple[PartitionedParam, torch.Tensor]] = []
-        self._bucket_numel = 0
-        self._in_flight: tuple[object, torch.Tensor, list[PartitionedParam], torch.Tensor] | None = None
-        # Entries that received a gradient since the last `clear_seen` (unused-parameter check).
-        self.seen: set[int] = set()
+        self._keys = list(master_grads)  # registration order; positions are the same on every rank
+        self._set_plan(self._keys[::-1])
+        self._next = 0  # the next bucket to send, the same sequence on every rank
+        self._open = False  # a backward's buckets are pending (set on the first gradient or clear)
+        self._group = _reduction_group(comm)
+        self._arrival: list[int] | None = []  # first backward's arrival order, then None (re-planned)
+        self._in_flight: tuple[object, torch.Tensor, list[int], torch.Tensor] | None = None
+        # Entries that received a gradient since the last `clear` (unused-parameter check).
+        self.seen: set[int] = _SeenThisBackward(self._open_round)
         self.bucket_bytes_peak = 0
 
+    def _set_plan(self, ordered_keys: list[int]) -> None:
+        self.plan = self._plan(ordered_keys)
+        self._bucket_of = {key: index for index, keys in enumerate(self.plan) for key in keys}
+        self._arrived: list[dict[int, tuple[PartitionedParam, torch.Tensor]]] = [{} for _ in self.plan]
+
+    def _replan_from_arrival(self) -> None:
+        """Adopt rank 0's first-backward arrival order (one broadcast of parameter positions, once)."""
+        position = {key: index for index, key in enumerate(self._keys)}
+        seen = [position[key] for key in self._arrival or []]
+        missing = [index for index in range(len(self._keys) - 1, -1, -1) if index not in set(seen)]
+        order = torch.tensor(seen + missing, dtype=torch.int64)
+        if self.comm.distributed:
+            group = self._group or self.comm.group
+            dist.broadcast(order, src=dist.get_global_rank(group, 0), group=group)
+        self._arrival = None
+        self._set_plan([self._keys[index] for index in order.tolist()])
+
+    def _plan(self, keys: list[int]) -> list[list[int]]:
+        """Consecutive keys in buckets of at least one parameter and about `bucket_size` full elements."""
+        world = self.comm.world_size
+        plan: list[list[int]] = []
+        current: list[int] = []
+        numel = 0
+        for key in keys:
+            current.append(key)
+            numel += self.master_grads[key].numel() * world
+            if numel >= self.bucket_size:
+                plan.append(current)
+                current, numel = [], 0
+        if current:
+            plan.append(current)
+        return plan
+
+    def _open_round(self) -> None:
+        self._open = True
+
     def add(self, entry: PartitionedParam, grad: torch.Tensor) -> None:
-        self._bucket.append((entry, grad))
-        self.seen.add(id(entry))
-        self._bucket_numel += entry.full.numel()
-        if self._bucket_numel >= self.bucket_size:
-            self.flush()
+        key = id(entry)
+        self._open = True
+        self.seen.add(key)
+        if self._arrival is not None:
+            self._arrival.append(key)
+        self._arrived[self._bucket_of[key]][key] = (entry, grad)
+        while self._next < len(self.plan) and len(self._arrived[self._next]) == len(self.plan[self._next]):
+            self._send(self._next, grad.device)
+            self._next += 1
 
     def flush(self) -> None:
-        """Send the current bucket (if any)."""
-        if not self._bucket:
+        """Send every remaining bucket of this backward, in plan order, zeros for unused parameters."""
+        if not self._open:
             return
+        device = next(iter(self.master_grads.values())).device if self.master_grads else torch.device("cpu")
+        for arrived in self._arrived:
+            if arrived:
+                device = next(iter(arrived.values()))[1].device
+                break
+        while self._next < len(self.plan):
+            self._send(self._next, device)
+            self._next += 1
+        self._next = 0
+        self._open = False
+        if self._arrival is not None:
+            self.wait()  # the re-plan changes bucket membership: nothing of the old plan in flight
+            self._replan_from_arrival()
+
+    def _send(self, index: int, device: torch.device) -> None:
+        keys = self.plan[index]
+        arrived = self._arrived[index]
+        self._arrived[index] = {}
         world = self.comm.world_size
-        shard_total = sum(entry.shard_numel for entry, _ in self._bucket)
-        send = torch.empty(world * shard_total, dtype=self.reduce_dtype, device=self._bucket[0][1].device)
+        widths = [self.master_grads[key].numel() for key in keys]
+        shard_total = sum(widths)
+        send = torch.zeros(world * shard_total, dtype=self.reduce_dtype, device=device)
         rows = send.view(world, shard_total)
         offset = 0
-        for entry, grad in self._bucket:
-            width = entry.shard_numel
-            flat = grad.reshape(-1)
-            if flat.numel() == world * width:
-                rows[:, offset:offset + width].copy_(flat.view(world, width))
-            else:  # the last rank's shard ends in padding: copy the real elements, zero the rest
-                padded = torch.zeros(world * width, dtype=self.reduce_dtype, device=send.device)
-                padded[: flat.numel()].copy_(flat)
-                rows[:, offset:offset + width].copy_(padded.view(world, width))
+        for key, width in zip(keys, widths):
+            if key in arrived:
+                flat = arrived[key][1].reshape(-1)
+                if flat.numel() == world * width:
+                    rows[:, offset:offset + width].copy_(flat.view(world, width))
+                else:  # the last rank's shard ends in padding: copy the real elements, zero the rest
+                    padded = torch.zeros(world * width, dtype=self.reduce_dtype, device=device)
+                    padded[: flat.numel()].copy_(flat)
+                    rows[:, offset:offset + width].copy_(padded.view(world, width))
+            # else: not used on this rank in this backward -> its rows stay zero
             offset += width
-        entries = [entry for entry, _ in self._bucket]
-        self._bucket, self._bucket_numel = [], 0
+        del arrived
         self.bucket_bytes_peak = max(self.bucket_bytes_peak, send.numel() * send.element_size())
-        received = torch.empty(shard_total, dtype=self.reduce_dtype, device=send.device)
+        received = torch.empty(shard_total, dtype=self.reduce_dtype, device=device)
         self.wait()  # at most one bucket in flight besides the one being filled
-        work = self.comm.reduce_scatter(received, send, async_op=True)
-        self._in_flight = (work, received, entries, send)  # `send` must outlive the collective
+        if self._group is None:
+            work = self.comm.reduce_scatter(received, send, async_op=True)
+        else:
+            self.comm._count("reduce_scatter", send)  # accounted with the engine's other traffic
+            work = _reduce_scatter_flat(received, send, op=dist.ReduceOp.SUM, group=self._group, async_op=True)
+        self._in_flight = (work, received, keys, send)  # `send` must outlive the collective
         if not self.overlap:
             self.wait()
 
@@ -76,14 +186,14 @@ class GradientReducer:
         gradients (the engine divided the loss by the world size: [Note: gradient averaging])."""
         if self._in_flight is None:
             return
-        work, received, entries, _send = self._in_flight
+        work, received, keys, _send = self._in_flight
         self._in_flight = None
         work.wait()
         shards = received.to(torch.float32)
         offset = 0
-        for entry in entries:
-            width = entry.shard_numel
-            target = self.master_grads[id(entry)]
+        for key in keys:
+            target = self.master_grads[key]
+            width = target.numel()
             # master gradients may live off the compute device (offload backend): move, then add
             target.add_(shards[offset:offset + width].to(target.device, non_blocking=True))
             offset += width

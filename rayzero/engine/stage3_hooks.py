@@ -52,16 +52,15 @@ class Stage3Knobs:
 
     @classmethod
     def from_config(cls, zero: Any) -> Stage3Knobs:
+        # Defaults live in rayzero.config only (ZeroConfig); the engine reads the resolved values.
         return cls(
-            prefetch_bucket_size=_count(getattr(zero, "prefetch_bucket_size", 50_000_000), "stage3_prefetch_bucket_size"),
-            param_persistence_threshold=_count(getattr(zero, "param_persistence_threshold", 100_000),
+            prefetch_bucket_size=_count(zero.prefetch_bucket_size, "stage3_prefetch_bucket_size"),
+            param_persistence_threshold=_count(zero.param_persistence_threshold,
                                                "stage3_param_persistence_threshold"),
-            model_persistence_threshold=_count(getattr(zero, "model_persistence_threshold", 2**63 - 1),
+            model_persistence_threshold=_count(zero.model_persistence_threshold,
                                                "stage3_model_persistence_threshold"),
-            max_live_parameters=_count(getattr(zero, "max_live_parameters", 1_000_000_000),
-                                       "stage3_max_live_parameters"),
-            max_reuse_distance=_count(getattr(zero, "max_reuse_distance", 1_000_000_000),
-                                      "stage3_max_reuse_distance"),
+            max_live_parameters=_count(zero.max_live_parameters, "stage3_max_live_parameters"),
+            max_reuse_distance=_count(zero.max_reuse_distance, "stage3_max_reuse_distance"),
         )
 
 

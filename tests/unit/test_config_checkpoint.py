@@ -2,6 +2,8 @@
 layer reads them ([Note: checkpoint settings precedence] in rayzero/checkpoint/options.py)."""
 from __future__ import annotations
 
+import json
+
 import dataclasses
 import subprocess
 import sys
@@ -29,7 +31,7 @@ def _problems(section: dict) -> dict[str, str]:
 ])
 def test_bad_value_names_the_key_the_value_and_the_rule(key, value, rule):
     text = _problems({key: value})[f"checkpoint.{key}"]
-    assert f"checkpoint.{key} = {value!r}" in text and rule in text
+    assert f"checkpoint.{key} = {json.dumps(value)}" in text and rule in text  # values shown as JSON
 
 
 def test_every_problem_in_the_section_is_reported_at_once():

@@ -3,6 +3,7 @@ round-trips through to_deepspeed_dict()."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -33,8 +34,20 @@ def test_the_guides_are_all_here():
             "hf_zero_inference.json", "lightning_custom_config.json"} <= names
 
 
+REFUSED = {
+    # DeepSpeed's configuration reference shows NVMe optimizer offload with "ratio": 0.3; DeepSpeed
+    # implements partial offload only as a CPU/accelerator split (DeepSpeedCPUAdam "hybrid" optimizer).
+    "ds_reference_zero3_nvme.json": "partial optimizer offload (ratio < 1) works with device \"cpu\" only",
+}
+"""Example -> the problem rayzero reports for it, on purpose."""
+
+
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda path: path.name)
 def test_example_validates_resolves_and_round_trips(path):
+    if path.name in REFUSED:
+        with pytest.raises(ConfigError, match=re.escape(REFUSED[path.name])):
+            load_config(path, **_facts(path))
+        return
     config = load_config(path, **_facts(path))
     assert config.unresolved_autos() == []
     assert isinstance(config.train_batch_size, int)

@@ -20,19 +20,25 @@ def _notes(source: dict, **facts) -> list[str]:
     return load_config(source, **facts).notes
 
 
-def test_offload_param_needs_stage_3():
-    text = _problem({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}},
-                    "zero_optimization.offload_param.device")
-    assert "needs ZeRO stage 3" in text and '"zero_optimization.stage": 3' in text
-    # device none is no offload: fine at any stage
-    load_config({"zero_optimization": {"stage": 1, "offload_param": {"device": "none"}}})
+def test_offload_param_below_stage_3_is_ignored_with_a_warning_as_deepspeed_does():
+    config = load_config({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}})
+    assert config.zero_optimization.offload_param is None  # nothing downstream may act on it
+    note = next(n for n in config.notes if "offload_param" in n)
+    assert note.startswith("ignored:") and "stage 3" in note and '"zero_optimization.stage": 3' in note
+    # device none is no offload: fine at any stage, and nothing to warn about
+    quiet = load_config({"zero_optimization": {"stage": 1, "offload_param": {"device": "none"}}})
+    assert not any("offload_param" in n for n in quiet.notes)
 
 
-def test_partial_optimizer_offload_needs_stage_3():
-    text = _problem({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}},
-                    "zero_optimization.offload_optimizer.ratio")
-    assert "ratio < 1" in text and "set ratio to 1.0" in text
-    load_config({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}})
+def test_partial_optimizer_offload_below_stage_3_is_ignored_and_refused_on_nvme():
+    config = load_config({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}})
+    assert config.zero_optimization.offload_optimizer.ratio == 1.0
+    assert any(n.startswith("ignored:") and ".ratio" in n for n in config.notes)
+    assert load_config({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}}
+                       ).zero_optimization.offload_optimizer.ratio == 0.3
+    text = _problem({"zero_optimization": {"stage": 3, "offload_optimizer": {
+        "device": "nvme", "nvme_path": "/tmp", "ratio": 0.3}}}, "zero_optimization.offload_optimizer.ratio")
+    assert "ratio < 1" in text and '"cpu"' in text and "set ratio to 1.0" in text
 
 
 @pytest.mark.parametrize("section", ["offload_param", "offload_optimizer"])
@@ -72,8 +78,8 @@ def test_allgather_keys_at_stage_3_warn_ignored():
 
 def test_recognised_but_unimplemented_keys_warn_by_name():
     notes = _notes({"zero_optimization": {"stage": 3, "zero_quantized_weights": True},
-                    "flops_profiler": {"enabled": True}, "fp16": {"auto_cast": True}})
-    for key in ("zero_optimization.zero_quantized_weights", "flops_profiler", "fp16.auto_cast"):
+                    "flops_profiler": {"enabled": True}, "aio": {"use_gds": True}})
+    for key in ("zero_optimization.zero_quantized_weights", "flops_profiler", "aio.use_gds"):
         assert any(f"recognised but not implemented: `{key}`" in n for n in notes), key
 
 
@@ -113,8 +119,8 @@ def test_unknown_optimizer_and_scheduler_types_suggest():
     assert "did you mean 'WarmupDecayLR'" in _problem({"scheduler": {"type": "WarmupDecay"}}, "scheduler.type")
     text = _problem({"scheduler": {"type": "WarmupDecayLR", "params": {}}}, "scheduler.params.total_num_steps")
     assert "required key is missing" in text
-    notes = _notes({"optimizer": {"type": "Lamb", "params": {"lr": 1e-3}}})
-    assert any("`optimizer.type` = 'Lamb'" in n for n in notes)
+    # valid DeepSpeed; that this build cannot run it is runnable's verdict (test_fidelity_runnable.py)
+    assert load_config({"optimizer": {"type": "Lamb", "params": {"lr": 1e-3}}}).optimizer.type == "Lamb"
 
 
 def test_optimizer_params_are_normalised():

@@ -23,10 +23,19 @@ def test_integer_forms_json_configs_use():
     assert isinstance(zero.prefetch_bucket_size, int)
 
 
-def test_fractional_integer_is_refused_with_path_and_fix():
-    problems = _problems({"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 943718.4}})
-    text = problems["zero_optimization.stage3_prefetch_bucket_size"]
-    assert "fractional part" in text and "whole number" in text
+def test_fractional_element_count_is_rounded_with_a_note():
+    # The HF guide prints 0.9·h² for h = 1024: 943718.4. DeepSpeed refuses it; the meaning is obvious.
+    config = load_config({"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 943718.4,
+                                                "reduce_bucket_size": "1.5e6"}})
+    assert config.zero_optimization.prefetch_bucket_size == 943718
+    assert config.zero_optimization.reduce_bucket_size == 1_500_000
+    assert any(n.startswith("rounded: zero_optimization.stage3_prefetch_bucket_size") for n in config.notes)
+
+
+def test_fractional_integer_that_is_not_an_element_count_is_refused_with_path_and_fix():
+    problems = _problems({"gradient_accumulation_steps": 2.5, "fp16": {"hysteresis": 1.5}})
+    for path in ("gradient_accumulation_steps", "fp16.hysteresis"):
+        assert "fractional part" in problems[path] and "whole number" in problems[path]
 
 
 @pytest.mark.parametrize("written, expected", [("true", True), ("false", False), ("TRUE", True), (True, True)])
@@ -85,8 +94,8 @@ def test_every_problem_is_reported_at_once_with_path_value_and_rule():
 
 def test_cross_field_rules_still_run_when_a_field_is_invalid():
     # the typo and the offload rule are independent: both must be reported in one run
-    problems = _problems({"gradient_clipp1ng": 1, "zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}})
-    assert "gradient_clipp1ng" in problems and "zero_optimization.offload_param.device" in problems
+    problems = _problems({"gradient_clipp1ng": 1, "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}})
+    assert "gradient_clipp1ng" in problems and "zero_optimization.offload_param.nvme_path" in problems
 
 
 def test_attribute_names_and_deepspeed_aliases_are_the_same_setting():

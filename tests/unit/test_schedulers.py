@@ -1,4 +1,4 @@
-"""The four schedules give DeepSpeed's lr (and momentum) at each step.
+"""The five schedules give DeepSpeed's lr (and momentum) at each step.
 
 Expected values are computed here from the formulas in DeepSpeed's lr_schedules.py, written out
 independently, and compared with what the optimizer actually sees before each of its steps.
@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rayzero.engine.schedulers import LRRangeTest, OneCycle, WarmupDecayLR, WarmupLR, build_scheduler
+from rayzero.engine.schedulers import LRRangeTest, OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR, build_scheduler
 
 
 def make_optimizer(kind: str = "adam", lr: float = 0.5) -> torch.optim.Optimizer:
@@ -54,6 +54,31 @@ def test_warmup_lr_matches_deepspeed_formula(kind):
     assert lrs == pytest.approx(expected, rel=1e-12)
     assert lrs[-1] == pytest.approx(0.1) and lrs[0] == pytest.approx(0.01)
     assert scheduler.get_last_lr() == [optimizer.param_groups[0]["lr"]]
+
+
+@pytest.mark.parametrize("kind", ["log", "linear"])
+def test_warmup_cosine_lr_matches_deepspeed_formula(kind):
+    optimizer = make_optimizer(lr=0.5)
+    scheduler = WarmupCosineLR(optimizer, total_num_steps=20, warmup_min_ratio=0.2, warmup_num_steps=5,
+                               cos_min_ratio=0.01, warmup_type=kind)
+    assert optimizer.param_groups[0]["lr"] == 0.0  # iteration -1, as DeepSpeed
+    scheduler.step()
+    expected = []
+    for i in range(30):
+        if i < 5:
+            gamma = math.log(i + 1) / math.log(5) if kind == "log" else i / 5
+            ratio = 0.2 + 0.8 * gamma
+        else:
+            progress = min(1.0, (i - 5 + 1) / 15)
+            ratio = 0.01 + 0.99 * (1 + math.cos(math.pi * progress)) / 2
+        expected.append(0.5 * ratio)
+    assert seen_lrs(scheduler, optimizer, 30) == pytest.approx(expected, rel=1e-12)
+    assert expected[-1] == pytest.approx(0.5 * 0.01)  # holds the floor after total_num_steps
+
+
+def test_warmup_cosine_lr_refuses_zero_warmup_steps():
+    with pytest.raises(ValueError, match="warmup_num_steps"):
+        WarmupCosineLR(make_optimizer(), total_num_steps=10, warmup_num_steps=0)
 
 
 def test_warmup_lr_defaults_max_to_the_optimizer_lr():
@@ -182,6 +207,10 @@ def test_build_scheduler_from_config_sections():
     ("WarmupLR", {"warmup_min_lr": 0.01, "warmup_max_lr": 0.1, "warmup_num_steps": 7}),
     ("WarmupLR", {"warmup_min_lr": 0.01, "warmup_max_lr": 0.1, "warmup_num_steps": 7, "warmup_type": "linear"}),
     ("WarmupDecayLR", {"total_num_steps": 30, "warmup_max_lr": 0.2, "warmup_num_steps": 5}),
+    ("WarmupCosineLR", {"total_num_steps": 30, "warmup_num_steps": 6, "warmup_min_ratio": 0.1,
+                        "cos_min_ratio": 0.05}),
+    ("WarmupCosineLR", {"total_num_steps": 25, "warmup_num_steps": 4, "warmup_type": "linear"}),
+    ("WarmupCosineLR", {"total_num_steps": 3, "warmup_num_steps": 8}),
     ("LRRangeTest", {"lr_range_test_min_lr": 0.002, "lr_range_test_step_size": 3,
                      "lr_range_test_step_rate": 2.0, "lr_range_test_staircase": True}),
     ("OneCycle", {"cycle_min_lr": 0.01, "cycle_max_lr": 0.1, "decay_lr_rate": 0.5, "cycle_first_step_size": 4,

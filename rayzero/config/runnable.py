@@ -1,0 +1,92 @@
+"""What this build can run: the one check between "a valid DeepSpeed config" and "a config rayzero
+trains with", used before anything starts.
+
+[Note: valid vs runnable]
+`load_config` answers DeepSpeed's question (does DeepSpeed 0.19 accept this file? the differential
+corpus test holds it to that). A valid config may still ask for something this build does not
+implement: a DeepSpeed-only optimizer (OneBitAdam, FusedLamb, ...), an Adam variant torch has no
+equivalent for, or an "auto" that only a trainer can fill while no trainer is there. Those must be
+refused before a worker, a cluster or a pod starts, with the same words everywhere, so every entry
+point calls `runnable_problems` / `check_runnable`: `rayzero config validate`, `rayzero.fit` (driver,
+before Ray starts workers), `rayzero.initialize` (engine) and the operator (before it creates a RayJob).
+Offload modes are runnable (the engine's offload backends own their details).
+"""
+from __future__ import annotations
+
+from rayzero.config.errors import ConfigError, Problem
+from rayzero.config.model import RayZeroConfig
+from rayzero.config.params import OPTIMIZER_PARAMS, RECOGNISED_OPTIMIZERS, SCHEDULER_PARAMS
+
+MODEL_AUTOS = ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
+               "stage3_param_persistence_threshold")
+"""Keys whose "auto" `rayzero.initialize` resolves from the model's hidden size."""
+
+DEEPSPEED_ONLY_OPTIMIZERS = frozenset({
+    "onebitadam", "zerooneadam", "onebitlamb", "lamb", "lion", "muadam", "muadamw", "musgd", "muon",
+})
+"""DeepSpeed's own optimizer kernels (and mup's): no torch equivalent with the same update."""
+
+TORCH_OPTIMIZERS = frozenset(RECOGNISED_OPTIMIZERS - DEEPSPEED_ONLY_OPTIMIZERS)
+"""torch.optim classes DeepSpeed builds by name, as rayzero does (Adagrad included: DeepSpeed uses
+torch.optim.Adagrad without CPU offload)."""
+
+
+def runnable_problems(config: RayZeroConfig, *, trainer_present: bool = False) -> list[Problem]:
+    """Every reason this build cannot train `config` (already loaded with `load_config`).
+
+    `trainer_present=False` (the driver, the operator, `rayzero.initialize`): an "auto" other than
+    the model-resolved bucket sizes can never be filled, so it is a problem now rather than on every
+    worker after they started.
+    """
+    problems: list[Problem] = []
+    _optimizer(config, problems)
+    _scheduler(config, problems)
+    if not trainer_present:
+        for path in config.unresolved_autos():
+            if path.rsplit(".", 1)[-1] in MODEL_AUTOS:
+                continue
+            problems.append(Problem(
+                path, "auto", "only a trainer can fill this \"auto\" (rayzero resolves only "
+                f"{', '.join(MODEL_AUTOS)} from the model, and the batch keys from the world size)",
+                "write a value, or load the config with the trainer's arguments: "
+                "rayzero.config.load_config(path, trainer={...}, allow_unresolved=True)"))
+    return problems
+
+
+def check_runnable(config: RayZeroConfig, source: str = "config", *, trainer_present: bool = False) -> None:
+    """Raise one `ConfigError` with every `runnable_problems` reason, if any."""
+    problems = runnable_problems(config, trainer_present=trainer_present)
+    if problems:
+        raise ConfigError(problems, f"{source} (valid for DeepSpeed, but this build cannot run it)")
+
+
+def _optimizer(config: RayZeroConfig, problems: list[Problem]) -> None:
+    section = config.optimizer
+    if section is None:
+        return
+    name = section.type.lower()
+    stage = config.zero_optimization.stage
+    if name in DEEPSPEED_ONLY_OPTIMIZERS:
+        problems.append(Problem(
+            "optimizer.type", section.type, "a DeepSpeed-only optimizer kernel: rayzero builds Adam, AdamW, SGD "
+            "and torch.optim optimizers",
+            "use Adam or AdamW, or pass your own optimizer object to rayzero.initialize(optimizer=...) "
+            "(with zero_allow_untested_optimizer: true at ZeRO stage 1-3)"))
+    elif name in TORCH_OPTIMIZERS and stage > 0 and not config.zero_allow_untested_optimizer:
+        problems.append(Problem(
+            "optimizer.type", section.type, f"not tested with ZeRO stage {stage}: its update may read "
+            "whole-parameter statistics, which a shard does not have",
+            "set \"zero_allow_untested_optimizer\": true to use it anyway (as DeepSpeed requires), or use "
+            "Adam, AdamW or SGD"))
+    if name in OPTIMIZER_PARAMS and name != "sgd" and section.params.get("bias_correction") is False:
+        problems.append(Problem(
+            "optimizer.params.bias_correction", False, "Adam without bias correction is not available "
+            "(torch's Adam/AdamW always correct)", "remove bias_correction (true is the default)"))
+
+
+def _scheduler(config: RayZeroConfig, problems: list[Problem]) -> None:
+    section = config.scheduler
+    if section is not None and section.type not in SCHEDULER_PARAMS:  # load_config reports it already
+        problems.append(Problem("scheduler.type", section.type, "not a scheduler this build has",
+                                f"use one of: {', '.join(SCHEDULER_PARAMS)}"))
+
