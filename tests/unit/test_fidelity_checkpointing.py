@@ -73,9 +73,11 @@ _MEASURE = textwrap.dedent("""
     # With a fixed mmap threshold (set by the caller) every large tensor is mmap'ed and returned to
     # the OS when freed, so the peak after the first forward (no gradients exist yet) is the model,
     # the input and what forward keeps for backward
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    def resident_kib():  # current RSS, not the peak: an earlier transient must not mask the activations
+        return int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize() // 1024
+    base = resident_kib()
     loss = model(x)  # activations held from here until backward frees them
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak = resident_kib()
     loss.backward()
     print(json.dumps({{"held_kib": peak - base, "base_kib": base}}))
 """)

@@ -26,7 +26,7 @@ def _init(offload: dict, stage: int = 2):
 
 
 def test_missing_nvme_path_names_the_key() -> None:
-    with pytest.raises(RayZeroValueError, match=f"{KEY} = None: device \"nvme\" needs a directory"):
+    with pytest.raises(RayZeroValueError, match=f"{KEY} = null: device \"nvme\" needs a directory"):
         _init({"device": "nvme"})
 
 
