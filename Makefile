@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ".[dev,k8s]"
+	$(BIN)/pip install -q -e ".[dev,k8s,hf,plot]"
 	touch $(STAMP)
 
 demo: $(STAMP)

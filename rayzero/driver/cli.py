@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 import inspect
 import os
 import sys
@@ -20,6 +19,13 @@ from typing import Any
 from rayzero.config.errors import RayZeroValueError
 from rayzero.controller.configs import FailureConfig, RunConfig, ScalingConfig
 from rayzero.controller.errors import TrainingFailedError
+from rayzero.driver.shipping import (
+    FileTarget,
+    TargetImportError,
+    _takes_an_argument,
+    import_file,
+    relative_to_cwd,
+)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -43,9 +49,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def load_target(target: str) -> Callable[..., Any]:
-    """Import `file.py:function` or `module:function`; ValueError naming what is wrong otherwise."""
-    import ray.cloudpickle  # Ray pickles with its own copy of cloudpickle
+    """`file.py:function` -> a FileTarget the workers import; `module:function` -> the function.
 
+    The file is imported here too, so a file that does not compile or import, or lacks the function,
+    is reported before any worker starts, naming file:line ([Note: shipping the loop]).
+    """
     module_part, sep, function_name = target.rpartition(":")
     if not sep or not module_part or not function_name:
         raise RayZeroValueError(f"TARGET {target!r} must look like path/to/file.py:function or module:function")
@@ -53,30 +61,26 @@ def load_target(target: str) -> Callable[..., Any]:
         path = Path(module_part).resolve()
         if not path.is_file():
             raise RayZeroValueError(f"TARGET {target!r}: no file {path}")
-        module_name = f"rayzero_target_{path.stem}"
-        spec = importlib.util.spec_from_file_location(module_name, path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[module_name] = module
-        sys.path.insert(0, str(path.parent))  # the file's own helper imports, as `python file.py` has
-        spec.loader.exec_module(module)
-        by_value = True
-    else:
-        if os.getcwd() not in sys.path:
-            sys.path.insert(0, os.getcwd())
-        try:
-            module = importlib.import_module(module_part)
-        except ImportError as error:
-            raise RayZeroValueError(f"TARGET {target!r}: cannot import {module_part!r}: {error}") from None
-        file = getattr(module, "__file__", None) or ""
-        # Code under the working directory is not installed on the workers: ship it by value.
-        by_value = file.startswith(os.getcwd() + os.sep) and not module_part.startswith("rayzero.")
+        module = import_file(path)
+        function = _function_of(module, target, module_part, function_name)
+        return FileTarget(str(path), relative_to_cwd(path), function_name, _takes_an_argument(function))
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_part)
+    except SyntaxError as error:
+        raise TargetImportError(f"{error.filename}:{error.lineno}: {error.msg} (TARGET {target!r} does not "
+                                "compile)") from None
+    except ImportError as error:
+        raise RayZeroValueError(f"TARGET {target!r}: cannot import {module_part!r}: {error}") from None
+    # A module under the working directory is the user's own: shipping pickles it by value.
+    return _function_of(module, target, module_part, function_name)
+
+
+def _function_of(module: Any, target: str, module_part: str, function_name: str) -> Callable[..., Any]:
     function = getattr(module, function_name, None)
     if not callable(function):
-        raise RayZeroValueError(  # noqa: TRY004 - a user error in TARGET, reported with the usage errors
-            f"TARGET {target!r}: {module_part} has no function {function_name!r}")
-    if by_value:
-        ray.cloudpickle.register_pickle_by_value(module)
+        raise RayZeroValueError(f"TARGET {target!r}: {module_part} has no function {function_name!r}")
     return function
 
 

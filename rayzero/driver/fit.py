@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import logging
 import os
 import secrets
 import time
@@ -20,8 +19,10 @@ from rayzero.controller.controller import Controller, ControllerActor
 from rayzero.controller.errors import TrainingFailedError
 from rayzero.controller.state import FailurePolicy, RunState
 from rayzero.controller.worker_group import RayWorkerGroup
+from rayzero.driver.cluster import check_fits, connect
 from rayzero.driver.metrics_log import MetricsLog
 from rayzero.driver.progress import Progress
+from rayzero.driver.shipping import ship
 
 
 @dataclass
@@ -100,40 +101,6 @@ def _run_locations(run: RunConfig) -> tuple[str, str, str]:
     return name, run_uri, checkpoint_dir
 
 
-def ship_by_value(function: Callable[..., Any]) -> None:
-    """Make the workers receive the loop's code by value when they could not import it.
-
-    A loop defined in a script, a test file or a project directory is importable on the driver only
-    (through its sys.path); the workers would fail with `No module named ...`. So the loop's module,
-    and every module already imported from the same project (its directory or the working
-    directory), travel by value. Installed code (site-packages, the interpreter's own, rayzero) stays
-    by reference. Under `ray job submit --working-dir` both work: Ray puts the directory on the path.
-    """
-    import os
-    import sys
-
-    import ray.cloudpickle
-
-    module = sys.modules.get(getattr(function, "__module__", "") or "")
-    file = getattr(module, "__file__", None)
-    if module is None or file is None or module.__name__ == "__main__":
-        roots = [Path.cwd()]  # __main__ is pickled by value already; its imports may not be
-    else:
-        roots = [Path(file).resolve().parent, Path.cwd()]
-    installed = {Path(p).resolve() for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
-    for name, candidate in list(sys.modules.items()):
-        path = getattr(candidate, "__file__", None)
-        if not path or name == "__main__" or name.split(".")[0] in ("rayzero", "ray"):
-            continue
-        resolved = Path(path).resolve()
-        if any(part in ("site-packages", "dist-packages") for part in resolved.parts):
-            continue
-        if any(prefix in resolved.parents for prefix in installed):
-            continue
-        if any(root in resolved.parents for root in roots if str(root) != os.sep):
-            ray.cloudpickle.register_pickle_by_value(candidate)
-
-
 def resolve_resume_from(location: str | None, explicit: bool) -> str | None:
     """The checkpoint directory to hand the loop for a resume point given as any of:
     a checkpoint directory (holds `latest`), a run directory (`<storage>/<name>`, what the Kubernetes
@@ -168,20 +135,6 @@ def resolve_resume_from(location: str | None, explicit: bool) -> str | None:
     return None
 
 
-def connect_ray() -> bool:
-    """Connect to RAYZERO_ADDRESS / RAY_ADDRESS, or start a local Ray. True if this call started it."""
-    import ray
-
-    if ray.is_initialized():
-        return False
-    address = os.environ.get("RAYZERO_ADDRESS") or os.environ.get("RAY_ADDRESS")
-    if address:
-        ray.init(address=address, logging_level=logging.WARNING)
-        return False
-    ray.init(include_dashboard=False, logging_level=logging.WARNING)
-    return True
-
-
 def fit(
     train_loop: Callable[..., Any],
     config: Any = None,
@@ -208,8 +161,8 @@ def fit(
         run.resume_from or os.environ.get("RAYZERO_RESUME_FROM") or None, explicit=bool(run.resume_from)
     )
 
-    connect_ray()
-    ship_by_value(train_loop)
+    check_fits(scaling, connect(getattr(train_loop, "working_dir", None)))
+    train_loop = ship(train_loop)  # [Note: shipping the loop]
     timings = {"connect_s": time.monotonic() - fit_started}
     run_env = {
         "RAYZERO_RUN_NAME": name,
@@ -247,6 +200,7 @@ def fit(
     finally:
         ray.kill(controller)  # its workers and placement group go with it (fate sharing)
         metrics_log.flush()
+    history = metrics_log.history()  # one entry per step: a re-run step replaces its earlier report
     timings["total_s"] = time.monotonic() - fit_started
     timings.update(progress.rates())
     if wall_clock_breakdown:
