@@ -14,11 +14,15 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from rayzero.config.cli import _trainer_arg
 from rayzero.config.errors import RayZeroValueError
 from rayzero.controller.configs import FailureConfig, RunConfig, ScalingConfig
 from rayzero.controller.errors import TrainingFailedError
+
+if TYPE_CHECKING:
+    from pydantic import ValidationError
 from rayzero.driver.shipping import (
     FileTarget,
     TargetImportError,
@@ -43,6 +47,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--name", default=None, help="run name (default rayzero-<date>-<time>)")
     parser.add_argument("--resume-from", default=None, help="checkpoint URI/path to resume from")
     parser.add_argument("--max-failures", type=int, default=0, help="worker failures to retry (-1: always)")
+    parser.add_argument("--trainer", type=_trainer_arg, action="append", default=[], metavar="KEY=VALUE",
+                        help="an HF trainer argument for the config's \"auto\" values (repeatable), e.g. "
+                             "--trainer per_device_train_batch_size=4 --trainer learning_rate=3e-5")
     parser.add_argument("--placement-timeout", type=float, default=120.0,
                         help="seconds to wait for resources before failing (default 120)")
     return parser
@@ -84,6 +91,27 @@ def _function_of(module: Any, target: str, module_part: str, function_name: str)
     return function
 
 
+# settings field -> the flag that sets it
+_FLAGS = {
+    "num_workers": "--workers", "min_workers": "--workers", "max_workers": "--workers",
+    "resources_per_worker": "--cpus-per-worker/--gpus-per-worker", "use_gpu": "--gpus-per-worker",
+    "placement_timeout_s": "--placement-timeout", "name": "--name", "storage": "--storage",
+    "resume_from": "--resume-from", "max_failures": "--max-failures",
+}
+
+
+def _flag_problems(error: ValidationError, args: argparse.Namespace) -> str:
+    """pydantic's errors in the CLI's words: one line per flag, naming the value given."""
+    lines = []
+    for item in error.errors():
+        field = str(item["loc"][0]) if item.get("loc") else ""
+        flag = _FLAGS.get(field, field)
+        value = getattr(args, flag.lstrip("-").split("/")[0].replace("-", "_"), item.get("input"))
+        message = str(item.get("msg", "")).removeprefix("Value error, ").replace("Input should be", "must be")
+        lines.append(f"{flag} {value}: {message}")
+    return "; ".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     loop_args: list[str] = []
@@ -92,7 +120,10 @@ def main(argv: list[str] | None = None) -> int:
         argv, loop_args = argv[:split], argv[split + 1:]
     args = _parser().parse_args(argv)
 
+    from pydantic import ValidationError
+
     from rayzero.config import ConfigError
+    from rayzero.driver.cluster import ClusterUnreachableError
     from rayzero.driver.fit import fit
 
     try:
@@ -119,11 +150,15 @@ def main(argv: list[str] | None = None) -> int:
             run=run,
             failure=failure,
             train_loop_config={"argv": loop_args} if takes_config else None,
+            trainer=dict(args.trainer) or None,
         )
     except ConfigError as error:
         print(f"rayzero run: the config was rejected, no worker was started.\n{error}", file=sys.stderr)
         return 2
-    except ValueError as error:  # bad target / scaling arguments (pydantic's ValidationError too)
+    except ValidationError as error:  # a flag's value the settings models refuse
+        print(f"rayzero run: {_flag_problems(error, args)}", file=sys.stderr)
+        return 2
+    except (ValueError, ClusterUnreachableError) as error:  # bad target, cluster too small or gone
         print(f"rayzero run: {error}", file=sys.stderr)
         return 2
     except TrainingFailedError as error:

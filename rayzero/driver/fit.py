@@ -1,6 +1,7 @@
 """`rayzero.fit`: validate, connect to Ray, start the controller, stream reports, return a Result."""
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -43,47 +44,51 @@ class Result:
     """URI of the Parquet metrics log (every rank's reports)."""
 
 
-_MODEL_AUTOS = ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
-                "stage3_param_persistence_threshold")
-"""Keys whose "auto" the engine resolves from the model's hidden size (rayzero.engine.config_resolution)."""
-
-
-def _validated_config(config: Any, world_size: int) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+def _validated_config(
+    config: Any, world_size: int, trainer: Mapping[str, Any] | None = None
+) -> tuple[dict[str, Any] | None, dict[str, Any]]:
     """(the config for the workers, the validated one) or a ConfigError listing every problem.
 
     Validation happens here, before any worker starts. The workers get the config as the user wrote
-    it, not the normalised dump: the engine resolves it again knowing the model (hidden size), and a
-    dump carries every default as if the user had set it, which that resolution then rejects.
+    it, not the normalised dump: the engine resolves it again knowing the model (hidden size) and the
+    trainer arguments ($RAYZERO_TRAINER), and a dump carries every default as if the user had set
+    it, which that resolution then rejects.
     """
     if config is None:
         return None, {}
     from rayzero.config import ConfigError, Problem, RayZeroConfig, load_config
-
-    # allow_unresolved: "auto" values that need the model (hidden size) are resolved in the engine.
-    checked = load_config(config, world_size=world_size, allow_unresolved=True)
-    # Only those: the engine resolves again with this world size and the model's hidden size and no
-    # trainer arguments, so any other "auto" would fail on every worker after they started.
-    left = [path for path in checked.unresolved_autos() if path.rsplit(".", 1)[-1] not in _MODEL_AUTOS]
-    if left:
-        raise ConfigError([Problem(
-            path, "auto", "\"auto\" cannot be resolved in the workers (rayzero.initialize resolves only "
-            f"{', '.join(_MODEL_AUTOS)} from the model, and the batch keys from the world size)",
-            "write a value, or pass rayzero.config.load_config(path, trainer={...}, allow_unresolved=True) "
-            "as config") for path in left], str(config) if isinstance(config, (str, Path)) else "config")
     from rayzero.engine.offload import unsupported_offload
 
+    name = str(config) if isinstance(config, (str, Path)) else "config"
+    # The model's "auto"s are resolved in the engine from model.config.hidden_size; a stand-in width
+    # here lets one load_config call report every other problem (an "auto" no fact resolves
+    # included) in one round. Its values are never used: the workers get the config as written.
+    try:
+        checked = load_config(config, world_size=world_size, hidden_size=_STAND_IN_HIDDEN_SIZE, trainer=trainer)
+    except ConfigError as error:
+        raise ConfigError([_with_trainer_fix(problem) for problem in error.problems], name) from None
     offload = unsupported_offload(checked.zero_optimization)
     if offload:
         raise ConfigError([Problem(
             key, device, "this release implements no offload backend (only device 'none')",
-            "set it to \"none\" or remove the offload section") for key, device in offload],
-            str(config) if isinstance(config, (str, Path)) else "config")
+            "set it to \"none\" or remove the offload section") for key, device in offload], name)
     validated = checked.to_deepspeed_dict()
     if isinstance(config, RayZeroConfig):
         return config.to_deepspeed_dict(), validated
     if isinstance(config, Mapping):
         return json.loads(json.dumps(config)), validated
     return json.loads(Path(config).read_text()), validated
+
+
+_STAND_IN_HIDDEN_SIZE = 1024
+
+
+def _with_trainer_fix(problem: Any) -> Any:
+    """An unresolved "auto" problem, saying how to give the fact to rayzero.fit / rayzero run."""
+    if problem.value != "auto" or "trainer" not in problem.fix:
+        return problem
+    return dataclasses.replace(problem, fix=f"{problem.fix} (rayzero.fit(..., trainer={{...}}) or "
+                                            "rayzero run --trainer KEY=VALUE)")
 
 
 def _run_locations(run: RunConfig) -> tuple[str, str, str]:
@@ -144,6 +149,7 @@ def fit(
     failure: FailureConfig | None = None,
     train_loop_config: dict[str, Any] | None = None,
     datasets: Mapping[str, Any] | None = None,
+    trainer: Mapping[str, Any] | None = None,
 ) -> Result:
     """Run `train_loop(train_loop_config)` on `scaling.num_workers` Ray actors forming one process group.
 
@@ -155,7 +161,7 @@ def fit(
 
     fit_started_wall, fit_started = time.time(), time.monotonic()
     scaling, run, failure = scaling or ScalingConfig(), run or RunConfig(), failure or FailureConfig()
-    ds_config, validated = _validated_config(config, scaling.num_workers)
+    ds_config, validated = _validated_config(config, scaling.num_workers, trainer)
     name, run_uri, checkpoint_dir = _run_locations(run)
     resume_from = resolve_resume_from(
         run.resume_from or os.environ.get("RAYZERO_RESUME_FROM") or None, explicit=bool(run.resume_from)
@@ -173,6 +179,8 @@ def fit(
     }
     if ds_config is not None:
         run_env["RAYZERO_CONFIG"] = json.dumps(ds_config)
+    if trainer:
+        run_env["RAYZERO_TRAINER"] = json.dumps(dict(trainer))  # HF trainer arguments for "auto"s
     datasets = dict(datasets or {})
     local_checkpoint_dir = checkpoint_dir if run_uri.startswith("file://") else None
 

@@ -15,6 +15,13 @@ from rayzero.config.errors import RayZeroValueError
 
 CONFIG_ENV = "RAYZERO_CONFIG"
 """Path to a JSON config, or the JSON text itself; the Ray worker sets it for the user's loop."""
+TRAINER_ENV = "RAYZERO_TRAINER"
+"""JSON of HF-Trainer-style arguments ("auto" facts) from `rayzero.fit(trainer=...)` / `--trainer`."""
+
+
+def trainer_facts() -> dict[str, Any] | None:
+    text = os.environ.get(TRAINER_ENV)
+    return json.loads(text) if text else None
 
 
 def detect_hidden_size(model: torch.nn.Module) -> int | None:
@@ -40,10 +47,11 @@ def resolve_config(config: Any, world_size: int, model: torch.nn.Module) -> RayZ
         config = json.loads(config)
     # hidden_size is only a fact for resolving "auto" bucket sizes: pass it only when one is left,
     # so explicit values are never second-guessed by a guess at the model's width.
-    first = load_config(config, world_size=world_size, allow_unresolved=True)
+    trainer = trainer_facts()
+    first = load_config(config, world_size=world_size, trainer=trainer, allow_unresolved=True)
     if not _has_auto(first.model_dump()):
         return first
-    return load_config(config, world_size=world_size, hidden_size=detect_hidden_size(model))
+    return load_config(config, world_size=world_size, hidden_size=detect_hidden_size(model), trainer=trainer)
 
 
 def _has_auto(value: Any) -> bool:
