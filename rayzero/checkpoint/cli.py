@@ -1,7 +1,8 @@
 """`rayzero checkpoint ls|verify|consolidate`: inspect and convert checkpoints with no cluster.
 
-Each takes a save directory (its newest committed checkpoint, via `latest`) or one tag directory;
-`ls` lists every checkpoint of a save directory.
+Each takes a save directory (its newest committed checkpoint, via `latest`), one tag directory, or
+a run directory (`<storage>/<name>`, what `rayzero.fit` reports as `Result.path`, file:// or a plain
+path: its `checkpoints/` is used); `ls` lists every checkpoint of a save directory.
 """
 from __future__ import annotations
 
@@ -95,9 +96,28 @@ def _verify(path: str, every: bool) -> int:
     return _verify_one(resolve_tag_dir(path))
 
 
+def save_dir(location: str) -> str:
+    """The local save or tag directory `location` names (a run directory means its checkpoints/)."""
+    from urllib.parse import unquote, urlparse
+
+    if location.startswith("file://"):
+        location = unquote(urlparse(location).path)
+    elif "://" in location:
+        raise ValueError(f"{location}: only local paths and file:// URIs are read here; copy the "
+                         "checkpoint to local disk first (e.g. `aws s3 sync`)")
+    marked = any(os.path.exists(os.path.join(location, marker)) for marker in ("manifest.json", "latest"))
+    run_checkpoints = os.path.join(location, "checkpoints")
+    if not marked and os.path.isdir(run_checkpoints):
+        return run_checkpoints
+    return location
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
+        for attribute in ("path", "checkpoint"):
+            if hasattr(args, attribute):
+                setattr(args, attribute, save_dir(getattr(args, attribute)))
         if args.command == "ls":
             return _ls(args.path)
         if args.command == "verify":

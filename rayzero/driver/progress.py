@@ -45,7 +45,7 @@ class Progress:
         self._memory: dict[int, int] = {}  # rank -> newest peak memory
         self._first: Report | None = None  # rank 0's first report: rates are measured from it
         self._last: Report | None = None
-        self._printed_at = 0.0
+        self._printed_at = float("-inf")  # the first report prints at once
         self._resumed_from: object = None  # the step rank 0 went back to, until a line has said so
 
     def observe(self, item: Report) -> None:

@@ -143,3 +143,17 @@ def test_a_remote_uri_as_save_dir_is_staged_locally_and_loaded_back(tmp_path, mo
     for shard in _shards(2):
         assert torch.equal(loaded.read(shard.spec), shard.local)
     assert checkpointer.resolve_dir(f"file://{tmp_path}/x") == f"{tmp_path}/x"
+
+
+def test_ls_verify_consolidate_accept_the_run_directory_fit_reports(tmp_path, capsys):
+    # rayzero.fit reports Result.path = file://<storage>/<name>; checkpoints live in its checkpoints/
+    run = tmp_path / "runs" / "exp1"
+    _save(Checkpointer(CheckpointOptions(keep_last=0)), str(run / "checkpoints"), 3)
+    for location in (str(run), run.as_uri()):
+        assert checkpoint_cli(["ls", location]) == 0
+        assert "global_step3" in capsys.readouterr().out
+        assert checkpoint_cli(["verify", location]) == 0
+        assert "OK" in capsys.readouterr().out
+        out = tmp_path / "consolidated.safetensors"
+        assert checkpoint_cli(["consolidate", location, str(out)]) == 0
+        assert torch.equal(load_file(str(out))["head.bias"], WEIGHTS["head.bias"] * 3)
