@@ -15,12 +15,13 @@ the placement timeout still applies.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
 import socket
+from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from rayzero.config.errors import RayZeroRuntimeError, RayZeroValueError
@@ -108,40 +109,50 @@ def connect(working_dir: str | None = None) -> Connection:
     if ray.is_initialized():
         return Connection(started=False, address=None)
     asked = requested_address()
-    token_is_new = _prepare_token_mode(asked is None)
     if asked is not None:
         address, source = asked
         probe(address, source)
         runtime_env = None
         if working_dir and not os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR"):
             runtime_env = {"working_dir": working_dir}
-        ray.init(address=address, logging_level=logging.WARNING, runtime_env=runtime_env)
-        _token_note_once(token_is_new)
+        with _quiet_token_warning() as token:
+            ray.init(address=address, logging_level=logging.WARNING, runtime_env=runtime_env)
+        _token_note_once(token.token_enabled)
         return Connection(started=False, address=address)
-    ray.init(address="local", include_dashboard=False, logging_level=logging.WARNING)
-    _token_note_once(token_is_new)
+    with _quiet_token_warning() as token:
+        ray.init(address="local", include_dashboard=False, logging_level=logging.WARNING)
+    _token_note_once(token.token_enabled)
     return Connection(started=True, address=None)
 
 
-def _prepare_token_mode(starting: bool) -> bool:
-    """Decide Ray's auth mode ourselves so Ray does not warn on every run; True if token auth is on.
+class _TokenWarningFilter(logging.Filter):
+    """Holds back Ray's per-process "Token authentication is enabled" warning; rayzero prints its note
+    once per cluster instead (`_token_note_once`). Records whether Ray turned token auth on."""
 
-    Ray 2.60 turns token authentication on for a local `ray.init()` and for a client that finds
-    ~/.ray/auth_token, warning each time; with RAY_AUTH_MODE set it stays quiet. rayzero sets the
-    same mode Ray would choose and prints its own note once per cluster (`_token_note_once`).
-    """
-    if os.environ.get("RAY_AUTH_MODE") is not None:
-        return False  # the user chose: no note
-    token_exists = bool(os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")) or (
-        Path.home() / ".ray" / "auth_token").is_file()
-    if starting or token_exists:
-        os.environ["RAY_AUTH_MODE"] = "token"
+    def __init__(self) -> None:
+        super().__init__()
+        self.token_enabled = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "Token authentication is enabled" in record.getMessage():
+            self.token_enabled = True
+            return False
         return True
-    return False
 
 
-def _token_note_once(token_mode_set_here: bool) -> None:
-    if not token_mode_set_here:
+@contextlib.contextmanager
+def _quiet_token_warning() -> Iterator[_TokenWarningFilter]:
+    logger = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    token_filter = _TokenWarningFilter()
+    logger.addFilter(token_filter)
+    try:
+        yield token_filter
+    finally:
+        logger.removeFilter(token_filter)
+
+
+def _token_note_once(token_enabled: bool) -> None:
+    if not token_enabled:
         return
     from ray.experimental import internal_kv
 

@@ -92,6 +92,7 @@ SCRIPT = textwrap.dedent(
 
     if __name__ == "__main__":
         result = rayzero.fit(train, config={"train_micro_batch_size_per_gpu": 2,
+                                           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
                                            "zero_optimization": {"stage": 3,
                                                                  "stage3_prefetch_bucket_size": "auto"}},
                              scaling=rayzero.ScalingConfig(num_workers=2),
