@@ -17,7 +17,7 @@ def _reports(rank: int, steps: range, start_time: float) -> list[Report]:
 
 
 def _two_attempts() -> list[Report]:
-    first = [r for pair in zip(_reports(0, range(0, 5), 0), _reports(1, range(0, 5), 0)) for r in pair]
+    first = [r for pair in zip(_reports(0, range(5), 0), _reports(1, range(5), 0)) for r in pair]
     second = [r for pair in zip(_reports(0, range(3, 7), 100), _reports(1, range(3, 7), 100)) for r in pair]
     return first + second  # the checkpoint was at step 3: steps 3 and 4 are run again
 
