@@ -13,7 +13,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "config": ("rayzero.config.cli", "validate a DeepSpeed config, export its JSON schema or docs"),
     "run": ("rayzero.driver.cli", "run a training loop on Ray: rayzero run file.py:fn --config ds.json"),
     "demo": ("rayzero.driver.demo", "train the built-in character language model (the main job)"),
-    "checkpoint": ("rayzero.checkpoint.cli", "list, verify or consolidate checkpoints"),
+    "checkpoint": ("rayzero.checkpoint.cli", "list, verify, consolidate or import checkpoints"),
+    "plot": ("rayzero.plot", "draw a run's loss, throughput, lr and memory: rayzero plot RUN -o run.png"),
 }
 
 
