@@ -24,7 +24,14 @@ def _parser() -> argparse.ArgumentParser:
     verify.add_argument("--all", action="store_true", help="verify every committed checkpoint of the save directory")
     consolidate = commands.add_parser("consolidate", help="write one full state dict keyed by module names")
     consolidate.add_argument("checkpoint", help="save directory (newest committed checkpoint) or tag directory")
-    consolidate.add_argument("output", help="output file")
+    consolidate.add_argument("output", nargs="?", default=None, help="output file (not with --hf)")
+    consolidate.add_argument("--hf", metavar="OUT_DIR", default=None,
+                             help="write a Hugging Face model directory (config.json + safetensors, sharded with "
+                                  "an index past --max-shard-size) that from_pretrained loads")
+    consolidate.add_argument("--hf-config", default=None,
+                             help="config.json (or a directory holding it) when the checkpoint records none")
+    consolidate.add_argument("--max-shard-size", default="5GB",
+                             help="largest weights file with --hf, e.g. 5GB, 500MB (default 5GB, as save_pretrained)")
     consolidate.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16", "float64"],
                              help="cast every tensor (default: keep the stored dtype; fp32 masters where saved)")
     consolidate.add_argument("--format", default="safetensors", choices=["safetensors", "torch"],
@@ -112,6 +119,42 @@ def save_dir(location: str) -> str:
     return location
 
 
+_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
+
+
+def parse_size(text: str) -> int:
+    """'5GB' / '500MB' / '2GiB' / a byte count -> bytes (save_pretrained's max_shard_size forms)."""
+    upper = text.strip().upper()
+    for unit in sorted(_UNITS, key=len, reverse=True):
+        if upper.endswith(unit):
+            number = upper.removesuffix(unit).strip()
+            break
+    else:
+        unit, number = "B", upper
+    try:
+        value = float(number) * _UNITS[unit]
+    except ValueError:
+        raise ValueError(f"--max-shard-size {text!r}: give a size like 5GB, 500MB or 2GiB") from None
+    if value <= 0:
+        raise ValueError(f"--max-shard-size {text!r}: must be positive")
+    return int(value)
+
+
+def _consolidate_hf(args: argparse.Namespace, dtype: object) -> int:
+    import json
+
+    from rayzero.checkpoint.consolidate import consolidate_hf
+
+    hf_config = None
+    if args.hf_config:
+        path = os.path.join(args.hf_config, "config.json") if os.path.isdir(args.hf_config) else args.hf_config
+        with open(path) as handle:
+            hf_config = json.load(handle)
+    written = consolidate_hf(args.checkpoint, args.hf, dtype, parse_size(args.max_shard_size), hf_config)
+    print(f"wrote {', '.join(written)} to {args.hf} (load with from_pretrained({args.hf!r}))")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -127,6 +170,10 @@ def main(argv: list[str] | None = None) -> int:
         from rayzero.checkpoint.consolidate import consolidate
 
         dtype = getattr(torch, args.dtype) if args.dtype else None
+        if args.hf is not None:
+            return _consolidate_hf(args, dtype)
+        if args.output is None:
+            raise ValueError("give an output file, or --hf OUT_DIR for a Hugging Face model directory")
         count = consolidate(args.checkpoint, args.output, dtype, args.format)
         print(f"wrote {count} tensors to {args.output} ({args.format})")
         return 0
