@@ -46,8 +46,9 @@ class Result:
 
 def _validated_config(
     config: Any, world_size: int, trainer: Mapping[str, Any] | None = None
-) -> tuple[dict[str, Any] | None, dict[str, Any]]:
-    """(the config for the workers, the validated one) or a ConfigError listing every problem.
+) -> tuple[dict[str, Any] | None, dict[str, Any], Mapping[str, Any] | None]:
+    """(the config for the workers, the validated one, the trainer facts) or a ConfigError listing
+    every problem.
 
     Validation happens here, before any worker starts. The workers get the config as the user wrote
     it, not the normalised dump: the engine resolves it again knowing the model (hidden size) and the
@@ -55,11 +56,15 @@ def _validated_config(
     it, which that resolution then rejects.
     """
     if config is None:
-        return None, {}
+        return None, {}, trainer
     from rayzero.config import ConfigError, Problem, RayZeroConfig, load_config
     from rayzero.engine.offload import unsupported_offload
 
     name = str(config) if isinstance(config, (str, Path)) else "config"
+    if trainer:  # HF semantics: TrainingArguments defaults, batch keys from the trainer
+        from rayzero.engine.config_resolution import with_trainer_semantics
+
+        config, trainer = with_trainer_semantics(config, trainer)
     # The model's "auto"s are resolved in the engine from model.config.hidden_size; a stand-in width
     # here lets one load_config call report every other problem (an "auto" no fact resolves
     # included) in one round. Its values are never used: the workers get the config as written.
@@ -74,10 +79,10 @@ def _validated_config(
             "set it to \"none\" or remove the offload section") for key, device in offload], name)
     validated = checked.to_deepspeed_dict()
     if isinstance(config, RayZeroConfig):
-        return config.to_deepspeed_dict(), validated
+        return config.to_deepspeed_dict(), validated, trainer
     if isinstance(config, Mapping):
-        return json.loads(json.dumps(config)), validated
-    return json.loads(Path(config).read_text()), validated
+        return json.loads(json.dumps(config)), validated, trainer
+    return json.loads(Path(config).read_text()), validated, trainer
 
 
 _STAND_IN_HIDDEN_SIZE = 1024
@@ -161,7 +166,7 @@ def fit(
 
     fit_started_wall, fit_started = time.time(), time.monotonic()
     scaling, run, failure = scaling or ScalingConfig(), run or RunConfig(), failure or FailureConfig()
-    ds_config, validated = _validated_config(config, scaling.num_workers, trainer)
+    ds_config, validated, trainer = _validated_config(config, scaling.num_workers, trainer)
     name, run_uri, checkpoint_dir = _run_locations(run)
     resume_from = resolve_resume_from(
         run.resume_from or os.environ.get("RAYZERO_RESUME_FROM") or None, explicit=bool(run.resume_from)

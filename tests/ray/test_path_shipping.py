@@ -37,7 +37,7 @@ def test_an_hf_model_from_a_module_level_config_ships_and_resolves_the_model_aut
     config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": "auto"}},
               "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"}}
     result = _fit(path_loops.hf_model_loop, tmp_path, workers=2, config=config,
-                  trainer={"learning_rate": 1e-3})
+                  trainer={"learning_rate": 1e-3, "per_device_train_batch_size": 2})
     assert result.metrics["hidden"] == 32
     assert result.metrics["reduce_bucket_size"] == 32 * 32  # "auto" = hidden_size², from model.config
 
