@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ".[dev,k8s,hf,plot]"
+	DS_BUILD_OPS=0 $(BIN)/pip install -q -e ".[dev,k8s,hf,plot,bench]"
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -1,4 +1,4 @@
-"""`rayzero checkpoint ls|verify|consolidate`: inspect and convert checkpoints with no cluster.
+"""`rayzero checkpoint ls|verify|consolidate|import-deepspeed`: inspect and convert checkpoints, no cluster.
 
 Each takes a save directory (its newest committed checkpoint, via `latest`), one tag directory, or
 a run directory (`<storage>/<name>`, what `rayzero.fit` reports as `Result.path`, file:// or a plain
@@ -36,6 +36,11 @@ def _parser() -> argparse.ArgumentParser:
                              help="cast every tensor (default: keep the stored dtype; fp32 masters where saved)")
     consolidate.add_argument("--format", default="safetensors", choices=["safetensors", "torch"],
                              help="safetensors, or torch (a plain dict for torch.load(weights_only=True))")
+    imported = commands.add_parser(
+        "import-deepspeed", help="convert a DeepSpeed ZeRO 1-3 checkpoint (weights, optimizer, scheduler, step)")
+    imported.add_argument("deepspeed_checkpoint", help="DeepSpeed save dir (with `latest`) or a global_stepN dir")
+    imported.add_argument("output", help="rayzero save dir to write (engine.load_checkpoint(OUT) resumes from it)")
+    imported.add_argument("--tag", default=None, help="the DeepSpeed tag to convert (default: `latest`)")
     return parser
 
 
@@ -165,6 +170,12 @@ def main(argv: list[str] | None = None) -> int:
             return _ls(args.path)
         if args.command == "verify":
             return _verify(args.path, args.all)
+        if args.command == "import-deepspeed":
+            from rayzero.checkpoint.deepspeed_import import import_deepspeed
+
+            written = import_deepspeed(args.deepspeed_checkpoint, args.output, args.tag)
+            print(f"wrote {written}; resume with engine.load_checkpoint({args.output!r}) at any world size and stage")
+            return 0
         import torch
 
         from rayzero.checkpoint.consolidate import consolidate
