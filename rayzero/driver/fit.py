@@ -1,7 +1,6 @@
 """`rayzero.fit`: validate, connect to Ray, start the controller, stream reports, return a Result."""
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import json
 import os
@@ -21,6 +20,7 @@ from rayzero.controller.errors import TrainingFailedError
 from rayzero.controller.state import FailurePolicy, RunState
 from rayzero.controller.worker_group import RayWorkerGroup
 from rayzero.driver.cluster import check_fits, connect
+from rayzero.driver.config_check import validated_config
 from rayzero.driver.metrics_log import MetricsLog
 from rayzero.driver.progress import Progress
 from rayzero.driver.shipping import ship
@@ -31,7 +31,8 @@ class Result:
     """What a finished run leaves behind."""
 
     metrics_history: list[dict[str, Any]]
-    """Every dict rank 0 passed to `rayzero.report`, in order."""
+    """What rank 0 passed to `rayzero.report`, one dict per step: a step re-run after a restart keeps
+    only its newest report (reports without a `step` key are all kept), in order."""
     metrics: dict[str, Any] | None
     """The last of them (None if rank 0 never reported)."""
     checkpoint: str | None
@@ -42,58 +43,6 @@ class Result:
     """Start-up phases and throughput in seconds / per second, e.g. `fit_to_first_report_s`."""
     metrics_path: str | None = None
     """URI of the Parquet metrics log (every rank's reports)."""
-
-
-def _validated_config(
-    config: Any, world_size: int, trainer: Mapping[str, Any] | None = None
-) -> tuple[dict[str, Any] | None, dict[str, Any], Mapping[str, Any] | None]:
-    """(the config for the workers, the validated one, the trainer facts) or a ConfigError listing
-    every problem.
-
-    Validation happens here, before any worker starts. The workers get the config as the user wrote
-    it, not the normalised dump: the engine resolves it again knowing the model (hidden size) and the
-    trainer arguments ($RAYZERO_TRAINER), and a dump carries every default as if the user had set
-    it, which that resolution then rejects.
-    """
-    if config is None:
-        return None, {}, trainer
-    from rayzero.config import ConfigError, Problem, RayZeroConfig, load_config
-    from rayzero.engine.offload import unsupported_offload
-
-    name = str(config) if isinstance(config, (str, Path)) else "config"
-    if trainer:  # HF semantics: TrainingArguments defaults, batch keys from the trainer
-        from rayzero.engine.config_resolution import with_trainer_semantics
-
-        config, trainer = with_trainer_semantics(config, trainer)
-    # The model's "auto"s are resolved in the engine from model.config.hidden_size; a stand-in width
-    # here lets one load_config call report every other problem (an "auto" no fact resolves
-    # included) in one round. Its values are never used: the workers get the config as written.
-    try:
-        checked = load_config(config, world_size=world_size, hidden_size=_STAND_IN_HIDDEN_SIZE, trainer=trainer)
-    except ConfigError as error:
-        raise ConfigError([_with_trainer_fix(problem) for problem in error.problems], name) from None
-    offload = unsupported_offload(checked.zero_optimization)
-    if offload:
-        raise ConfigError([Problem(
-            key, device, "this release implements no offload backend (only device 'none')",
-            "set it to \"none\" or remove the offload section") for key, device in offload], name)
-    validated = checked.to_deepspeed_dict()
-    if isinstance(config, RayZeroConfig):
-        return config.to_deepspeed_dict(), validated, trainer
-    if isinstance(config, Mapping):
-        return json.loads(json.dumps(config)), validated, trainer
-    return json.loads(Path(config).read_text()), validated, trainer
-
-
-_STAND_IN_HIDDEN_SIZE = 1024
-
-
-def _with_trainer_fix(problem: Any) -> Any:
-    """An unresolved "auto" problem, saying how to give the fact to rayzero.fit / rayzero run."""
-    if problem.value != "auto" or "trainer" not in problem.fix:
-        return problem
-    return dataclasses.replace(problem, fix=f"{problem.fix} (rayzero.fit(..., trainer={{...}}) or "
-                                            "rayzero run --trainer KEY=VALUE)")
 
 
 def _run_locations(run: RunConfig) -> tuple[str, str, str]:
@@ -160,13 +109,14 @@ def fit(
 
     `config` is the run's DeepSpeed config (JSON path, dict or RayZeroConfig); it is validated here,
     before any worker starts, and `rayzero.initialize(model=...)` without `config=` uses it.
+    `trainer` holds HF `TrainingArguments` values the config's "auto"s take (HF's defaults for the rest).
     Raises `TrainingFailedError` (naming the failing rank, with its traceback) if the run fails.
     """
     import ray
 
     fit_started_wall, fit_started = time.time(), time.monotonic()
     scaling, run, failure = scaling or ScalingConfig(), run or RunConfig(), failure or FailureConfig()
-    ds_config, validated, trainer = _validated_config(config, scaling.num_workers, trainer)
+    ds_config, validated, trainer = validated_config(config, scaling.num_workers, trainer)
     name, run_uri, checkpoint_dir = _run_locations(run)
     resume_from = resolve_resume_from(
         run.resume_from or os.environ.get("RAYZERO_RESUME_FROM") or None, explicit=bool(run.resume_from)

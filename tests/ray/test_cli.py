@@ -115,3 +115,29 @@ def test_trainer_arguments_fill_the_hf_autos(local_ray, tmp_path, capsys):
     assert code == 0, capsys.readouterr().err
     table = pq.read_table(str(tmp_path / "runs" / "hf" / "metrics.parquet")).to_pydict()
     assert (table["micro"][0], table["batch"][0], table["lr"][0]) == (3, 12, 0.01)
+
+
+def test_a_file_target_is_imported_on_the_workers_not_pickled(local_ray, tmp_path, capsys):
+    # A module-level lock cannot be pickled: rayzero.fit(loop) would refuse it by name, but
+    # `rayzero run file.py:loop` imports the file on each worker, as `python file.py` would.
+    (tmp_path / "locked.py").write_text(textwrap.dedent(
+        """
+        import os
+        import threading
+
+        import rayzero
+
+        LOCK = threading.Lock()
+        IMPORTED_IN = os.getpid()
+
+
+        def loop(config):
+            with LOCK:
+                rayzero.report({"step": 0, "imported_here": IMPORTED_IN == os.getpid()})
+        """))
+    (tmp_path / "ds.json").write_text(json.dumps({"train_micro_batch_size_per_gpu": 1}))
+    code = cli.main([f"{tmp_path}/locked.py:loop", "--config", str(tmp_path / "ds.json"), "--workers", "2",
+                     "--storage", (tmp_path / "runs").as_uri(), "--name", "locked"])
+    assert code == 0, capsys.readouterr().err
+    table = pq.read_table(str(tmp_path / "runs" / "locked" / "metrics.parquet")).to_pydict()
+    assert table["imported_here"] == [True, True]

@@ -1,0 +1,60 @@
+"""The run's config, checked on the driver before any worker starts (`rayzero.fit` / `rayzero run`)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+
+def validated_config(
+    config: Any, world_size: int, trainer: Mapping[str, Any] | None = None
+) -> tuple[dict[str, Any] | None, dict[str, Any], Mapping[str, Any] | None]:
+    """(the config for the workers, the validated one, the trainer facts) or a ConfigError listing
+    every problem.
+
+    Validation happens here, before any worker starts. The workers get the config as the user wrote
+    it, not the normalised dump: the engine resolves it again knowing the model (hidden size) and the
+    trainer arguments ($RAYZERO_TRAINER), and a dump carries every default as if the user had set
+    it, which that resolution then rejects.
+    """
+    if config is None:
+        return None, {}, trainer
+    from rayzero.config import ConfigError, Problem, RayZeroConfig, load_config
+    from rayzero.engine.offload import unsupported_offload
+
+    name = str(config) if isinstance(config, (str, Path)) else "config"
+    if trainer:  # HF semantics: TrainingArguments defaults, batch keys from the trainer
+        from rayzero.engine.config_resolution import with_trainer_semantics
+
+        config, trainer = with_trainer_semantics(config, trainer)
+    # The model's "auto"s are resolved in the engine from model.config.hidden_size; a stand-in width
+    # here lets one load_config call report every other problem (an "auto" no fact resolves
+    # included) in one round. Its values are never used: the workers get the config as written.
+    try:
+        checked = load_config(config, world_size=world_size, hidden_size=_STAND_IN_HIDDEN_SIZE, trainer=trainer)
+    except ConfigError as error:
+        raise ConfigError([_with_trainer_fix(problem) for problem in error.problems], name) from None
+    offload = unsupported_offload(checked.zero_optimization)
+    if offload:
+        raise ConfigError([Problem(
+            key, device, "this release implements no offload backend (only device 'none')",
+            "set it to \"none\" or remove the offload section") for key, device in offload], name)
+    validated = checked.to_deepspeed_dict()
+    if isinstance(config, RayZeroConfig):
+        return config.to_deepspeed_dict(), validated, trainer
+    if isinstance(config, Mapping):
+        return json.loads(json.dumps(config)), validated, trainer
+    return json.loads(Path(config).read_text()), validated, trainer
+
+
+_STAND_IN_HIDDEN_SIZE = 1024
+
+
+def _with_trainer_fix(problem: Any) -> Any:
+    """An unresolved "auto" problem, saying how to give the fact to rayzero.fit / rayzero run."""
+    if problem.value != "auto" or "trainer" not in problem.fix:
+        return problem
+    return dataclasses.replace(problem, fix=f"{problem.fix} (rayzero.fit(..., trainer={{...}}) or "
+                                            "rayzero run --trainer KEY=VALUE)")
