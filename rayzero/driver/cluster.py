@@ -213,8 +213,25 @@ def check_fits(scaling: Any, connection: Connection) -> None:
             f"the run can never start: {numbers}. rayzero started this local Ray, so nothing will be added; "
             f"ask for at most {fits} worker(s) (--workers / ScalingConfig.num_workers), fewer resources per "
             "worker, or join a larger cluster with RAY_ADDRESS")
+    ceiling = _autoscaler_maximum()
+    short = {key: value for key, value in asked.items() if ceiling is not None and value > ceiling.get(key, 0)}
+    if short:
+        raise ClusterTooSmallError(
+            f"the run can never start: {numbers}, and the cluster's autoscaler can grow to at most "
+            f"{_fmt({key: ceiling.get(key, 0) for key in asked})}; ask for fewer workers or resources per worker")
     print(f"[rayzero] the cluster cannot hold the run now: {numbers}; waiting up to placement_timeout_s="
           f"{scaling.placement_timeout_s:g}s for an autoscaler to add nodes", flush=True)
+
+
+def _autoscaler_maximum() -> dict[str, float] | None:
+    """The most of each resource the cluster's autoscaler may provide, from the cluster config it
+    keeps in the GCS (autoscaler v2, KubeRay); None when the cluster has no such config."""
+    try:
+        from ray._private.state import state
+
+        return state.get_max_resources_from_cluster_config()
+    except Exception:  # noqa: BLE001 - a private API: without it the placement timeout still applies
+        return None
 
 
 def _fmt(resources: dict[str, float]) -> str:
