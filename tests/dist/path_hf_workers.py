@@ -69,6 +69,11 @@ def worker(rank: int, world: int, payload: dict) -> dict:
         model.save_pretrained(sharded, max_shard_size="20KB")  # several files + the index
         big_model = GPT2LMHeadModel(tiny_config(width=payload["big_width"], layers=4, vocab=256))
         big_model.save_pretrained(big)
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        llama_config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=64, max_position_embeddings=32)
+        LlamaForCausalLM(llama_config).save_pretrained(os.path.join(root, "llama"))
         del model, big_model
         gc.collect()
     dist.barrier()
@@ -79,6 +84,15 @@ def worker(rank: int, world: int, payload: dict) -> dict:
         model = from_pretrained(GPT2LMHeadModel, path, config=STAGE3)
         out[f"{name}_mismatched"] = _same(_full_state(model), reference)
         out[f"{name}_partitioned"] = all(param.numel() == 0 for param in model.parameters())
+
+    # A model with buffers computed at construction (rotary inv_freq), not stored in the checkpoint
+    from transformers import LlamaForCausalLM
+
+    llama_reference = LlamaForCausalLM.from_pretrained(os.path.join(root, "llama"))
+    llama = from_pretrained(LlamaForCausalLM, os.path.join(root, "llama"), config=STAGE3)
+    out["llama_mismatched"] = _same(_full_state(llama), llama_reference)
+    expected_buffers = dict(llama_reference.named_buffers())
+    out["llama_buffers"] = {name: torch.equal(value, expected_buffers[name]) for name, value in llama.named_buffers()}
 
     # Peak memory of loading the big model, from a reset high-water mark (Linux clear_refs 5).
     gc.collect()

@@ -32,6 +32,8 @@ def test_pretrained_weights_load_exactly_into_stage3_partitions():
     for result in ranks:
         assert result["single_mismatched"] == [] and result["sharded_mismatched"] == []
         assert result["single_partitioned"] and result["sharded_partitioned"]
+        assert result["llama_mismatched"] == []
+        assert result["llama_buffers"] and all(result["llama_buffers"].values())  # rotary tables rebuilt
 
 
 def test_no_rank_holds_the_whole_model_while_loading():
