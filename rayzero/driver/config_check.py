@@ -35,7 +35,10 @@ def validated_config(
     try:
         checked = load_config(config, world_size=world_size, hidden_size=_STAND_IN_HIDDEN_SIZE, trainer=trainer)
     except ConfigError as error:
-        raise ConfigError([_with_trainer_fix(problem) for problem in error.problems], name) from None
+        problems = _with_trainer_fix(error.problems)
+        seen = {problem.path for problem in problems}
+        problems += [problem for problem in _offload_problems(config, Problem) if problem.path not in seen]
+        raise ConfigError(problems, name) from None
     offload = unsupported_offload(checked.zero_optimization)
     if offload:
         raise ConfigError([Problem(
@@ -52,9 +55,29 @@ def validated_config(
 _STAND_IN_HIDDEN_SIZE = 1024
 
 
-def _with_trainer_fix(problem: Any) -> Any:
-    """An unresolved "auto" problem, saying how to give the fact to rayzero.fit / rayzero run."""
-    if problem.value != "auto" or "trainer" not in problem.fix:
-        return problem
-    return dataclasses.replace(problem, fix=f"{problem.fix} (rayzero.fit(..., trainer={{...}}) or "
-                                            "rayzero run --trainer KEY=VALUE)")
+def _with_trainer_fix(problems: list[Any]) -> list[Any]:
+    """The problems, the first unresolved trainer "auto" saying (once) how to give trainer facts."""
+    out, said = [], False
+    for problem in problems:
+        if not said and problem.value == "auto" and "trainer" in problem.fix:
+            problem = dataclasses.replace(problem, fix=f"{problem.fix} (for this and every trainer \"auto\" "
+                                                       "below: rayzero.fit(..., trainer={...}) or rayzero run "
+                                                       "--trainer KEY=VALUE)")
+            said = True
+        out.append(problem)
+    return out
+
+
+def _offload_problems(config: Any, problem_type: Any) -> list[Any]:
+    """Offload devices this release lacks, read from the raw config: reported in the same round as
+    the problems that stopped validation."""
+    try:
+        raw = config if isinstance(config, Mapping) else json.loads(Path(config).read_text())
+        zero = raw.get("zero_optimization") or {}
+        found = [(f"zero_optimization.{key}.device", (zero.get(key) or {}).get("device"))
+                 for key in ("offload_optimizer", "offload_param")]
+    except (OSError, ValueError, TypeError, AttributeError):
+        return []
+    return [problem_type(path, device, "this release implements no offload backend (only device 'none')",
+                         "set it to \"none\" or remove the offload section")
+            for path, device in found if device not in (None, "none")]
