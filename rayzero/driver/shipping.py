@@ -126,7 +126,9 @@ class FileTarget:
         return _loop_signature(self.takes_argument)
 
     def locate(self) -> Path:
-        for candidate in (Path(self.path), Path.cwd() / self.relative_path):
+        # the same machine or a shared filesystem; a job's working_dir (the driver's cwd); the runtime_env
+        # working_dir rayzero sets when joining a cluster from outside a job (the file's own directory)
+        for candidate in (Path(self.path), Path.cwd() / self.relative_path, Path.cwd() / Path(self.path).name):
             if candidate.is_file():
                 return candidate
         raise FileNotFoundError(
