@@ -122,8 +122,9 @@ def fit(
         run.resume_from or os.environ.get("RAYZERO_RESUME_FROM") or None, explicit=bool(run.resume_from)
     )
 
-    check_fits(scaling, connect(getattr(train_loop, "working_dir", None)))
-    train_loop = ship(train_loop)  # [Note: shipping the loop]
+    working_dir = getattr(train_loop, "working_dir", None)  # a `rayzero run file.py:fn` target's directory
+    train_loop = ship(train_loop)  # [Note: shipping the loop]; before Ray starts: a failure is quick
+    check_fits(scaling, connect(working_dir))
     timings = {"connect_s": time.monotonic() - fit_started}
     run_env = {
         "RAYZERO_RUN_NAME": name,

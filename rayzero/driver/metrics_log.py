@@ -77,7 +77,7 @@ class MetricsLog:
         row = as_row(item)
         row["attempt"] = self.attempt
         step = item.metrics.get("step")
-        key = (item.rank, step) if isinstance(step, (int, str)) and not isinstance(step, bool) else None
+        key = (item.rank, step) if isinstance(step, (int, float, str)) and not isinstance(step, bool) else None
         if key is not None and key in self._row_of:
             index = self._row_of[key]  # a re-run step: the newer attempt's row replaces the older one
             self._rows[index], self._metrics[index] = row, item.metrics
