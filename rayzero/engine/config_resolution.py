@@ -23,9 +23,11 @@ TRAINER_ENV = "RAYZERO_TRAINER"
 HF_TRAINER_DEFAULTS: dict[str, Any] = {
     "per_device_train_batch_size": 8, "gradient_accumulation_steps": 1, "learning_rate": 5e-5,
     "weight_decay": 0.0, "adam_beta1": 0.9, "adam_beta2": 0.999, "adam_epsilon": 1e-8, "max_grad_norm": 1.0,
-    "warmup_steps": 0, "fp16": False, "bf16": False,
+    "fp16": False, "bf16": False,
 }
-"""`transformers.TrainingArguments` defaults for the arguments "auto" values are taken from."""
+"""`transformers.TrainingArguments` defaults for the arguments "auto" values are taken from. Not
+`warmup_steps` (HF's 0): DeepSpeed's WarmupLR refuses 0 warm-up steps, so an "auto" warm-up asks for
+`--trainer warmup_steps=N` on the driver rather than failing in every worker."""
 
 _BATCH_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
@@ -39,8 +41,6 @@ def with_trainer_semantics(config: Any, trainer: Mapping[str, Any]) -> tuple[Any
     them from the trainer ("auto"), and one that has them must agree (checked by the resolution).
     """
     facts = dict(HF_TRAINER_DEFAULTS)
-    if "warmup_ratio" in trainer:
-        facts.pop("warmup_steps")  # HF: warmup_steps > 0 wins over warmup_ratio; 0 means use the ratio
     facts.update(trainer)
     if isinstance(config, (str, Path)):
         text = str(config).strip()

@@ -51,6 +51,15 @@ def test_the_hf_guide_auto_config_trains_consolidates_and_plots(local_ray, tmp_p
     with torch.no_grad():
         assert model(ids, labels=ids).loss.item() < 3.0  # the trained weights, not a fresh init
 
+    if stage == 3:  # and back in: the consolidated directory loads straight into ZeRO-3 partitions
+        code = cli.main([f"{EXAMPLE}/train.py:train", "--config", str(config), "--workers", "2",
+                         "--storage", str(runs), "--name", "again", "--trainer", "per_device_train_batch_size=4",
+                         "--trainer", "learning_rate=3e-3", "--trainer", "warmup_steps=5",
+                         "--", "--steps", "2", "--pretrained", str(model_dir)])
+        assert code == 0, capsys.readouterr().err
+        again = json.loads(capsys.readouterr().out.split("last metrics ")[1].splitlines()[0].replace("'", '"'))
+        assert again["loss"] < 3.0  # starts where the first run ended, not from random weights
+
     picture = plot.plot_run(str(runs / "hf"), str(tmp_path / "hf.png"))
     assert picture.series["loss"]["loss"][0] == [float(step) for step in range(1, 26)]
     assert (tmp_path / "hf.png").stat().st_size > 10_000

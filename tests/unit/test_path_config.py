@@ -30,8 +30,10 @@ def test_trainer_semantics_fill_hf_defaults_and_absent_batch_keys():
     assert facts["per_device_train_batch_size"] == 8 and facts["learning_rate"] == 0.1  # HF's default, theirs
     _, validated, _ = validated_config(config, 2, facts)
     assert validated["train_batch_size"] == 16 and validated["optimizer"]["params"]["lr"] == 0.1
-    _, facts = with_trainer_semantics({}, {"warmup_ratio": 0.1})
-    assert "warmup_steps" not in facts  # HF: warmup_steps=0 means "use the ratio"
+    with pytest.raises(ConfigError) as raised:  # no default warm-up: DeepSpeed's WarmupLR refuses 0 steps
+        validated_config({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": "auto"}}}, 2,
+                         {"learning_rate": 0.1})
+    assert [problem.path for problem in raised.value.problems] == ["scheduler.params.warmup_num_steps"]
 
 
 def test_capacity_counts_what_total_resources_can_ever_hold():
