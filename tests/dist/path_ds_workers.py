@@ -59,6 +59,8 @@ def deepspeed_worker(rank: int, world: int, payload: dict) -> dict:
             engine.backward(loss)
             engine.step()
         out[stage] = losses
+        if stage == 2:  # whole weights on every rank at stage 2: the end point to meet at another world size
+            out["final_stage2"] = {name: p.detach().clone() for name, p in engine.module.named_parameters()}
     return out
 
 
@@ -81,3 +83,23 @@ def rayzero_worker(rank: int, world: int, payload: dict) -> dict:
             engine.step()
         out[(source, target_stage)] = losses
     return out
+
+
+def rayzero_one_rank_worker(rank: int, world: int, payload: dict) -> dict:
+    """The imported stage-2 checkpoint continued on ONE rank, both of DeepSpeed's ranks' micro-batches
+    accumulated per step: the same global batch, so the same end point."""
+    import rayzero
+
+    cfg = config(2)
+    cfg["optimizer"]["params"].pop("torch_adam")
+    cfg["gradient_accumulation_steps"] = 2
+    torch.manual_seed(123)
+    engine, _, _, _ = rayzero.initialize(model=Net(), config=cfg)
+    path, _ = engine.load_checkpoint(payload["source"])
+    assert path is not None
+    for step in range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER):
+        for ds_rank in (0, 1):
+            loss = engine(*batch(step, ds_rank))
+            engine.backward(loss)
+            engine.step()
+    return {name: p.detach().clone() for name, p in engine.module.named_parameters()}

@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("deepspeed")
 from harness import spawn
-from path_ds_workers import STEPS_AFTER, deepspeed_worker, rayzero_worker
+from path_ds_workers import STEPS_AFTER, deepspeed_worker, rayzero_one_rank_worker, rayzero_worker
 
 from rayzero.checkpoint.cli import main as checkpoint_cli
 
@@ -36,7 +36,7 @@ def test_continuing_an_imported_deepspeed_checkpoint_matches_deepspeed(tmp_path,
     continued = spawn(2, rayzero_worker, {"runs": runs})
     for rank in (0, 1):
         for (source, target_stage), losses in continued[rank].items():
-            expected = ranks[rank][int(source[-1])]
+            expected = ranks[rank][int(source[-1])]  # DeepSpeed's losses continuing the same checkpoint
             assert len(losses) == STEPS_AFTER
             worst = max(abs(a - b) for a, b in zip(losses, expected))
             assert worst <= 1e-5, (source, target_stage, rank, worst)
@@ -56,3 +56,13 @@ def test_the_imported_masters_equal_deepspeed_zero_to_fp32(tmp_path):
         assert set(ours) == set(theirs)
         for name, value in theirs.items():
             assert torch.equal(ours[name], value.contiguous() if hasattr(value, "contiguous") else value), name
+
+
+def test_an_imported_checkpoint_continues_at_another_world_size(tmp_path):
+    ranks, directory = _deepspeed()
+    assert checkpoint_cli(["import-deepspeed", f"{directory}/stage2", str(tmp_path / "rz2")]) == 0
+    (final,) = spawn(1, rayzero_one_rank_worker, {"source": str(tmp_path / "rz2")})
+    expected = ranks[0]["final_stage2"]
+    assert set(final) == set(expected)
+    for name, value in final.items():
+        assert torch.allclose(value, expected[name], rtol=1e-5, atol=1e-6), name
