@@ -13,7 +13,9 @@ Two shapes reach `rayzero.fit`:
 * Any other callable is pickled once, here, into a `ShippedLoop` (bytes): code the workers can import
   (anything installed: torch, transformers, rayzero) by reference; the user's own modules, which a
   remote worker cannot import, by value. Third-party modules are never registered for by-value
-  pickling. Modules that are `types.ModuleType` subclasses (torch's `ConfigModule`, `torch.ops`,
+  pickling. A user module the loop refers to as an object (`import helpers` ... `helpers.fn()`)
+  travels as its source and is imported (or, where a worker cannot import it, executed) there, so
+  its module-level objects are built on the worker, never pickled. Modules that are `types.ModuleType` subclasses (torch's `ConfigModule`, `torch.ops`,
   which plain cloudpickle cannot pickle: "cannot pickle 'ConfigModuleInstance'") are pickled as a
   reference to their importable name. Pickling once on the driver also means the controller only
   forwards bytes: the loop is never re-pickled in a process that lacks the driver's modules.
@@ -58,6 +60,28 @@ def import_by_name(dotted: str) -> Any:
             found = getattr(found, attribute)
         return found
     raise ImportError(f"cannot import {dotted!r} on this worker")
+
+
+def user_module(name: str, source: str, filename: str) -> types.ModuleType:
+    """The user's module `name` on a worker: imported when the worker can, else built from the
+    source shipped with the loop — its module-level objects are created here, never pickled."""
+    existing = sys.modules.get(name)
+    if existing is not None:
+        return existing
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        pass
+    module = types.ModuleType(name)
+    module.__file__ = filename
+    module.__package__ = name if filename.endswith("__init__.py") else name.rpartition(".")[0]
+    sys.modules[name] = module
+    try:
+        exec(compile(source, filename, "exec"), module.__dict__)  # noqa: S102 - the user's own module
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
 
 
 def _takes_an_argument(function: Callable[..., Any]) -> bool:
@@ -226,10 +250,20 @@ def _user_modules() -> Iterator[types.ModuleType]:
 def _pickler_class() -> type:
     import ray.cloudpickle
 
+    by_value = ray.cloudpickle.cloudpickle._PICKLE_BY_VALUE_MODULES
+
     class LoopPickler(ray.cloudpickle.CloudPickler):
         """cloudpickle, plus: module objects of ModuleType subclasses travel as their importable name."""
 
         def reducer_override(self, obj: Any) -> Any:
+            if type(obj) is types.ModuleType and obj.__name__ in by_value and getattr(obj, "__file__", None):
+                # `import helpers` then `helpers.fn()` in the loop: the module object itself is a
+                # global. Its source travels, not its contents (which may hold anything).
+                try:
+                    source = Path(obj.__file__).read_text()
+                except (OSError, UnicodeDecodeError):
+                    return super().reducer_override(obj)
+                return user_module, (obj.__name__, source, obj.__file__)
             if isinstance(obj, types.ModuleType) and type(obj) is not types.ModuleType:
                 name = getattr(obj, "__name__", None)
                 if isinstance(name, str):

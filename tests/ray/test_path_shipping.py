@@ -9,6 +9,7 @@ import textwrap
 import time
 
 import pytest
+import torch
 
 import rayzero
 from rayzero.driver.shipping import UnshippableLoopError
@@ -29,10 +30,6 @@ def test_a_module_level_torch_distributed_alias_ships(local_ray, tmp_path):
     assert result.metrics == {"step": 0, "sum": 3.0, "world": 2}
 
 
-def test_a_loop_using_torch_ops_ships(local_ray, tmp_path):
-    assert _fit(path_loops.torch_ops_loop, tmp_path).metrics["value"] == 3.0
-
-
 def test_an_hf_model_from_a_module_level_config_ships_and_resolves_the_model_autos(local_ray, tmp_path):
     config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": "auto"}},
               "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"}}
@@ -42,19 +39,23 @@ def test_an_hf_model_from_a_module_level_config_ships_and_resolves_the_model_aut
     assert result.metrics["reduce_bucket_size"] == 32 * 32  # "auto" = hidden_size², from model.config
 
 
-def test_a_module_level_tokenizer_ships(local_ray, tmp_path):
-    assert _fit(path_loops.tokenizer_loop, tmp_path).metrics["ids"] == [1, 2, 3]
-
-
-def test_lambdas_and_closures_ship(local_ray, tmp_path):
+def test_torch_ops_a_module_level_tokenizer_lambdas_and_closures_ship(local_ray, tmp_path):
     scale = 7
+    times_scale = lambda value: value * scale
 
     def make_loop(offset):
         def loop(config):
-            rayzero.report({"step": 0, "value": scale * 10 + offset})
+            path_loops.torch_ops_loop(config)  # torch.ops, from the user's (by-value) module
+            assert torch.ops.aten.add.Tensor(torch.ones(1), torch.ones(1)).item() == 2.0  # and in a closure
+            path_loops.tokenizer_loop(config)  # its module-level tokenizer
+            rayzero.report({"step": 1, "value": times_scale(10) + offset})
         return loop
 
-    assert _fit(make_loop(3), tmp_path).metrics["value"] == 73
+    result = _fit(make_loop(3), tmp_path)
+    assert [m["step"] for m in result.metrics_history] == [0, 1]
+    # step 0 was reported twice (torch.ops' value, then the token ids): one entry per step, the newest
+    assert result.metrics_history[0] == {"step": 0, "ids": [1, 2, 3]}
+    assert result.metrics["value"] == 73
     assert _fit(lambda: rayzero.report({"step": 0, "value": scale}), tmp_path).metrics["value"] == 7
 
 

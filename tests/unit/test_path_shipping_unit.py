@@ -64,3 +64,30 @@ def test_a_file_target_is_found_where_a_worker_has_it(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path.parent)
     with pytest.raises(FileNotFoundError, match="ray job submit --working-dir"):
         target({"x": 1})
+
+
+def test_a_user_module_object_travels_as_source_and_is_built_on_the_worker(tmp_path):
+    import ray.cloudpickle
+
+    from rayzero.driver.shipping import user_module
+
+    source = "import threading\nLOCK = threading.Lock()\nVALUE = 41\n\ndef bump():\n    return VALUE + 1\n"
+    file = tmp_path / "rayzero_test_unimportable_helpers.py"  # not on sys.path: not importable by name
+    file.write_text(source)
+    module = user_module("rayzero_test_unimportable_helpers", source, str(file))
+    try:
+        assert module.bump() == 42  # executed from source: its lock was made here, not unpickled
+
+        def loop(config):
+            return module.bump()
+
+        ray.cloudpickle.register_pickle_by_value(module)
+        try:
+            payload = ship(loop).payload
+        finally:
+            ray.cloudpickle.unregister_pickle_by_value(module)
+        del sys.modules["rayzero_test_unimportable_helpers"]  # as on a worker that never saw it
+        assert ray.cloudpickle.loads(payload)({}) == 42
+        assert sys.modules["rayzero_test_unimportable_helpers"] is not module  # rebuilt from its source
+    finally:
+        sys.modules.pop("rayzero_test_unimportable_helpers", None)
