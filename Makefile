@@ -16,9 +16,8 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ".[dev,k8s,monitor]"
-	# DeepSpeed is the oracle of the fidelity, loss-scaler and scheduler tests; no ops built (~20 s).
-	DS_BUILD_OPS=0 $(BIN)/pip install -q -e ".[bench]"
+	# DeepSpeed is the oracle of the fidelity, loss-scaler, scheduler and import tests; no ops built.
+	DS_BUILD_OPS=0 $(BIN)/pip install -q -e ".[dev,k8s,monitor,hf,plot,bench]"
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -8,6 +8,7 @@ one (`master/<name>`), else from the module copy (`module/<name>`: buffers, froz
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from dataclasses import dataclass
@@ -76,14 +77,15 @@ def plan(manifest: Manifest) -> list[ConsolidatedTensor]:
     return out
 
 
-def consolidate(checkpoint: str, output: str, dtype: torch.dtype | None = None, fmt: str = "safetensors") -> int:
+def consolidate(checkpoint: str, output: str, dtype: torch.dtype | None = None, fmt: str = "safetensors",
+                keys: set[str] | None = None) -> int:
     """Write the consolidated state dict of `checkpoint` (save dir or tag dir) to `output`; returns
-    the number of tensors written."""
+    the number of tensors written. `keys`: only these module names (one file of a sharded output)."""
     if fmt not in ("safetensors", "torch"):
         raise RayZeroValueError(f"--format {fmt!r}: use safetensors or torch")
     tag_dir = resolve_tag_dir(checkpoint)
     manifest = read_manifest(tag_dir)
-    tensors = plan(manifest)
+    tensors = [t for t in plan(manifest) if keys is None or t.key in keys]
     if not tensors:
         raise RayZeroValueError(f"{tag_dir} holds no module/ tensors to consolidate")
     out_dtypes = {t.key: dtype or t.stored_dtype for t in tensors}
@@ -131,3 +133,65 @@ def _safetensors_to_torch(source: str, output: str) -> None:
     os.replace(output + ".tmp", output)
     os.remove(source)
 
+
+
+HF_WEIGHTS = "model.safetensors"
+HF_INDEX = "model.safetensors.index.json"
+
+
+def consolidate_hf(checkpoint: str, out_dir: str, dtype: torch.dtype | None = None,
+                   max_shard_bytes: int = 5 * 10**9, hf_config: dict | None = None) -> list[str]:
+    """Write a directory `transformers`' `from_pretrained` loads: config.json, the weights as
+    `model.safetensors` (or `model-0000i-of-0000n.safetensors` files and their index when larger than
+    `max_shard_bytes`, as `save_pretrained` splits them), tied weights stored once under their first
+    name (from_pretrained ties them again, following `tie_word_embeddings`). The config comes from
+    `hf_config` or, else, the one the engine recorded in the checkpoint (`model.config`). Streams
+    one tensor at a time like `consolidate`. Returns the files written."""
+    tag_dir = resolve_tag_dir(checkpoint)
+    manifest = read_manifest(tag_dir)
+    config = hf_config or manifest.extra_state.get("hf_config")
+    if not config:
+        raise RayZeroValueError(
+            f"{tag_dir} records no Hugging Face model config (the model had no `.config` when it was saved); "
+            "pass --hf-config PATH (a config.json, or the model directory holding it)")
+    tensors = plan(manifest)
+    aliases = set(manifest.extra_state.get("tied_parameters", {}))
+    if config.get("tie_word_embeddings", True):
+        tensors = [t for t in tensors if t.key not in aliases]
+    if not tensors:
+        raise RayZeroValueError(f"{tag_dir} holds no module/ tensors to consolidate")
+    sizes = {t.key: math.prod(t.shape) * (dtype or t.stored_dtype).itemsize for t in tensors}
+    groups: list[list[str]] = [[]]
+    filled = 0
+    for t in tensors:  # in name order, like save_pretrained's
+        if groups[-1] and filled + sizes[t.key] > max_shard_bytes:
+            groups.append([])
+            filled = 0
+        groups[-1].append(t.key)
+        filled += sizes[t.key]
+    os.makedirs(out_dir, exist_ok=True)
+    written = []
+    if len(groups) == 1:
+        names = [HF_WEIGHTS]
+    else:
+        names = [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    for name, group in zip(names, groups):
+        consolidate(tag_dir, os.path.join(out_dir, name), dtype, "safetensors", keys=set(group))
+        written.append(name)
+    if len(groups) > 1:
+        index = {"metadata": {"total_size": sum(sizes.values())},
+                 "weight_map": {key: name for name, group in zip(names, groups) for key in group}}
+        _write_json(os.path.join(out_dir, HF_INDEX), index)
+        written.append(HF_INDEX)
+    config = dict(config)
+    if dtype is not None:
+        config["torch_dtype"] = config["dtype"] = str(dtype).removeprefix("torch.")
+    _write_json(os.path.join(out_dir, "config.json"), config)
+    written.append("config.json")
+    return written
+
+
+def _write_json(path: str, value: dict) -> None:
+    with open(path + ".tmp", "w") as handle:
+        json.dump(value, handle, indent=2, sort_keys=True)
+    os.replace(path + ".tmp", path)

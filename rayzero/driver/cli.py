@@ -9,17 +9,27 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 import inspect
 import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from rayzero.config.cli import _trainer_arg
 from rayzero.config.errors import RayZeroValueError
 from rayzero.controller.configs import FailureConfig, RunConfig, ScalingConfig
 from rayzero.controller.errors import TrainingFailedError
+
+if TYPE_CHECKING:
+    from pydantic import ValidationError
+from rayzero.driver.shipping import (
+    FileTarget,
+    TargetImportError,
+    _takes_an_argument,
+    import_file,
+    relative_to_cwd,
+)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -37,15 +47,20 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--name", default=None, help="run name (default rayzero-<date>-<time>)")
     parser.add_argument("--resume-from", default=None, help="checkpoint URI/path to resume from")
     parser.add_argument("--max-failures", type=int, default=0, help="worker failures to retry (-1: always)")
+    parser.add_argument("--trainer", type=_trainer_arg, action="append", default=[], metavar="KEY=VALUE",
+                        help="an HF trainer argument for the config's \"auto\" values (repeatable), e.g. "
+                             "--trainer per_device_train_batch_size=4 --trainer learning_rate=3e-5")
     parser.add_argument("--placement-timeout", type=float, default=120.0,
                         help="seconds to wait for resources before failing (default 120)")
     return parser
 
 
 def load_target(target: str) -> Callable[..., Any]:
-    """Import `file.py:function` or `module:function`; ValueError naming what is wrong otherwise."""
-    import ray.cloudpickle  # Ray pickles with its own copy of cloudpickle
+    """`file.py:function` -> a FileTarget the workers import; `module:function` -> the function.
 
+    The file is imported here too, so a file that does not compile or import, or lacks the function,
+    is reported before any worker starts, naming file:line ([Note: shipping the loop]).
+    """
     module_part, sep, function_name = target.rpartition(":")
     if not sep or not module_part or not function_name:
         raise RayZeroValueError(f"TARGET {target!r} must look like path/to/file.py:function or module:function")
@@ -53,31 +68,48 @@ def load_target(target: str) -> Callable[..., Any]:
         path = Path(module_part).resolve()
         if not path.is_file():
             raise RayZeroValueError(f"TARGET {target!r}: no file {path}")
-        module_name = f"rayzero_target_{path.stem}"
-        spec = importlib.util.spec_from_file_location(module_name, path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[module_name] = module
-        sys.path.insert(0, str(path.parent))  # the file's own helper imports, as `python file.py` has
-        spec.loader.exec_module(module)
-        by_value = True
-    else:
-        if os.getcwd() not in sys.path:
-            sys.path.insert(0, os.getcwd())
-        try:
-            module = importlib.import_module(module_part)
-        except ImportError as error:
-            raise RayZeroValueError(f"TARGET {target!r}: cannot import {module_part!r}: {error}") from None
-        file = getattr(module, "__file__", None) or ""
-        # Code under the working directory is not installed on the workers: ship it by value.
-        by_value = file.startswith(os.getcwd() + os.sep) and not module_part.startswith("rayzero.")
+        module = import_file(path)
+        function = _function_of(module, target, module_part, function_name)
+        return FileTarget(str(path), relative_to_cwd(path), function_name, _takes_an_argument(function))
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_part)
+    except SyntaxError as error:
+        raise TargetImportError(f"{error.filename}:{error.lineno}: {error.msg} (TARGET {target!r} does not "
+                                "compile)") from None
+    except ImportError as error:
+        raise RayZeroValueError(f"TARGET {target!r}: cannot import {module_part!r}: {error}") from None
+    # A module under the working directory is the user's own: shipping pickles it by value.
+    return _function_of(module, target, module_part, function_name)
+
+
+def _function_of(module: Any, target: str, module_part: str, function_name: str) -> Callable[..., Any]:
     function = getattr(module, function_name, None)
     if not callable(function):
-        raise RayZeroValueError(  # noqa: TRY004 - a user error in TARGET, reported with the usage errors
-            f"TARGET {target!r}: {module_part} has no function {function_name!r}")
-    if by_value:
-        ray.cloudpickle.register_pickle_by_value(module)
+        raise RayZeroValueError(f"TARGET {target!r}: {module_part} has no function {function_name!r}")
     return function
+
+
+# settings field -> the flag that sets it
+_FLAGS = {
+    "num_workers": "--workers", "min_workers": "--workers", "max_workers": "--workers",
+    "resources_per_worker": "--cpus-per-worker/--gpus-per-worker", "use_gpu": "--gpus-per-worker",
+    "placement_timeout_s": "--placement-timeout", "name": "--name", "storage": "--storage",
+    "resume_from": "--resume-from", "max_failures": "--max-failures",
+}
+
+
+def _flag_problems(error: ValidationError, args: argparse.Namespace) -> str:
+    """pydantic's errors in the CLI's words: one line per flag, naming the value given."""
+    lines = []
+    for item in error.errors():
+        field = str(item["loc"][0]) if item.get("loc") else ""
+        flag = _FLAGS.get(field, field)
+        value = getattr(args, flag.lstrip("-").split("/")[0].replace("-", "_"), item.get("input"))
+        message = str(item.get("msg", "")).removeprefix("Value error, ").replace("Input should be", "must be")
+        lines.append(f"{flag} {value}: {message}")
+    return "; ".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,7 +120,10 @@ def main(argv: list[str] | None = None) -> int:
         argv, loop_args = argv[:split], argv[split + 1:]
     args = _parser().parse_args(argv)
 
+    from pydantic import ValidationError
+
     from rayzero.config import ConfigError
+    from rayzero.driver.cluster import ClusterUnreachableError
     from rayzero.driver.fit import fit
 
     try:
@@ -115,11 +150,15 @@ def main(argv: list[str] | None = None) -> int:
             run=run,
             failure=failure,
             train_loop_config={"argv": loop_args} if takes_config else None,
+            trainer=dict(args.trainer) or None,
         )
     except ConfigError as error:
         print(f"rayzero run: the config was rejected, no worker was started.\n{error}", file=sys.stderr)
         return 2
-    except ValueError as error:  # bad target / scaling arguments (pydantic's ValidationError too)
+    except ValidationError as error:  # a flag's value the settings models refuse
+        print(f"rayzero run: {_flag_problems(error, args)}", file=sys.stderr)
+        return 2
+    except (ValueError, ClusterUnreachableError) as error:  # bad target, cluster too small or gone
         print(f"rayzero run: {error}", file=sys.stderr)
         return 2
     except TrainingFailedError as error:

@@ -80,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         + (f", {summary['samples_per_s']:.1f} samples/s, {rate:.0f} tokens/s" if rate else "")
         + f"\n  first step {summary['fit_to_first_step_s']:.1f}s after start, total {summary['total_s']:.1f}s"
         f"\n  metrics:    {summary['metrics']}\n  checkpoint: {summary['checkpoint'] or 'none'}"
+        f"\n  picture:    rayzero plot {summary['metrics'].rsplit('/', 1)[0]} -o run.png"
     )
     if args.json_path:
         with open(args.json_path, "w") as handle:

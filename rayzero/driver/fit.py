@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import logging
 import os
 import secrets
 import time
@@ -20,8 +19,11 @@ from rayzero.controller.controller import Controller, ControllerActor
 from rayzero.controller.errors import TrainingFailedError
 from rayzero.controller.state import FailurePolicy, RunState
 from rayzero.controller.worker_group import RayWorkerGroup
+from rayzero.driver.cluster import check_fits, connect
+from rayzero.driver.config_check import validated_config
 from rayzero.driver.metrics_log import MetricsLog
 from rayzero.driver.progress import Progress
+from rayzero.driver.shipping import ship
 
 
 @dataclass
@@ -29,7 +31,8 @@ class Result:
     """What a finished run leaves behind."""
 
     metrics_history: list[dict[str, Any]]
-    """Every dict rank 0 passed to `rayzero.report`, in order."""
+    """What rank 0 passed to `rayzero.report`, one dict per step: a step re-run after a restart keeps
+    only its newest report (reports without a `step` key are all kept), in order."""
     metrics: dict[str, Any] | None
     """The last of them (None if rank 0 never reported)."""
     checkpoint: str | None
@@ -40,34 +43,6 @@ class Result:
     """Start-up phases and throughput in seconds / per second, e.g. `fit_to_first_report_s`."""
     metrics_path: str | None = None
     """URI of the Parquet metrics log (every rank's reports)."""
-
-
-
-
-def _validated_config(config: Any, world_size: int) -> tuple[dict[str, Any] | None, dict[str, Any]]:
-    """(the config for the workers, the validated one) or a ConfigError listing every problem.
-
-    Validation happens here, before any worker starts. The workers get the config as the user wrote
-    it, not the normalised dump: the engine resolves it again knowing the model (hidden size), and a
-    dump carries every default as if the user had set it, which that resolution then rejects.
-    """
-    if config is None:
-        return None, {}
-    from rayzero.config import ConfigError, Problem, RayZeroConfig, load_config
-
-    # allow_unresolved: "auto" values that need the model (hidden size) are resolved in the engine.
-    checked = load_config(config, world_size=world_size, allow_unresolved=True)
-    # What this build cannot run (optimizer, scheduler, an "auto" only a trainer fills) is refused
-    # here, before any worker starts ([Note: valid vs runnable]).
-    from rayzero.config.runnable import check_runnable
-
-    check_runnable(checked, str(config) if isinstance(config, (str, Path)) else "config")
-    validated = checked.to_deepspeed_dict()
-    if isinstance(config, RayZeroConfig):
-        return config.to_deepspeed_dict(), validated
-    if isinstance(config, Mapping):
-        return json.loads(json.dumps(config)), validated
-    return json.loads(Path(config).read_text()), validated
 
 
 def _run_locations(run: RunConfig) -> tuple[str, str, str]:
@@ -83,40 +58,6 @@ def _run_locations(run: RunConfig) -> tuple[str, str, str]:
     filesystem.create_dir(path, recursive=True)
     checkpoint_dir = f"{path}/checkpoints" if run_uri.startswith("file://") else f"{run_uri}/checkpoints"
     return name, run_uri, checkpoint_dir
-
-
-def ship_by_value(function: Callable[..., Any]) -> None:
-    """Make the workers receive the loop's code by value when they could not import it.
-
-    A loop defined in a script, a test file or a project directory is importable on the driver only
-    (through its sys.path); the workers would fail with `No module named ...`. So the loop's module,
-    and every module already imported from the same project (its directory or the working
-    directory), travel by value. Installed code (site-packages, the interpreter's own, rayzero) stays
-    by reference. Under `ray job submit --working-dir` both work: Ray puts the directory on the path.
-    """
-    import os
-    import sys
-
-    import ray.cloudpickle
-
-    module = sys.modules.get(getattr(function, "__module__", "") or "")
-    file = getattr(module, "__file__", None)
-    if module is None or file is None or module.__name__ == "__main__":
-        roots = [Path.cwd()]  # __main__ is pickled by value already; its imports may not be
-    else:
-        roots = [Path(file).resolve().parent, Path.cwd()]
-    installed = {Path(p).resolve() for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
-    for name, candidate in list(sys.modules.items()):
-        path = getattr(candidate, "__file__", None)
-        if not path or name == "__main__" or name.split(".")[0] in ("rayzero", "ray"):
-            continue
-        resolved = Path(path).resolve()
-        if any(part in ("site-packages", "dist-packages") for part in resolved.parts):
-            continue
-        if any(prefix in resolved.parents for prefix in installed):
-            continue
-        if any(root in resolved.parents for root in roots if str(root) != os.sep):
-            ray.cloudpickle.register_pickle_by_value(candidate)
 
 
 def resolve_resume_from(location: str | None, explicit: bool) -> str | None:
@@ -153,20 +94,6 @@ def resolve_resume_from(location: str | None, explicit: bool) -> str | None:
     return None
 
 
-def connect_ray() -> bool:
-    """Connect to RAYZERO_ADDRESS / RAY_ADDRESS, or start a local Ray. True if this call started it."""
-    import ray
-
-    if ray.is_initialized():
-        return False
-    address = os.environ.get("RAYZERO_ADDRESS") or os.environ.get("RAY_ADDRESS")
-    if address:
-        ray.init(address=address, logging_level=logging.WARNING)
-        return False
-    ray.init(include_dashboard=False, logging_level=logging.WARNING)
-    return True
-
-
 def fit(
     train_loop: Callable[..., Any],
     config: Any = None,
@@ -176,25 +103,28 @@ def fit(
     failure: FailureConfig | None = None,
     train_loop_config: dict[str, Any] | None = None,
     datasets: Mapping[str, Any] | None = None,
+    trainer: Mapping[str, Any] | None = None,
 ) -> Result:
     """Run `train_loop(train_loop_config)` on `scaling.num_workers` Ray actors forming one process group.
 
     `config` is the run's DeepSpeed config (JSON path, dict or RayZeroConfig); it is validated here,
     before any worker starts, and `rayzero.initialize(model=...)` without `config=` uses it.
+    `trainer` holds HF `TrainingArguments` values the config's "auto"s take (HF's defaults for the rest).
     Raises `TrainingFailedError` (naming the failing rank, with its traceback) if the run fails.
     """
     import ray
 
     fit_started_wall, fit_started = time.time(), time.monotonic()
     scaling, run, failure = scaling or ScalingConfig(), run or RunConfig(), failure or FailureConfig()
-    ds_config, validated = _validated_config(config, scaling.num_workers)
+    ds_config, validated, trainer = validated_config(config, scaling.num_workers, trainer)
     name, run_uri, checkpoint_dir = _run_locations(run)
     resume_from = resolve_resume_from(
         run.resume_from or os.environ.get("RAYZERO_RESUME_FROM") or None, explicit=bool(run.resume_from)
     )
 
-    connect_ray()
-    ship_by_value(train_loop)
+    working_dir = getattr(train_loop, "working_dir", None)  # a `rayzero run file.py:fn` target's directory
+    train_loop = ship(train_loop)  # [Note: shipping the loop]; before Ray starts: a failure is quick
+    check_fits(scaling, connect(working_dir))
     timings = {"connect_s": time.monotonic() - fit_started}
     run_env = {
         "RAYZERO_RUN_NAME": name,
@@ -205,6 +135,8 @@ def fit(
     }
     if ds_config is not None:
         run_env["RAYZERO_CONFIG"] = json.dumps(ds_config)
+    if trainer:
+        run_env["RAYZERO_TRAINER"] = json.dumps(dict(trainer))  # HF trainer arguments for "auto"s
     datasets = dict(datasets or {})
     local_checkpoint_dir = checkpoint_dir if run_uri.startswith("file://") else None
 
@@ -239,6 +171,7 @@ def fit(
     finally:
         ray.kill(controller)  # its workers and placement group go with it (fate sharing)
         metrics_log.flush()
+    history = metrics_log.history()  # one entry per step: a re-run step replaces its earlier report
     timings["total_s"] = time.monotonic() - fit_started
     timings.update(progress.rates())
     if wall_clock_breakdown:

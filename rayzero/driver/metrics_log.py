@@ -1,5 +1,11 @@
 """The run's metrics log: every rank's reports as one Parquet table under the run's storage URI.
 
+One row per (rank, step): after a restart the group re-runs the steps since the newest checkpoint,
+and their rows replace the earlier attempt's (the `attempt` column says which attempt wrote a row),
+so a plot or a `groupby(step)` never sees a step twice. Reports without a `step` key are all kept.
+A new attempt is recognised by a rank's report sequence number starting again (every attempt
+starts fresh worker processes, whose `seq` counts from 0).
+
 Written through `pyarrow.fs`, so file://, s3://, gs://, hdfs:// all work. Parquet files cannot be
 appended to, so the whole table is rewritten (to a temporary name, then moved) on each flush; the
 driver flushes every `flush_interval_s` and at the end, so a crashed driver loses at most that much.
@@ -54,15 +60,40 @@ class MetricsLog:
         self._filesystem, self._dir = pafs.FileSystem.from_uri(run_uri)
         self.uri = run_uri.rstrip("/") + "/" + METRICS_FILE
         self._rows: list[dict[str, Any]] = []
+        self._row_of: dict[tuple[int, Any], int] = {}  # (rank, step) -> index in _rows
+        self._last_seq: dict[int, int] = {}  # rank -> newest seq of the current attempt
+        self._metrics: list[dict[str, Any]] = []  # per row: the dict the loop reported
+        self.attempt = 0
+        """The attempt the newest report came from (0 first, +1 on each restart seen)."""
         self._flush_interval_s = flush_interval_s
         self._flushed_at = time.monotonic()
         self._dirty = False
 
     def add(self, item: Report) -> None:
-        self._rows.append(as_row(item))
+        if item.seq <= self._last_seq.get(item.rank, -1):  # a fresh worker process: the next attempt
+            self.attempt += 1
+            self._last_seq.clear()
+        self._last_seq[item.rank] = item.seq
+        row = as_row(item)
+        row["attempt"] = self.attempt
+        step = item.metrics.get("step")
+        key = (item.rank, step) if isinstance(step, (int, float, str)) and not isinstance(step, bool) else None
+        if key is not None and key in self._row_of:
+            index = self._row_of[key]  # a re-run step: the newer attempt's row replaces the older one
+            self._rows[index], self._metrics[index] = row, item.metrics
+        else:
+            if key is not None:
+                self._row_of[key] = len(self._rows)
+            self._rows.append(row)
+            self._metrics.append(item.metrics)
         self._dirty = True
         if time.monotonic() - self._flushed_at >= self._flush_interval_s:
             self.flush()
+
+    def history(self, rank: int = 0) -> list[dict[str, Any]]:
+        """What `rank` reported, one dict per step (a re-run step's newest report), in step order of
+        first appearance; what `Result.metrics_history` holds for rank 0."""
+        return [metrics for row, metrics in zip(self._rows, self._metrics) if row["rank"] == rank]
 
     def flush(self) -> None:
         self._flushed_at = time.monotonic()

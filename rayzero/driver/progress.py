@@ -3,6 +3,10 @@
 Rates come from rank 0's reports: `samples` / `tokens` (cumulative over all ranks) when the loop
 reports them, else `step` times the config's `train_batch_size` for samples. Memory is each rank's
 peak (GPU max allocated on GPU, else peak RSS), stamped by the worker on every report.
+
+After a restart the loop re-runs the steps since the newest checkpoint, so rank 0's step goes back:
+the line printed at once then says "resumed from step N", and rates are measured afresh from there
+(they would otherwise mix two attempts and could even turn negative).
 """
 from __future__ import annotations
 
@@ -41,19 +45,33 @@ class Progress:
         self._memory: dict[int, int] = {}  # rank -> newest peak memory
         self._first: Report | None = None  # rank 0's first report: rates are measured from it
         self._last: Report | None = None
-        self._printed_at = 0.0
+        self._printed_at = float("-inf")  # the first report prints at once
+        self._resumed_from: object = None  # the step rank 0 went back to, until a line has said so
 
     def observe(self, item: Report) -> None:
         self._memory[item.rank] = item.peak_memory_bytes
         if item.rank != 0:
             return
-        if self._first is None:
+        if self._first is None or self._went_back(item):
             self._first = item
+        resumed = self._first is item and self._last is not None
+        if resumed:
+            self._resumed_from = item.metrics.get("step", item.seq)
         self._last = item
         now = time.monotonic()
-        if now - self._printed_at >= self._interval_s:
+        if resumed or now - self._printed_at >= self._interval_s:
             self._printed_at = now
             self._emit(self.line())
+
+    def _went_back(self, item: Report) -> bool:
+        """True when rank 0 reports an earlier step than before, or its sequence restarts (new workers)."""
+        if self._last is None:
+            return False
+        if item.seq <= self._last.seq:
+            return True
+        step, last_step = item.metrics.get("step"), self._last.metrics.get("step")
+        numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (step, last_step))
+        return numbers and step < last_step
 
     def _counts(self, item: Report) -> tuple[float | None, float | None]:
         metrics = item.metrics
@@ -85,6 +103,9 @@ class Progress:
             return "[rayzero] waiting for the first report"
         metrics = self._last.metrics
         parts = [f"step {metrics.get('step', self._last.seq)}"]
+        if self._resumed_from is not None:
+            parts[0] += f" (resumed from step {self._resumed_from})"
+            self._resumed_from = None
         loss = metrics.get("loss")
         if isinstance(loss, (int, float)):
             parts.append(f"loss {loss:.4f}")

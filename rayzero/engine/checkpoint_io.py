@@ -90,6 +90,9 @@ def _save_checkpoint(engine: Any, save_dir: str | None, tag: str | None, client_
     extra["data_position"] = {"consumed_samples": engine.global_steps * batch, "train_batch_size": batch}
     # shards hold a tied weight once, under its first name; consolidate writes the other names too
     extra["tied_parameters"] = _tied_aliases(engine.module)
+    hf_config = _hf_config(engine.module)
+    if hf_config is not None:  # `rayzero checkpoint consolidate --hf` writes it as config.json
+        extra["hf_config"] = hf_config
     checkpointer.save(save_dir, tag, engine.global_steps, engine.strategy.stage, shards, extra,
                       _json_able(client_state, "client_state"), config_digest(engine.config), asynchronous)
     return True
@@ -215,6 +218,8 @@ def save_16bit_model(engine: Any, save_dir: str, save_filename: str = "pytorch_m
             if first in state:
                 state[alias] = state[first]
         os.makedirs(save_dir, exist_ok=True)
+        if hasattr(getattr(engine.module, "config", None), "save_pretrained"):
+            engine.module.config.save_pretrained(save_dir)  # config.json: from_pretrained(save_dir) loads it
         path = os.path.join(save_dir, save_filename)
         if save_filename.endswith(".safetensors"):
             from safetensors.torch import save_file
@@ -225,6 +230,13 @@ def save_16bit_model(engine: Any, save_dir: str, save_filename: str = "pytorch_m
             os.replace(path + ".tmp", path)
     comm.barrier() if comm.group is not None else None
     return True
+
+
+def _hf_config(module: torch.nn.Module) -> dict[str, Any] | None:
+    """A Hugging Face model's config as JSON-able data (None for other models)."""
+    config = getattr(module, "config", None)
+    to_json = getattr(config, "to_json_string", None)
+    return json.loads(to_json()) if callable(to_json) else None
 
 
 def _tied_aliases(module: torch.nn.Module) -> dict[str, str]:

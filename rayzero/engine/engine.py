@@ -344,7 +344,10 @@ class ZeroEngine:
 
     def load_extra_state(self, state: dict[str, Any]) -> None:
         self.global_steps = int(state["global_steps"])
-        self.micro_steps = int(state["micro_steps"])
+        # Resume at an accumulation boundary of *this* run: accumulated gradients are not saved, and the
+        # saved count is in the saving run's accumulation steps (another world size keeps the global
+        # batch with another gradient_accumulation_steps; a checkpoint imported from DeepSpeed too).
+        self.micro_steps = self.global_steps * self.step_policy.gradient_accumulation_steps
         self.skipped_steps = int(state.get("skipped_steps", 0))
         self.global_samples = int(state.get("global_samples", 0))  # absent in older checkpoints
         self.loss_scaler.load_state_dict(state["loss_scaler"])

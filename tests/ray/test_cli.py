@@ -73,3 +73,71 @@ def test_demo_writes_its_summary_as_json(local_ray, tmp_path, capsys):
     progress = [line for line in out.splitlines() if line.startswith("[rayzero] step 12 |")]
     assert progress and "samples/s" in progress[-1] and "tokens/s" in progress[-1]
     assert " r0 " in progress[-1] and " r1 " in progress[-1]  # memory of every rank
+
+
+def test_input_errors_are_one_line_naming_the_flag_or_file_and_line(tmp_path, capsys):
+    project = _project(tmp_path)
+    config = str(project / "ds.json")
+    assert cli.main([f"{project}/train.py:loop", "--config", config, "--workers", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "rayzero run: --workers 0: must be greater than or equal to 1"
+    (project / "broken.py").write_text("import rayzero\n\n\ndef loop(config:\n    pass\n")
+    assert cli.main([f"{project}/broken.py:loop", "--config", config]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"rayzero run: {project}/broken.py:4: ") and "does not compile" in err
+    assert "\n" not in err and "Traceback" not in err
+    (project / "raising.py").write_text("import os\n\nimport no_such_module_here\n")
+    assert cli.main([f"{project}/raising.py:loop", "--config", config]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"rayzero run: {project}/raising.py:3: importing it raised ModuleNotFoundError: "
+                   "No module named 'no_such_module_here'")
+
+
+def test_trainer_arguments_fill_the_hf_autos(local_ray, tmp_path, capsys):
+    project = _project(tmp_path)
+    (project / "auto.json").write_text(json.dumps({
+        "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+        "train_batch_size": "auto", "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}))
+    (project / "check.py").write_text(
+        "import rayzero\n\n\ndef loop(config):\n    cfg = rayzero.get_context().config\n"
+        "    from rayzero.engine.config_resolution import resolve_config\n"
+        "    import torch\n"
+        "    resolved = resolve_config(None, 2, torch.nn.Linear(4, 4))\n"
+        "    rayzero.report({'step': 0, 'micro': resolved.train_micro_batch_size_per_gpu,\n"
+        "                    'batch': resolved.train_batch_size, 'lr': resolved.optimizer.params['lr']})\n")
+    argv = [f"{project}/check.py:loop", "--config", str(project / "auto.json"), "--workers", "2",
+            "--storage", (tmp_path / "runs").as_uri(), "--name", "hf"]
+    assert cli.main(argv) == 2  # without the trainer arguments: every unresolved auto, one round
+    err = capsys.readouterr().err
+    assert "train_micro_batch_size_per_gpu" in err and "optimizer.params.lr" in err and "--trainer" in err
+    code = cli.main(argv + ["--trainer", "per_device_train_batch_size=3", "--trainer", "learning_rate=0.01",
+                            "--trainer", "gradient_accumulation_steps=2"])
+    assert code == 0, capsys.readouterr().err
+    table = pq.read_table(str(tmp_path / "runs" / "hf" / "metrics.parquet")).to_pydict()
+    assert (table["micro"][0], table["batch"][0], table["lr"][0]) == (3, 12, 0.01)
+
+
+def test_a_file_target_is_imported_on_the_workers_not_pickled(local_ray, tmp_path, capsys):
+    # A module-level lock cannot be pickled: rayzero.fit(loop) would refuse it by name, but
+    # `rayzero run file.py:loop` imports the file on each worker, as `python file.py` would.
+    (tmp_path / "locked.py").write_text(textwrap.dedent(
+        """
+        import os
+        import threading
+
+        import rayzero
+
+        LOCK = threading.Lock()
+        IMPORTED_IN = os.getpid()
+
+
+        def loop(config):
+            with LOCK:
+                rayzero.report({"step": 0, "imported_here": IMPORTED_IN == os.getpid()})
+        """))
+    (tmp_path / "ds.json").write_text(json.dumps({"train_micro_batch_size_per_gpu": 1}))
+    code = cli.main([f"{tmp_path}/locked.py:loop", "--config", str(tmp_path / "ds.json"), "--workers", "2",
+                     "--storage", (tmp_path / "runs").as_uri(), "--name", "locked"])
+    assert code == 0, capsys.readouterr().err
+    table = pq.read_table(str(tmp_path / "runs" / "locked" / "metrics.parquet")).to_pydict()
+    assert table["imported_here"] == [True, True]

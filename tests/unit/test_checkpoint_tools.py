@@ -143,3 +143,39 @@ def test_a_remote_uri_as_save_dir_is_staged_locally_and_loaded_back(tmp_path, mo
     for shard in _shards(2):
         assert torch.equal(loaded.read(shard.spec), shard.local)
     assert checkpointer.resolve_dir(f"file://{tmp_path}/x") == f"{tmp_path}/x"
+
+
+def test_ls_verify_consolidate_accept_the_run_directory_fit_reports(tmp_path, capsys):
+    # rayzero.fit reports Result.path = file://<storage>/<name>; checkpoints live in its checkpoints/
+    run = tmp_path / "runs" / "exp1"
+    _save(Checkpointer(CheckpointOptions(keep_last=0)), str(run / "checkpoints"), 3)
+    for location in (str(run), run.as_uri()):
+        assert checkpoint_cli(["ls", location]) == 0
+        assert "global_step3" in capsys.readouterr().out
+        assert checkpoint_cli(["verify", location]) == 0
+        assert "OK" in capsys.readouterr().out
+        out = tmp_path / "consolidated.safetensors"
+        assert checkpoint_cli(["consolidate", location, str(out)]) == 0
+        assert torch.equal(load_file(str(out))["head.bias"], WEIGHTS["head.bias"] * 3)
+
+
+class _Payload:
+    """Stands for any object a malicious or foreign checkpoint could carry."""
+
+    def __reduce__(self):
+        return (os.getenv, ("HOME",))
+
+
+def test_import_deepspeed_refuses_a_file_with_foreign_code_and_runs_none_of_it(tmp_path, capsys):
+    tag = tmp_path / "ds" / "global_step1"
+    tag.mkdir(parents=True)
+    torch.save({"optimizer_state_dict": {"zero_stage": 2, "partition_count": 1, "extra": _Payload()}},
+               str(tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt"))
+    (tmp_path / "ds" / "latest").write_text("global_step1")
+    assert checkpoint_cli(["import-deepspeed", str(tmp_path / "ds"), str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert "needs the Python global posix.getenv" in err or "needs the Python global os.getenv" in err
+    assert "none of its code ran" in err
+    assert not (tmp_path / "out").exists()
+    assert checkpoint_cli(["import-deepspeed", str(tmp_path), str(tmp_path / "out")]) == 1
+    assert "no DeepSpeed *_optim_states.pt files" in capsys.readouterr().err

@@ -1,0 +1,1 @@
+"""Optional integrations with other libraries; each needs its extra (e.g. `rayzero[hf]`)."""

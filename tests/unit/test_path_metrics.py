@@ -1,0 +1,50 @@
+"""After a restart (issue 13 item 5): one metrics row per step, marked by attempt, and a progress line
+that says why the step went back."""
+from __future__ import annotations
+
+import pyarrow.parquet as pq
+
+from rayzero.driver.metrics_log import MetricsLog
+from rayzero.driver.progress import Progress
+from rayzero.workers.session import Report
+
+
+def _reports(rank: int, steps: range, start_time: float) -> list[Report]:
+    # a fresh worker process numbers its reports from 0: seq restarts with each attempt
+    return [Report(rank=rank, seq=seq, time=start_time + step, metrics={"step": step, "loss": 10.0 - step,
+                                                                         "samples": 4 * (step + 1)})
+            for seq, step in enumerate(steps)]
+
+
+def _two_attempts() -> list[Report]:
+    first = [r for pair in zip(_reports(0, range(5), 0), _reports(1, range(5), 0)) for r in pair]
+    second = [r for pair in zip(_reports(0, range(3, 7), 100), _reports(1, range(3, 7), 100)) for r in pair]
+    return first + second  # the checkpoint was at step 3: steps 3 and 4 are run again
+
+
+def test_re_run_steps_replace_their_rows_marked_by_attempt(tmp_path):
+    log = MetricsLog(tmp_path.as_uri())
+    for item in _two_attempts():
+        log.add(item)
+    log.flush()
+    assert [m["step"] for m in log.history()] == [0, 1, 2, 3, 4, 5, 6]  # rank 0, each step once
+    table = pq.read_table(str(tmp_path / "metrics.parquet")).to_pydict()
+    rows = sorted(zip(table["rank"], table["step"], table["attempt"], table["time"]))
+    assert len(rows) == 14  # 7 steps x 2 ranks
+    assert [(step, attempt) for rank, step, attempt, _ in rows if rank == 1] == [
+        (0, 0), (1, 0), (2, 0), (3, 1), (4, 1), (5, 1), (6, 1)]
+    assert all(time >= 100 for _, step, _, time in rows if step >= 3)  # the newer report won
+
+
+def test_the_progress_line_says_resumed_when_the_step_goes_back():
+    lines: list[str] = []
+    progress = Progress(None, interval_s=3600, phase_keys=False, emit=lines.append)
+    for item in _two_attempts():
+        progress.observe(item)
+    # the first report prints; the long interval prints nothing else, except the restart at once
+    assert len(lines) == 2
+    assert lines[1].startswith("[rayzero] step 3 (resumed from step 3)")
+    for item in _reports(0, range(7, 9), 104):
+        progress.observe(item)
+    assert "resumed" not in progress.line()
+    assert progress.rates()["samples_per_s"] > 0  # measured within the new attempt, never negative
