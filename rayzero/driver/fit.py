@@ -15,13 +15,17 @@ from typing import Any
 import pyarrow.fs as pafs
 
 from rayzero.config.errors import RayZeroValueError
+from rayzero.controller import registry
 from rayzero.controller.configs import FailureConfig, RunConfig, ScalingConfig
-from rayzero.controller.controller import Controller, ControllerActor
+from rayzero.controller.controller import Controller, ControllerActor, ControllerSettings, ControllerUpdate
+from rayzero.controller.elastic import BatchPlan, plan_batches
 from rayzero.controller.errors import TrainingFailedError
+from rayzero.controller.health import HangPolicy
 from rayzero.controller.state import FailurePolicy, RunState
-from rayzero.controller.worker_group import RayWorkerGroup
+from rayzero.controller.worker_group import RayWorkerGroup, free_worker_slots
 from rayzero.driver.metrics_log import MetricsLog
 from rayzero.driver.progress import Progress
+from rayzero.driver.signals import StopSignals
 
 
 @dataclass
@@ -40,6 +44,13 @@ class Result:
     """Start-up phases and throughput in seconds / per second, e.g. `fit_to_first_report_s`."""
     metrics_path: str | None = None
     """URI of the Parquet metrics log (every rank's reports)."""
+    stopped: bool = False
+    """The run ended through a planned stop (Ctrl-C/SIGTERM, `rayzero stop`), its checkpoint committed;
+    run `fit` again with the same name and storage to go on from it."""
+    failures: int = 0
+    """Restarts charged to `FailureConfig.max_failures` (crash, hang, node loss)."""
+    checkpoint_step: int | None = None
+    """Step of the newest committed checkpoint the controller found (None when there is none)."""
 
 
 _MODEL_AUTOS = ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
@@ -202,11 +213,13 @@ def fit(
 
     fit_started_wall, fit_started = time.time(), time.monotonic()
     scaling, run, failure = scaling or ScalingConfig(), run or RunConfig(), failure or FailureConfig()
-    ds_config, validated = _validated_config(config, scaling.num_workers)
+    ds_config, validated = _validated_config(config, scaling.max_workers)
+    plan = _batch_plan(ds_config, scaling)
     name, run_uri, checkpoint_dir = _run_locations(run)
-    resume_from = resolve_resume_from(
-        run.resume_from or os.environ.get("RAYZERO_RESUME_FROM") or None, explicit=bool(run.resume_from)
-    )
+    explicit = run.resume_from or os.environ.get("RAYZERO_RESUME_FROM") or None
+    resume_from = resolve_resume_from(explicit, explicit=bool(run.resume_from))
+    if resume_from is None and explicit is None:
+        resume_from = _resume_same_name(name, checkpoint_dir)
 
     connect_ray()
     ship_by_value(train_loop)
@@ -218,32 +231,53 @@ def fit(
         # the engine's own bound for groups it creates (e.g. the checkpoint writer's)
         "RAYZERO_COLLECTIVE_TIMEOUT_S": str(failure.process_group_timeout_s),
     }
-    if ds_config is not None:
-        run_env["RAYZERO_CONFIG"] = json.dumps(ds_config)
     datasets = dict(datasets or {})
-    local_checkpoint_dir = checkpoint_dir if run_uri.startswith("file://") else None
+    locations = [checkpoint_dir] + ([validated["checkpoint"]["durable_uri"]]
+                                    if (validated.get("checkpoint") or {}).get("durable_uri") else [])
+    settings = ControllerSettings(
+        hang=HangPolicy(failure.hang_timeout_s, failure.startup_grace_s),
+        stop_timeout_s=failure.stop_timeout_s,
+        checkpoint_locations=tuple(locations),
+    )
 
     def make_controller() -> Controller:  # runs inside the controller actor
-        def make_group(attempt: int, resume: str | None) -> RayWorkerGroup:
+        def make_group(attempt: int, resume: str | None, workers: int) -> RayWorkerGroup:
             env = dict(run_env, RAYZERO_ATTEMPT=str(attempt))
+            worker_config = plan.config_for(ds_config, workers)
+            if worker_config is not None:
+                env["RAYZERO_CONFIG"] = json.dumps(worker_config)
             if resume:
                 env["RAYZERO_RESUME_FROM"] = resume
-            return RayWorkerGroup(scaling, env, failure.process_group_timeout_s, datasets)
+            group = RayWorkerGroup(scaling, workers, env, failure.process_group_timeout_s, datasets)
+            if workers > plan.min_workers:
+                # Above the minimum the size came from the free resources: if it does not place
+                # quickly a node went away meanwhile, and the controller tries the next smaller size.
+                group.placement_timeout_s = min(scaling.placement_timeout_s, 10.0)
+            return group
 
         return Controller(
-            make_group, train_loop, train_loop_config, FailurePolicy(failure.max_failures),
-            resume_from=resume_from, checkpoint_dir=local_checkpoint_dir,
+            make_group, train_loop, train_loop_config, FailurePolicy(failure.max_failures, failure.backoff_s),
+            resume_from=resume_from, plan=plan, capacity=lambda: free_worker_slots(scaling.bundle()),
+            settings=settings,
         )
 
-    # num_cpus=0: the controller only waits; it must not take a CPU a worker bundle needs.
-    controller = ray.remote(ControllerActor).options(num_cpus=0, max_concurrency=4).remote(make_controller)
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    # num_cpus=0: the controller only waits; it must not take a CPU a worker bundle needs. Pinned to
+    # the driver's node: a lost worker node must not take the controller with it.
+    controller = ray.remote(ControllerActor).options(
+        num_cpus=0, max_concurrency=8,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
+    ).remote(make_controller, name)
     wall_clock_breakdown = bool(validated.get("wall_clock_breakdown"))
     batch = validated.get("train_batch_size")
     progress = Progress(batch if isinstance(batch, int) else None, run.progress_interval_s, wall_clock_breakdown)
     metrics_log = MetricsLog(run_uri)
-    print(f"[rayzero] run {name}: {scaling.num_workers} worker(s), storage {run_uri}", flush=True)
+    workers = str(scaling.num_workers) if not scaling.elastic else f"{scaling.min_workers}:{scaling.max_workers}"
+    print(f"[rayzero] run {name}: {workers} worker(s), storage {run_uri}", flush=True)
     try:
-        history, last_checkpoint, error = _stream(controller, progress, metrics_log, timings, fit_started_wall)
+        history, last_checkpoint, error, final = _stream(controller, progress, metrics_log, timings,
+                                                         fit_started_wall, failure.stop_timeout_s)
     finally:
         ray.kill(controller)  # its workers and placement group go with it (fate sharing)
         metrics_log.flush()
@@ -256,8 +290,18 @@ def fit(
         raise error
     if history:
         print(progress.line(), flush=True)
-    if last_checkpoint is None and local_checkpoint_dir and Path(local_checkpoint_dir, "latest").exists():
-        last_checkpoint = local_checkpoint_dir
+    record = final.checkpoint if final is not None else None
+    if record is not None:
+        last_checkpoint = checkpoint_dir if record.location.startswith(checkpoint_dir) else record.location
+    elif last_checkpoint is None:
+        found = registry.newest([checkpoint_dir])
+        last_checkpoint = found.root if found is not None else None
+        record = found.record if found is not None else None
+    stopped = bool(final and final.stopped)
+    if stopped:
+        where = f"checkpoint {record.location} (step {record.step})" if record else "no checkpoint was taken"
+        print(f"[rayzero] run {name} stopped: {where}. Rerun with the same name ({name}) and storage to resume.",
+              flush=True)
     return Result(
         metrics_history=history,
         metrics=history[-1] if history else None,
@@ -265,34 +309,71 @@ def fit(
         path=run_uri,
         timings=timings,
         metrics_path=metrics_log.uri,
+        stopped=stopped,
+        failures=final.failures if final is not None else 0,
+        checkpoint_step=record.step if record is not None else None,
     )
 
 
+def _batch_plan(ds_config: dict[str, Any] | None, scaling: ScalingConfig) -> BatchPlan:
+    plan = plan_batches(ds_config, scaling.min_workers, scaling.max_workers)
+    if not plan.valid_sizes():
+        reasons = "; ".join(f"{size}: {why}" for size, why in sorted(plan.skipped.items()))
+        raise RayZeroValueError(
+            f"no world size in ScalingConfig.num_workers={scaling.num_workers!r} keeps the global batch "
+            f"({reasons}); change the range or train_batch_size / train_micro_batch_size_per_gpu")
+    for size, why in sorted(plan.skipped.items()):
+        print(f"[rayzero] world size {size} will not be used: {why}", flush=True)
+    return plan
+
+
+def _resume_same_name(name: str, checkpoint_dir: str) -> str | None:
+    """A rerun with the same name and storage goes on from the run's newest committed checkpoint
+    (Ray Train v2's contract), found through the checkpoint layer's manifests."""
+    found = registry.newest([checkpoint_dir])
+    if found is None:
+        return None
+    print(f"[rayzero] run {name} exists: resuming from its checkpoint {found.record.location} "
+          f"(step {found.record.step})", flush=True)
+    return found.root
+
+
 def _stream(
-    controller: Any, progress: Progress, metrics_log: MetricsLog, timings: dict[str, float], started_wall: float
-) -> tuple[list[dict[str, Any]], str | None, TrainingFailedError | None]:
-    """Long-poll the controller until the run ends: (rank 0's history, last checkpoint, error)."""
+    controller: Any, progress: Progress, metrics_log: MetricsLog, timings: dict[str, float], started_wall: float,
+    stop_timeout_s: float,
+) -> tuple[list[dict[str, Any]], str | None, TrainingFailedError | None, ControllerUpdate | None]:
+    """Long-poll the controller until the run ends: (rank 0's history, last checkpoint, error, final update).
+    Ctrl-C / SIGTERM meanwhile are a planned stop ([Note: driver signals])."""
     import ray
 
     history: list[dict[str, Any]] = []
     last_checkpoint: str | None = None
-    try:
-        ray.get(controller.start.remote())
-        while True:
-            update = ray.get(controller.poll.remote(1.0))
-            for line in update.events:
-                print(f"[rayzero] {line}", flush=True)
-            for item in update.reports:
-                if "fit_to_first_report_s" not in timings:
-                    timings["fit_to_first_report_s"] = max(0.0, item.time - started_wall)
-                if item.rank == 0:
-                    history.append(item.metrics)
-                progress.observe(item)
-                metrics_log.add(item)
-                last_checkpoint = item.checkpoint or last_checkpoint
-            if update.state.is_terminal:
-                timings.update(update.timings)
-                error = update.error if update.state is RunState.ERRORED else None
-                return history, last_checkpoint, error
-    except ray.exceptions.RayActorError as died:
-        return history, last_checkpoint, TrainingFailedError(f"the rayzero controller actor died: {died}")
+    with StopSignals() as signals:
+        try:
+            ray.get(controller.start.remote(), timeout=60)
+            while True:
+                received = signals.take()
+                if received == 1:
+                    print(f"[rayzero] {signals.name}: stopping at the next step boundary after a checkpoint "
+                          "(send it again to kill the run without one)", flush=True)
+                    controller.stop.remote(stop_timeout_s)
+                elif received > 1:
+                    print(f"[rayzero] {signals.name} again: killing the run without a checkpoint", flush=True)
+                    controller.kill.remote(f"{signals.name} received twice on the driver")
+                update: ControllerUpdate = ray.get(controller.poll.remote(1.0), timeout=60)
+                for line in update.events:
+                    print(f"[rayzero] {line}", flush=True)
+                for item in update.reports:
+                    if "fit_to_first_report_s" not in timings:
+                        timings["fit_to_first_report_s"] = max(0.0, item.time - started_wall)
+                    if item.rank == 0:
+                        history.append(item.metrics)
+                    progress.observe(item)
+                    metrics_log.add(item)
+                    last_checkpoint = item.checkpoint or last_checkpoint
+                if update.state.is_terminal:
+                    timings.update(update.timings)
+                    error = update.error if update.state is RunState.ERRORED else None
+                    return history, last_checkpoint, error, update
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as died:
+            return history, last_checkpoint, TrainingFailedError(f"the rayzero controller actor died: {died}"), None

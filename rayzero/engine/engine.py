@@ -20,7 +20,7 @@ import math
 import resource
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -33,6 +33,28 @@ from rayzero.engine.policies import MixedPrecisionPolicy, Precision
 from rayzero.engine.strategy import ZeroStrategy
 
 logger = logging.getLogger(__name__)
+
+
+class StepBoundaryHook(Protocol):
+    """[Note: step boundary hook] The runtime that started this process (rayzero's Ray worker)
+    watches every engine through this: `after_step` runs once per optimizer step, after the update,
+    on every rank at the same step — the one place all ranks can agree to checkpoint (planned stops,
+    resizes, `checkpoint now`); `before_forward` lets it end a loop that was told to stop. The
+    engine never imports the runtime (layers); the worker installs the hook with
+    `set_step_boundary_hook`. Under plain torchrun none is installed and both calls cost nothing."""
+
+    def before_forward(self, engine: ZeroEngine) -> None: ...
+
+    def after_step(self, engine: ZeroEngine) -> None: ...
+
+
+_STEP_BOUNDARY_HOOK: StepBoundaryHook | None = None  # process-wide, like the default process group
+
+
+def set_step_boundary_hook(hook: StepBoundaryHook | None) -> None:
+    """Install (or remove, with None) the process's step-boundary hook ([Note: step boundary hook])."""
+    global _STEP_BOUNDARY_HOOK
+    _STEP_BOUNDARY_HOOK = hook
 
 
 class Phase(enum.Enum):
@@ -122,6 +144,8 @@ class ZeroEngine:
         return self.forward(*inputs, **kwargs)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if _STEP_BOUNDARY_HOOK is not None:
+            _STEP_BOUNDARY_HOOK.before_forward(self)
         self.strategy.before_forward()
         if self.precision.precision is not Precision.FP32:
             inputs = tuple(self._cast(x) for x in inputs)
@@ -166,6 +190,8 @@ class ZeroEngine:
         self.micro_steps += 1
         self.global_steps += 1
         self.comm.begin_step()
+        if _STEP_BOUNDARY_HOOK is not None:
+            _STEP_BOUNDARY_HOOK.after_step(self)
 
     def _apply_update(self) -> bool:
         """Unscale, clip, step; returns True when the step was skipped for overflow."""

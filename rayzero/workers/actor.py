@@ -19,8 +19,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from rayzero.workers import session as session_module
+from rayzero.workers.boundary import BoundaryRequest, Heartbeat, RunStopped, StepBoundary, thread_stacks
 from rayzero.workers.errors import WorkerSetupError
-from rayzero.workers.session import Report, WorkerSession
+from rayzero.workers.session import Report, WorkerSession, peak_memory_bytes
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,8 @@ class WorkerOutcome:
     """`Type: message` of the exception that ended the loop, or None."""
     traceback_text: str = ""
     """The formatted traceback of that exception, as the worker saw it."""
+    stopped: bool = False
+    """The loop ended because the run was told to stop (a planned stop, its checkpoint committed)."""
 
 
 def _takes_an_argument(function: Callable[..., Any]) -> bool:
@@ -100,7 +103,6 @@ class TrainWorker:
             node_local_dir = env.get("RAYZERO_NODE_LOCAL_DIR")
             if node_local_dir:
                 os.makedirs(node_local_dir, exist_ok=True)
-            self._session = WorkerSession(rank=rank, dataset_shards=dict(dataset_shards))
             import torch
             import torch.distributed as dist
 
@@ -115,6 +117,11 @@ class TrainWorker:
                 world_size=int(env["WORLD_SIZE"]),
                 timeout=datetime.timedelta(seconds=timeout_s),
             )
+            # The boundary agreement runs on the CPU ([Note: agreed step boundary]): NCCL gets a gloo
+            # twin (creating it is collective: every rank does it here, in the same order).
+            agreement_group = dist.new_group(backend="gloo") if backend == "nccl" else None
+            boundary = StepBoundary(rank, env.get("RAYZERO_NODE_ID", ""), agreement_group)
+            self._session = WorkerSession(rank=rank, dataset_shards=dict(dataset_shards), boundary=boundary)
         except Exception as error:  # noqa: BLE001 - the controller reports it with this rank and traceback
             raise WorkerSetupError(
                 f"rank {rank} could not join the process group ({backend}, "
@@ -127,7 +134,11 @@ class TrainWorker:
         """Run the loop to its end; an exception is returned as data, not raised, with its traceback."""
         assert self._session is not None, "setup() must run before run()"
         rank = self._session.rank
+        boundary = self._session.boundary
         session_module.activate(self._session)
+        from rayzero.engine.engine import set_step_boundary_hook
+
+        set_step_boundary_hook(boundary)
         try:
             # Ray Train's convention: a loop with a parameter gets the config ({} when none was given).
             if _takes_an_argument(train_loop):
@@ -139,11 +150,16 @@ class TrainWorker:
             from rayzero.checkpoint.saver import wait_for_pending_saves
 
             wait_for_pending_saves()
-            return WorkerOutcome(rank)
+            return WorkerOutcome(rank, stopped=boundary is not None and boundary.should_stop())
+        except RunStopped:
+            return WorkerOutcome(rank, stopped=True)
         except BaseException as error:  # noqa: BLE001 - SystemExit from an argparse loop is a failure too
             return WorkerOutcome(rank, f"{type(error).__name__}: {error}", traceback.format_exc())
         finally:
+            set_step_boundary_hook(None)
             session_module.activate(None)
+            if boundary is not None:
+                boundary.finished = True
             self._finished.set()
             self._session.reports.put(None)  # wake a poll blocked on an empty queue
 
@@ -153,6 +169,21 @@ class TrainWorker:
             return []
         wait = 0.0 if self._finished.is_set() else timeout_s
         return self._session.drain(wait)
+
+    def heartbeat(self) -> Heartbeat | None:
+        """This rank's progress now (None before setup). Served while the loop runs."""
+        if self._session is None or self._session.boundary is None:
+            return None
+        return self._session.boundary.heartbeat(peak_memory_bytes())
+
+    def request_boundary(self, request_id: int, kind: int) -> None:
+        """Ask for a checkpoint (and a stop) at the next step boundary all ranks agree on."""
+        if self._session is not None and self._session.boundary is not None:
+            self._session.boundary.request(request_id, BoundaryRequest(kind))
+
+    def stacks(self) -> str:
+        """Every thread's Python stack in this worker process (for hang reports)."""
+        return thread_stacks()
 
     def shutdown(self) -> None:
         """Leave the process group so a restarted group in this process could form a new one."""

@@ -5,7 +5,8 @@ import pickle
 
 import pytest
 
-from rayzero.controller.controller import Controller
+from rayzero.checkpoint.manifest import Manifest, commit
+from rayzero.controller.controller import Controller, ControllerSettings
 from rayzero.controller.errors import ResourcesUnavailableError, TrainingFailedError
 from rayzero.controller.state import Failure, FailureKind, FailurePolicy, RunState
 from rayzero.controller.worker_group import GroupPoll, assign_ranks
@@ -14,12 +15,15 @@ from rayzero.workers.session import Report
 
 
 class FakeGroup:
-    """Plays back queued poll results; records what the controller asked of it."""
+    """Plays back queued poll results and heartbeats; records what the controller asked of it."""
 
-    def __init__(self, polls: list[GroupPoll], start_error: Exception | None = None) -> None:
+    def __init__(self, polls: list[GroupPoll], start_error: Exception | None = None,
+                 beats: list[dict] | None = None) -> None:
         self.polls = list(polls)
         self.start_error = start_error
+        self.beats = list(beats or [])
         self.calls: list[str] = []
+        self.requests: list[tuple[int, int]] = []
 
     def start(self) -> dict[str, float]:
         self.calls.append("start")
@@ -34,6 +38,17 @@ class FakeGroup:
         self.calls.append("poll")
         return self.polls.pop(0)
 
+    def heartbeats(self, timeout_s: float):
+        self.calls.append("heartbeats")
+        return (self.beats.pop(0) if self.beats else {}), []
+
+    def request_boundary(self, request_id: int, kind: int) -> None:
+        self.calls.append("request_boundary")
+        self.requests.append((request_id, int(kind)))
+
+    def stacks(self, timeout_s: float) -> dict[int, str]:
+        return {0: "File loop.py, in step\n  dist.all_reduce", 1: "File loop.py, in load\n  time.sleep(3600)"}
+
     def shutdown(self) -> None:
         self.calls.append("shutdown")
 
@@ -42,14 +57,15 @@ def _report(rank: int, seq: int, checkpoint: str | None = None) -> Report:
     return Report(rank, seq, 0.0, {"step": seq}, checkpoint)
 
 
-def _controller(groups: list[FakeGroup], max_failures: int = 0) -> tuple[Controller, list[tuple]]:
+def _controller(groups: list[FakeGroup], max_failures: int = 0, **options) -> tuple[Controller, list[tuple]]:
     made: list[tuple] = []
 
-    def factory(attempt: int, resume_from: str | None) -> FakeGroup:
+    def factory(attempt: int, resume_from: str | None, workers: int) -> FakeGroup:
         made.append((attempt, resume_from))
+        groups[len(made) - 1].workers = workers
         return groups[len(made) - 1]
 
-    return Controller(factory, lambda: None, None, FailurePolicy(max_failures)), made
+    return Controller(factory, lambda: None, None, FailurePolicy(max_failures), **options), made
 
 
 def test_happy_path_moves_through_every_state_in_order():
@@ -57,7 +73,7 @@ def test_happy_path_moves_through_every_state_in_order():
     controller, _ = _controller([group])
     states = [controller.step() for _ in range(4)]
     assert states == [RunState.SCHEDULING, RunState.RUNNING, RunState.RUNNING, RunState.FINISHED]
-    assert group.calls == ["start", "launch", "poll", "poll", "shutdown"]
+    assert group.calls == ["start", "launch", "poll", "heartbeats", "poll", "shutdown"]
     update = controller.take_update()
     assert [r.seq for r in update.reports] == [0, 1] and update.state is RunState.FINISHED
     assert controller.take_update().reports == []  # handed over once
@@ -75,9 +91,20 @@ def test_loop_error_without_budget_errors_with_rank_and_traceback():
     assert group.calls[-1] == "shutdown"
 
 
-def test_retry_restarts_from_the_newest_reported_checkpoint_then_finishes():
+def _commit(root, step: int) -> str:
+    """A committed checkpoint as the checkpoint layer writes it (a manifest is the commit)."""
+    tag_dir = root / f"global_step{step}"
+    tag_dir.mkdir(parents=True)
+    commit(str(tag_dir), Manifest(f"global_step{step}", step, 2, 1, "", {}, {}, []))
+    return str(tag_dir)
+
+
+def test_retry_resumes_from_the_newest_committed_checkpoint_not_from_what_was_reported(tmp_path):
+    reported = tmp_path / "reported"
+    committed = _commit(reported, 3)
+    (reported / "global_step9").mkdir()  # reported but never committed (no manifest): not a checkpoint
     failing = FakeGroup([
-        GroupPoll(reports=[_report(0, 0, checkpoint="file:///ckpt/step1")]),
+        GroupPoll(reports=[_report(0, 0, checkpoint=committed), _report(0, 1, checkpoint=str(reported / "global_step9"))]),
         GroupPoll(failures=[Failure(FailureKind.WORKER_DIED, "rank 0's worker died", 0)]),
     ])
     healthy = FakeGroup([GroupPoll(finished=True)])
@@ -86,9 +113,24 @@ def test_retry_restarts_from_the_newest_reported_checkpoint_then_finishes():
     while not controller.state.is_terminal:
         seen.append(controller.step())
     assert RunState.RESTARTING in seen and controller.state is RunState.FINISHED
-    assert made == [(0, None), (1, "file:///ckpt/step1")]
+    assert made == [(0, None), (1, str(reported))]
+    assert controller.latest_checkpoint.step == 3
     assert "shutdown" in failing.calls
     assert any("restarting" in line for line in controller.take_update().events)
+
+
+def test_restart_prefers_the_run_directory_when_it_holds_a_newer_checkpoint(tmp_path):
+    run_dir = tmp_path / "run" / "checkpoints"
+    _commit(run_dir, 7)
+    old = _commit(tmp_path / "elsewhere", 5)
+    groups = [FakeGroup([GroupPoll(reports=[_report(0, 0, checkpoint=old)]),
+                         GroupPoll(failures=[Failure(FailureKind.LOOP_ERROR, "boom", 1)])]),
+              FakeGroup([GroupPoll(finished=True)])]
+    controller, made = _controller(groups, max_failures=1,
+                                   settings=ControllerSettings(checkpoint_locations=(str(run_dir),)))
+    while not controller.step().is_terminal:
+        pass
+    assert made[1] == (1, str(run_dir)) and controller.latest_checkpoint.step == 7
 
 
 def test_budget_is_shared_across_attempts():
@@ -99,12 +141,18 @@ def test_budget_is_shared_across_attempts():
     assert controller.state is RunState.ERRORED and len(made) == 2
 
 
-def test_unschedulable_group_is_not_retried():
+def test_unschedulable_group_fails_at_once_without_budget_and_retries_within_it():
     group = FakeGroup([], start_error=ResourcesUnavailableError("could not place 2 worker(s)"))
-    controller, made = _controller([group], max_failures=5)
+    controller, made = _controller([group])
     while not controller.step().is_terminal:
         pass
     assert isinstance(controller.error, ResourcesUnavailableError) and len(made) == 1
+    # with a budget the placement is tried again (after the backoff) instead of failing at once
+    groups = [FakeGroup([], start_error=ResourcesUnavailableError("no room")), FakeGroup([GroupPoll(finished=True)])]
+    controller, made = _controller(groups, max_failures=1)
+    while not controller.step().is_terminal:
+        pass
+    assert controller.state is RunState.FINISHED and len(made) == 2 and controller.failures == 1
 
 
 def test_a_loop_error_is_blamed_before_ranks_that_died_after_it():
