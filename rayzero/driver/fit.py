@@ -265,10 +265,10 @@ def fit(
 
     # num_cpus=0: the controller only waits; it must not take a CPU a worker bundle needs. Pinned to
     # the driver's node: a lost worker node must not take the controller with it.
-    controller = ray.remote(ControllerActor).options(
-        num_cpus=0, max_concurrency=8,
+    controller = _start_controller(ray.remote(ControllerActor).options(
+        num_cpus=0, max_concurrency=8, name=controller_actor_name(name),
         scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
-    ).remote(make_controller, name)
+    ), make_controller, name)
     wall_clock_breakdown = bool(validated.get("wall_clock_breakdown"))
     batch = validated.get("train_batch_size")
     progress = Progress(batch if isinstance(batch, int) else None, run.progress_interval_s, wall_clock_breakdown)
@@ -313,6 +313,25 @@ def fit(
         failures=final.failures if final is not None else 0,
         checkpoint_step=record.step if record is not None else None,
     )
+
+
+def controller_actor_name(run_name: str) -> str:
+    """The Ray actor name of a run's controller (in the driver's namespace): `ray.get_actor(...)`
+    gives a `ControlTarget` ([Note: the control seam]) to code in the driver's job."""
+    return f"rayzero-controller:{run_name}"
+
+
+def _start_controller(actor_options: Any, make_controller: Callable[[], Controller], name: str) -> Any:
+    # A rerun of the same name right after the previous one ended: Ray frees the actor name only
+    # once the old controller is marked dead (ray.kill is asynchronous), so wait a little for it.
+    deadline = time.monotonic() + 15.0
+    while True:
+        try:
+            return actor_options.remote(make_controller, name)
+        except ValueError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.25)
 
 
 def _batch_plan(ds_config: dict[str, Any] | None, scaling: ScalingConfig) -> BatchPlan:
