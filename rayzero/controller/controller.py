@@ -200,6 +200,8 @@ class Controller:
             self._on_failure(_first_to_blame(polled.failures))
             return
         if polled.finished:
+            if polled.stopped and self.state is RunState.RUNNING and self._planned is None:
+                return self._regroup_after_preemption(polled.preempted)
             self._group_ended(stopped=polled.stopped)
             return
         now = self._clock()
@@ -234,6 +236,19 @@ class Controller:
         if planned is not None:
             self._planned = None
             planned.resolve(self._refresh_latest())
+
+    def _regroup_after_preemption(self, ranks: list[int]) -> None:
+        """A worker got SIGTERM ([Note: preemption] in rayzero/workers/actor.py): the group saved at
+        the agreed boundary and stopped; go on with as many workers as now fit. Not a failure."""
+        assert self._group is not None
+        self._group.shutdown()
+        self._resolve_awaiting(None)
+        self.attempt += 1
+        self._resume_from = self._newest_location() or self._resume_from
+        step = self._latest.step if self._latest is not None else None
+        self._event(f"rank(s) {ranks or '?'} preempted (SIGTERM): checkpoint committed at step {step}; regrouping")
+        workers = self._plan.choose(self._capacity())
+        self._new_group(workers if workers is not None else self._smallest())
 
     def _check_heartbeats(self, now: float) -> bool:
         """Take a round of heartbeats; False when it ended the attempt (a failure)."""

@@ -40,6 +40,8 @@ class GroupPoll:
     """True once every rank's loop has returned normally."""
     stopped: bool = False
     """With `finished`: the loops ended because the run was told to stop (a planned stop)."""
+    preempted: list[int] = field(default_factory=list)
+    """With `stopped`: ranks whose process got SIGTERM (a preemption, not a request)."""
 
 
 class WorkerGroup(Protocol):
@@ -124,6 +126,7 @@ class RayWorkerGroup:
         self._run_refs: dict[Any, int] = {}  # outstanding run() call -> rank
         self._done: set[int] = set()
         self._stopped: set[int] = set()  # ranks whose loop ended through a planned stop
+        self._preempted: set[int] = set()  # ranks whose process got SIGTERM
         self._heartbeat_refs: dict[int, Any] = {}  # rank -> outstanding heartbeat() call
         self.placement_timeout_s = scaling.placement_timeout_s  # the controller shortens it for tries above min
 
@@ -230,6 +233,7 @@ class RayWorkerGroup:
             self._drain_survivors(result)
         result.finished = not result.failures and len(self._done) == len(self._workers)
         result.stopped = result.finished and bool(self._stopped)
+        result.preempted = sorted(self._preempted) if result.stopped else []
         return result
 
     def heartbeats(self, timeout_s: float) -> tuple[dict[int, Heartbeat | None], list[Failure]]:
@@ -307,6 +311,8 @@ class RayWorkerGroup:
             self._done.add(rank)
             if outcome.stopped:
                 self._stopped.add(rank)
+            if outcome.preempted:
+                self._preempted.add(rank)
         else:
             result.failures.append(
                 Failure(

@@ -11,6 +11,7 @@ import datetime
 import inspect
 import logging
 import os
+import signal
 import socket
 import threading
 import traceback
@@ -50,6 +51,8 @@ class WorkerOutcome:
     """The formatted traceback of that exception, as the worker saw it."""
     stopped: bool = False
     """The loop ended because the run was told to stop (a planned stop, its checkpoint committed)."""
+    preempted: bool = False
+    """This worker's process got SIGTERM (the stop was a preemption)."""
 
 
 def _takes_an_argument(function: Callable[..., Any]) -> bool:
@@ -70,6 +73,30 @@ class TrainWorker:
         # The node's own node-local directory (e.g. the Kubernetes operator mounts a volume and exports
         # RAYZERO_NODE_LOCAL_DIR in the pod), read before setup() overwrites the environment.
         self._node_local_root = os.environ.get("RAYZERO_NODE_LOCAL_DIR")
+        # [Note: preemption] SIGTERM to this process (a pod being deleted, a spot node reclaimed) is a
+        # planned stop of the whole group: checkpoint at the next agreed boundary, then regroup on
+        # what remains. Ray runs an actor's __init__ on the process's main thread, the only place
+        # Python lets us install a signal handler; outside a running loop Ray's own handler (exit)
+        # still applies.
+        self.preempted = False
+        self._running = False
+        if threading.current_thread() is threading.main_thread():
+            self._previous_sigterm = signal.getsignal(signal.SIGTERM)
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        boundary = self._session.boundary if self._session is not None else None
+        if self._running and boundary is not None and not self.preempted:
+            self.preempted = True
+            boundary.preempt()
+            logging.getLogger("rayzero.workers").warning(
+                "rank %d got SIGTERM: checkpointing at the next step boundary, then stopping", boundary.rank)
+            return
+        previous = self._previous_sigterm
+        if callable(previous):
+            previous(signum, frame)
+        else:
+            raise SystemExit(128 + signum)
 
     def node_info(self) -> NodeInfo:
         import ray
@@ -139,6 +166,7 @@ class TrainWorker:
         from rayzero.engine.engine import set_step_boundary_hook
 
         set_step_boundary_hook(boundary)
+        self._running = True
         try:
             # Ray Train's convention: a loop with a parameter gets the config ({} when none was given).
             if _takes_an_argument(train_loop):
@@ -150,12 +178,14 @@ class TrainWorker:
             from rayzero.checkpoint.saver import wait_for_pending_saves
 
             wait_for_pending_saves()
-            return WorkerOutcome(rank, stopped=boundary is not None and boundary.should_stop())
+            return WorkerOutcome(rank, stopped=boundary is not None and boundary.should_stop(),
+                                 preempted=self.preempted)
         except RunStopped:
-            return WorkerOutcome(rank, stopped=True)
+            return WorkerOutcome(rank, stopped=True, preempted=self.preempted)
         except BaseException as error:  # noqa: BLE001 - SystemExit from an argparse loop is a failure too
             return WorkerOutcome(rank, f"{type(error).__name__}: {error}", traceback.format_exc())
         finally:
+            self._running = False
             set_step_boundary_hook(None)
             session_module.activate(None)
             if boundary is not None:

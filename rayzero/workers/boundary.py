@@ -75,6 +75,8 @@ class Heartbeat:
     handled: HandledRequest | None
     finished: bool
     """The loop returned (or raised)."""
+    preempted: bool = False
+    """The process got SIGTERM: the group stops at the next boundary and regroups."""
 
 
 def host_memory_bytes() -> int:
@@ -116,6 +118,7 @@ class StepBoundary:
         self.saving = False
         self.stop_committed = False
         self.finished = False
+        self.preempted = False  # this process got SIGTERM ([Note: preemption] in actor.py)
 
     # ---- requests (from the controller, through the worker actor) --------------------------
     def request(self, request_id: int, kind: int) -> None:
@@ -125,6 +128,12 @@ class StepBoundary:
             if kind >= self._pending_kind:
                 self._pending_kind = BoundaryRequest(kind)
                 self._pending_id = max(self._pending_id, request_id)
+
+    def preempt(self) -> None:
+        """This process was told to end (SIGTERM): stop the whole group at the next agreed boundary.
+        Safe from a signal handler: it only sets fields (no lock: the handler may interrupt a holder)."""
+        self.preempted = True
+        self._pending_kind = BoundaryRequest.STOP
 
     def should_stop(self) -> bool:
         if self.stop_committed:
@@ -189,4 +198,5 @@ class StepBoundary:
             progress_age_s=time.monotonic() - self._progress_at, stepped=self.stepped, saving=self.saving,
             step_time_s=statistics.median(intervals) if intervals else None, memory_bytes=memory_bytes,
             host_memory_bytes=host_memory_bytes(), handled=handled, finished=self.finished,
+            preempted=self.preempted,
         )

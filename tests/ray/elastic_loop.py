@@ -7,6 +7,7 @@ split into ranks and micro batches, so the weights after N steps are the same at
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import torch
 
@@ -45,6 +46,10 @@ def train(loop_config: dict) -> None:
     micro = engine.train_micro_batch_size_per_gpu()
     batch = micro * gas * world
     started_at = engine.global_steps
+    if loop_config.get("pid_dir"):  # the fault tests signal this process
+        import os
+
+        Path(loop_config["pid_dir"], f"rank{context.rank}.attempt{context.attempt}").write_text(str(os.getpid()))
     while engine.global_steps < loop_config["steps"] and not context.should_stop():
         step = engine.global_steps
         for micro_step in range(gas):
@@ -53,7 +58,9 @@ def train(loop_config: dict) -> None:
             loss = torch.nn.functional.mse_loss(engine(inputs[index]), targets[index])
             engine.backward(loss)
             engine.step()
-        rayzero.report({"step": engine.global_steps, "loss": float(loss), "world": world, "gas": gas,
+        if loop_config.get("save_every") and engine.global_steps % loop_config["save_every"] == 0:
+            engine.save_checkpoint()
+        rayzero.report({"step": engine.global_steps, "loss": loss.item(), "world": world, "gas": gas,
                         "attempt": context.attempt, "started_at": started_at})
         if loop_config.get("hang_rank") == context.rank and engine.global_steps == loop_config.get("hang_at"):
             if context.attempt == 0:
