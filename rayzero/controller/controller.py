@@ -30,7 +30,7 @@ from rayzero.controller.requests import ControlRequest, RequestKind
 from rayzero.controller.state import Fail, Failure, FailureKind, FailurePolicy, Retry, RunState
 from rayzero.controller.status import CheckpointRecord, RunStatus
 from rayzero.controller.worker_group import WorkerGroup, setup_failure
-from rayzero.workers.boundary import BoundaryRequest, Heartbeat
+from rayzero.workers.boundary import NODE_LOCAL_RESUME, BoundaryRequest, Heartbeat
 from rayzero.workers.session import Report
 
 logger = logging.getLogger("rayzero.controller")
@@ -74,6 +74,8 @@ class ControllerSettings:
     """A planned stop or resize waits this long for the boundary checkpoint, then ends the group."""
     checkpoint_locations: tuple[str, ...] = ()
     """Where committed checkpoints are looked for ([Note: checkpoints from the checkpoint layer])."""
+    node_local: bool = False
+    """Checkpoints live on the workers' disks: learn them from heartbeats ([Note: node-local runs])."""
 
 
 class Controller:
@@ -127,6 +129,7 @@ class Controller:
         self._next_grow_check = 0.0
         self._silent_since: dict[int, float] = {}  # rank -> clock of its last heartbeat answer
         self._latest: CheckpointRecord | None = None
+        self._node_local: CheckpointRecord | None = None  # newest a rank's heartbeat found on its disk
 
     # ---- the state machine -----------------------------------------------------------------
     def step(self) -> RunState:
@@ -261,6 +264,10 @@ class Controller:
             if beat is not None:
                 self._silent_since[rank] = now
                 self.heartbeats[rank] = beat
+                if self._settings.node_local and beat.committed is not None and (
+                        self._node_local is None or beat.committed[0] > self._node_local.step):
+                    self._node_local = CheckpointRecord("node_local", beat.committed[1], beat.committed[0], time.time())
+                    self._latest = self._node_local
         self._progress_awaiting()
         silent = {rank: now - since for rank, since in self._silent_since.items()}
         hang = find_hang({rank: self.heartbeats.get(rank) for rank in range(self.world_size)}, silent,
@@ -427,6 +434,13 @@ class Controller:
 
     def _newest_location(self) -> str | None:
         found = registry.newest(self._locations())
+        if self._settings.node_local:
+            # Each new rank resumes from its own node's directory; the loader there takes the newest
+            # checkpoint complete over the survivors' copies, peer replicas and the durable copy —
+            # including one committed after the last heartbeat ([Note: node-local runs]).
+            if self._node_local is not None and (found is None or self._node_local.step >= found.record.step):
+                self._latest = self._node_local
+            return NODE_LOCAL_RESUME
         if found is None:
             return None
         self._latest = found.record

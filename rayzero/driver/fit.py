@@ -26,6 +26,7 @@ from rayzero.controller.worker_group import RayWorkerGroup, free_worker_slots
 from rayzero.driver.metrics_log import MetricsLog
 from rayzero.driver.progress import Progress
 from rayzero.driver.signals import StopSignals
+from rayzero.workers.boundary import CHECKPOINT_TIER_ENV, NODE_LOCAL_RESUME
 
 
 @dataclass
@@ -218,8 +219,9 @@ def fit(
     name, run_uri, checkpoint_dir = _run_locations(run)
     explicit = run.resume_from or os.environ.get("RAYZERO_RESUME_FROM") or None
     resume_from = resolve_resume_from(explicit, explicit=bool(run.resume_from))
+    node_local = bool((validated.get("checkpoint") or {}).get("use_node_local_storage"))
     if resume_from is None and explicit is None:
-        resume_from = _resume_same_name(name, checkpoint_dir)
+        resume_from = _resume_same_name(name, run_uri, checkpoint_dir, node_local)
 
     connect_ray()
     ship_by_value(train_loop)
@@ -234,10 +236,13 @@ def fit(
     datasets = dict(datasets or {})
     locations = [checkpoint_dir] + ([validated["checkpoint"]["durable_uri"]]
                                     if (validated.get("checkpoint") or {}).get("durable_uri") else [])
+    if node_local:
+        run_env[CHECKPOINT_TIER_ENV] = "node_local"  # [Note: node-local runs]
     settings = ControllerSettings(
         hang=HangPolicy(failure.hang_timeout_s, failure.startup_grace_s),
         stop_timeout_s=failure.stop_timeout_s,
         checkpoint_locations=tuple(locations),
+        node_local=node_local,
     )
 
     def make_controller() -> Controller:  # runs inside the controller actor
@@ -346,9 +351,15 @@ def _batch_plan(ds_config: dict[str, Any] | None, scaling: ScalingConfig) -> Bat
     return plan
 
 
-def _resume_same_name(name: str, checkpoint_dir: str) -> str | None:
+def _resume_same_name(name: str, run_uri: str, checkpoint_dir: str, node_local: bool) -> str | None:
     """A rerun with the same name and storage goes on from the run's newest committed checkpoint
     (Ray Train v2's contract), found through the checkpoint layer's manifests."""
+    if node_local:  # the checkpoints are on the nodes' disks: each rank looks at its own
+        filesystem, path = pafs.FileSystem.from_uri(run_uri)
+        if filesystem.get_file_info(f"{path}/metrics.parquet").type == pafs.FileType.NotFound:
+            return None
+        print(f"[rayzero] run {name} exists: resuming from the newest checkpoint on the nodes' disks", flush=True)
+        return NODE_LOCAL_RESUME
     found = registry.newest([checkpoint_dir])
     if found is None:
         return None

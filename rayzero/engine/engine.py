@@ -262,7 +262,11 @@ class ZeroEngine:
 
     def load_extra_state(self, state: dict[str, Any]) -> None:
         self.global_steps = int(state["global_steps"])
-        self.micro_steps = int(state["micro_steps"])
+        # Realign to an accumulation boundary at *this* gradient_accumulation_steps: a run resumed at
+        # another world size keeps its global batch with another gas ([Note: elastic batch] in
+        # rayzero/controller/elastic.py), and the saved count would put the next boundary mid-window
+        # (DeepSpeed does not restore a micro-step count at all).
+        self.micro_steps = self.global_steps * self.step_policy.gradient_accumulation_steps
         self.skipped_steps = int(state.get("skipped_steps", 0))
         self.loss_scaler.load_state_dict(state["loss_scaler"])
         optimizer_state = state.get("optimizer") or {}

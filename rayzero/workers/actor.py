@@ -20,7 +20,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from rayzero.workers import session as session_module
-from rayzero.workers.boundary import BoundaryRequest, Heartbeat, RunStopped, StepBoundary, thread_stacks
+from rayzero.workers.boundary import (
+    CHECKPOINT_TIER_ENV,
+    NODE_LOCAL_RESUME,
+    BoundaryRequest,
+    Heartbeat,
+    RunStopped,
+    StepBoundary,
+    thread_stacks,
+)
 from rayzero.workers.errors import WorkerSetupError
 from rayzero.workers.session import Report, WorkerSession, peak_memory_bytes
 
@@ -126,10 +134,16 @@ class TrainWorker:
                 # Per node id under the node's root, as for the default root: two Ray nodes sharing one
                 # host path (two pods on one machine) must not share a checkpoint tier.
                 env["RAYZERO_NODE_LOCAL_DIR"] = f"{self._node_local_root}/{env['RAYZERO_NODE_ID']}"
-            os.environ.update(env)
             node_local_dir = env.get("RAYZERO_NODE_LOCAL_DIR")
             if node_local_dir:
                 os.makedirs(node_local_dir, exist_ok=True)
+            if node_local_dir and env.get(CHECKPOINT_TIER_ENV) == "node_local":
+                # [Note: node-local runs] checkpoints stay on this node's disk (peers keep replicas);
+                # the same name under every node's root, so a rank resumes from whatever its node holds.
+                env["RAYZERO_CHECKPOINT_DIR"] = f"{node_local_dir}/checkpoints/{env.get('RAYZERO_RUN_NAME', 'run')}"
+                if env.get("RAYZERO_RESUME_FROM") == NODE_LOCAL_RESUME:
+                    env["RAYZERO_RESUME_FROM"] = env["RAYZERO_CHECKPOINT_DIR"]
+            os.environ.update(env)
             import torch
             import torch.distributed as dist
 
@@ -147,7 +161,8 @@ class TrainWorker:
             # The boundary agreement runs on the CPU ([Note: agreed step boundary]): NCCL gets a gloo
             # twin (creating it is collective: every rank does it here, in the same order).
             agreement_group = dist.new_group(backend="gloo") if backend == "nccl" else None
-            boundary = StepBoundary(rank, env.get("RAYZERO_NODE_ID", ""), agreement_group)
+            boundary = StepBoundary(rank, env.get("RAYZERO_NODE_ID", ""), agreement_group,
+                                    env.get("RAYZERO_CHECKPOINT_DIR"))
             self._session = WorkerSession(rank=rank, dataset_shards=dict(dataset_shards), boundary=boundary)
         except Exception as error:  # noqa: BLE001 - the controller reports it with this rank and traceback
             raise WorkerSetupError(

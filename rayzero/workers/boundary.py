@@ -26,6 +26,20 @@ from dataclasses import dataclass
 from typing import Any
 
 
+CHECKPOINT_TIER_ENV = "RAYZERO_CHECKPOINT_TIER"
+"""`node_local` when the run's checkpoints live on each node's disk ([Note: node-local runs])."""
+NODE_LOCAL_RESUME = "node-local:"
+"""RAYZERO_RESUME_FROM value meaning: resume from this node's own checkpoint directory.
+
+[Note: node-local runs]
+With `checkpoint.use_node_local_storage`, `rayzero.fit` points each rank's checkpoint directory at
+its node's local disk (the same relative path on every node); the checkpoint layer replicates each
+shard to peers. No single path holds the run's checkpoints, so each rank reports the newest
+checkpoint committed in its own directory in its heartbeat (read from the manifests there), and a
+restart after losing a node resumes every new rank from its own node's directory: the loader
+assembles the checkpoint from the survivors' copies and replicas (rayzero/checkpoint/loader.py)."""
+
+
 class BoundaryRequest(enum.IntEnum):
     """What the controller asks the ranks to do at the next agreed step boundary (larger wins)."""
 
@@ -77,6 +91,8 @@ class Heartbeat:
     """The loop returned (or raised)."""
     preempted: bool = False
     """The process got SIGTERM: the group stops at the next boundary and regroups."""
+    committed: tuple[int, str] | None = None
+    """(step, tag directory) of the newest checkpoint committed in this rank's checkpoint directory."""
 
 
 def host_memory_bytes() -> int:
@@ -101,8 +117,10 @@ class StepBoundary:
     """The engine step-boundary hook of one worker ([Note: step boundary hook] in engine.py,
     [Note: agreed step boundary])."""
 
-    def __init__(self, rank: int, node_id: str, group: Any = None) -> None:
+    def __init__(self, rank: int, node_id: str, group: Any = None, checkpoint_dir: str | None = None) -> None:
         self.rank = rank
+        self._checkpoint_dir = checkpoint_dir  # listed for `Heartbeat.committed` (local paths only)
+        self._committed_cache: tuple[float, tuple[int, str] | None] = (-1.0, None)  # (dir mtime, result)
         self.node_id = node_id
         self._group = group  # a gloo group for the agreement (None: the default group, when gloo)
         self._lock = threading.Lock()  # requests and heartbeats come from other actor threads
@@ -198,5 +216,21 @@ class StepBoundary:
             progress_age_s=time.monotonic() - self._progress_at, stepped=self.stepped, saving=self.saving,
             step_time_s=statistics.median(intervals) if intervals else None, memory_bytes=memory_bytes,
             host_memory_bytes=host_memory_bytes(), handled=handled, finished=self.finished,
-            preempted=self.preempted,
+            preempted=self.preempted, committed=self._newest_committed(),
         )
+
+    def _newest_committed(self) -> tuple[int, str] | None:
+        directory = self._checkpoint_dir
+        if not directory or "://" in directory:
+            return None
+        try:
+            mtime = os.stat(directory).st_mtime
+        except OSError:
+            return None
+        if mtime != self._committed_cache[0]:  # a commit moves `latest`: the directory changes
+            from rayzero.checkpoint.manifest import committed_tags
+
+            tags = committed_tags(directory)
+            newest = (tags[0][0], os.path.join(directory, tags[0][1])) if tags else None
+            self._committed_cache = (mtime, newest)
+        return self._committed_cache[1]

@@ -41,6 +41,8 @@ def train(loop_config: dict) -> None:
     engine, _, _, _ = rayzero.initialize(model=model)
     if context.resume_from:
         engine.load_checkpoint(context.resume_from)
+        rayzero.report({"loaded_step": engine.global_steps,
+                        "loaded": torch.cat([p.detach().flatten() for p in model.parameters()]).tolist()})
     inputs, targets = dataset()
     world, gas = engine.world_size, engine.gradient_accumulation_steps()
     micro = engine.train_micro_batch_size_per_gpu()
