@@ -91,6 +91,7 @@ class Controller:
         poll_timeout_s: float = 1.0,
         plan: BatchPlan | None = None,
         capacity: Callable[[], int | None] = lambda: None,
+        draining: Callable[[], set[str]] = set,
         settings: ControllerSettings = ControllerSettings(),
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -111,6 +112,7 @@ class Controller:
         self._policy = policy
         self._plan = plan or BatchPlan(1, 1, None)
         self._capacity = capacity  # how many worker bundles fit in the cluster now (None: unknown)
+        self._draining = draining  # ids of nodes Ray is draining (preemption notices)
         self._settings = settings
         self._clock = clock
         self._resume_from = resume_from  # what the next attempt resumes from
@@ -129,6 +131,7 @@ class Controller:
         self._next_grow_check = 0.0
         self._silent_since: dict[int, float] = {}  # rank -> clock of its last heartbeat answer
         self._latest: CheckpointRecord | None = None
+        self._size_cap: int | None = None  # an explicit scale(n) caps growing back at n
         self._node_local: CheckpointRecord | None = None  # newest a rank's heartbeat found on its disk
 
     # ---- the state machine -----------------------------------------------------------------
@@ -269,6 +272,8 @@ class Controller:
                     self._node_local = CheckpointRecord("node_local", beat.committed[1], beat.committed[0], time.time())
                     self._latest = self._node_local
         self._progress_awaiting()
+        if self.state is RunState.RUNNING and self._planned is None:
+            self._check_drain()
         silent = {rank: now - since for rank, since in self._silent_since.items()}
         hang = find_hang({rank: self.heartbeats.get(rank) for rank in range(self.world_size)}, silent,
                          self._settings.hang)
@@ -282,14 +287,31 @@ class Controller:
         self._on_failure(Failure(FailureKind.HANG, message, hang.culprit, stacks.get(hang.culprit, "")))
         return False
 
+    def _check_drain(self) -> None:
+        """Ray's node drain notice (a preemption with a deadline) on a node a rank runs on: checkpoint
+        at the agreed boundary and regroup without it, before the node goes (no budget used)."""
+        try:
+            draining = self._draining()
+        except Exception as error:  # noqa: BLE001 - a failed probe must not end the run
+            logger.debug("drain probe failed: %s", error)
+            return
+        hit = {rank for rank, beat in self.heartbeats.items()
+               if beat is not None and rank < self.world_size and beat.node_id in draining}
+        if not hit:
+            return
+        target = self._plan.choose(self.world_size - len(hit)) or self._smallest()
+        self._event(f"node(s) of rank(s) {sorted(hit)} are draining: checkpointing, then regrouping with {target}")
+        self._begin_planned(ControlRequest(RequestKind.SCALE, workers=target, reason="grow"))
+
     def _maybe_grow(self, now: float) -> None:
-        if now < self._next_grow_check or self.world_size >= self._plan.max_workers:
+        ceiling = min(self._plan.max_workers, self._size_cap or self._plan.max_workers)
+        if now < self._next_grow_check or self.world_size >= ceiling:
             return
         self._next_grow_check = now + self._settings.grow_interval_s
         free = self._capacity()
         if free is None:
             return
-        target = self._plan.choose(self.world_size + free)
+        target = self._plan.choose(min(ceiling, self.world_size + free))
         if target is not None and target > self.world_size:
             self._event(f"room for {target} worker(s) (now {self.world_size}): growing through a planned resize")
             self._begin_planned(ControlRequest(RequestKind.SCALE, workers=target, reason="grow"))
@@ -356,6 +378,7 @@ class Controller:
                 self._group.request_boundary(request.request_id, BoundaryRequest.CHECKPOINT)
                 self._awaiting.append(request)
             elif request.kind is RequestKind.SCALE and request.workers == self.world_size:
+                self._size_cap = request.workers
                 request.resolve(None)
             else:
                 self._begin_planned(request)
@@ -369,6 +392,8 @@ class Controller:
                 request.resolve(None)
                 return
         self._planned = request
+        if request.kind is RequestKind.SCALE and request.reason != "grow":
+            self._size_cap = request.workers  # asked for: do not grow back past it
         if self.state is not RunState.RUNNING or self._group is None:
             # Nothing runs (scheduling, restarting): a stop ends the run now; a resize waits its turn.
             if request.kind is RequestKind.STOP:

@@ -66,6 +66,13 @@ class WorkerGroup(Protocol):
     def shutdown(self) -> None: ...
 
 
+def draining_nodes() -> set[str]:
+    """Ids of the nodes Ray is draining (the autoscaler's or a cloud's preemption notice)."""
+    from ray._private.state import state
+
+    return set(state.get_draining_nodes())
+
+
 def free_worker_slots(bundle: dict[str, float]) -> int:
     """How many more worker bundles the cluster's free resources hold now (a bound, not a promise:
     placement may still find them on too few nodes)."""

@@ -22,7 +22,7 @@ from rayzero.controller.elastic import BatchPlan, plan_batches
 from rayzero.controller.errors import TrainingFailedError
 from rayzero.controller.health import HangPolicy
 from rayzero.controller.state import FailurePolicy, RunState
-from rayzero.controller.worker_group import RayWorkerGroup, free_worker_slots
+from rayzero.controller.worker_group import RayWorkerGroup, draining_nodes, free_worker_slots
 from rayzero.driver.metrics_log import MetricsLog
 from rayzero.driver.progress import Progress
 from rayzero.driver.signals import StopSignals
@@ -263,6 +263,7 @@ def fit(
         return Controller(
             make_group, train_loop, train_loop_config, FailurePolicy(failure.max_failures, failure.backoff_s),
             resume_from=resume_from, plan=plan, capacity=lambda: free_worker_slots(scaling.bundle()),
+            draining=draining_nodes,
             settings=settings,
         )
 

@@ -368,3 +368,26 @@ def test_kill_ends_the_run_at_once_and_backoff_doubles():
     assert group.calls[-1] == "shutdown"
     policy = FailurePolicy(5, backoff_s=2.0)
     assert [policy.backoff(n) for n in (1, 2, 3, 7)] == [2.0, 4.0, 8.0, 60.0]
+
+
+def test_a_drain_notice_on_a_ranks_node_checkpoints_and_regroups_without_it(tmp_path):
+    _commit(tmp_path, 5)
+    clock = Clock()
+    draining: set[str] = set()
+    first = FakeGroup([GroupPoll()] * 3 + [GroupPoll(finished=True, stopped=True)],
+                      beats=[{r: _beat(r, 5) for r in range(3)}] * 3)
+    second = FakeGroup([GroupPoll(finished=True)])
+    plan = plan_batches({"train_batch_size": 12, "train_micro_batch_size_per_gpu": 2}, 1, 3)
+    controller, made = _controller([first, second], plan=plan, clock=clock, draining=lambda: draining,
+                                   settings=ControllerSettings(checkpoint_locations=(str(tmp_path),)))
+    _running(controller)
+    clock.now += 2
+    controller.step()
+    assert controller.state is RunState.RUNNING
+    draining.add("node2")  # rank 2's node
+    clock.now += 2
+    controller.step()
+    assert controller.state is RunState.RESIZING and first.requests[-1][1] == int(BoundaryRequest.STOP)
+    while not controller.step().is_terminal:
+        pass
+    assert second.workers == 2 and made[1] == (1, str(tmp_path)) and controller.failures == 0
