@@ -533,6 +533,9 @@ class ControllerActor:
         self._started_at = time.time()
         self._thread: threading.Thread | None = None
         self._changed = threading.Event()  # set after each step, wakes a waiting poll
+        self._calls_in_flight = 0  # control calls not yet answered (the driver waits before killing us)
+        self._calls_lock = threading.Lock()
+        self._answered_at = 0.0
         # [control plane hook] the gRPC service (rayzero.controller.control_server) starts here,
         # serving `self` as its ControlTarget.
 
@@ -565,6 +568,24 @@ class ControllerActor:
             self._changed.wait(max(0.0, deadline - time.monotonic()))
             self._changed.clear()
 
+    def quiesce(self, timeout_s: float) -> None:
+        """Wait (bounded) until no control call is being answered: the driver calls this before it
+        kills the actor, so a `stop()` that ended the run still gets its reply."""
+        deadline = time.monotonic() + timeout_s
+        # in flight, or answered a moment ago (Ray still sending the reply)
+        while (self._calls_in_flight or time.monotonic() - self._answered_at < 0.2) and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+    def _answer(self, request: ControlRequest, timeout_s: float) -> Any:
+        with self._calls_lock:
+            self._calls_in_flight += 1
+        try:
+            return self._controller.submit(request).wait(timeout_s)
+        finally:
+            with self._calls_lock:
+                self._calls_in_flight -= 1
+                self._answered_at = time.monotonic()
+
     # ---- ControlTarget ----------------------------------------------------------------------
     def status(self) -> RunStatus:
         from rayzero.controller.status_view import run_status
@@ -572,14 +593,14 @@ class ControllerActor:
         return run_status(self._controller, self._run_name, self._started_at)
 
     def checkpoint_now(self, timeout_s: float) -> CheckpointRecord:
-        return self._controller.submit(ControlRequest(RequestKind.CHECKPOINT)).wait(timeout_s)
+        return self._answer(ControlRequest(RequestKind.CHECKPOINT), timeout_s)
 
     def stop(self, timeout_s: float) -> CheckpointRecord | None:
-        return self._controller.submit(ControlRequest(RequestKind.STOP, reason="stop requested")).wait(timeout_s)
+        return self._answer(ControlRequest(RequestKind.STOP, reason="stop requested"), timeout_s)
 
     def scale(self, workers: int) -> None:
         request = self._controller.submit(ControlRequest(RequestKind.SCALE, workers=workers, reason="scale"))
         del request  # accepted; carried out through a planned resize (status() shows it)
 
     def kill(self, reason: str) -> None:
-        self._controller.submit(ControlRequest(RequestKind.KILL, reason=reason)).wait(30.0)
+        self._answer(ControlRequest(RequestKind.KILL, reason=reason), 30.0)

@@ -285,6 +285,10 @@ def fit(
         history, last_checkpoint, error, final = _stream(controller, progress, metrics_log, timings,
                                                          fit_started_wall, failure.stop_timeout_s)
     finally:
+        try:  # let a control call that ended the run (stop, kill) get its reply first
+            ray.get(controller.quiesce.remote(2.0), timeout=5)
+        except Exception:  # noqa: BLE001 - the controller may be gone already
+            pass
         ray.kill(controller)  # its workers and placement group go with it (fate sharing)
         metrics_log.flush()
     timings["total_s"] = time.monotonic() - fit_started

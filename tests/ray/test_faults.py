@@ -104,3 +104,17 @@ def test_sigterm_to_a_worker_is_a_preemption_checkpoint_and_regroup(local_ray, t
     assert result.failures == 0 and not result.stopped
     assert "preempted (SIGTERM)" in capsys.readouterr().out
     _check_continued(result, 14, lost_at_most=0)  # the boundary save: nothing lost
+
+
+def test_a_corrupted_newest_checkpoint_is_skipped_on_resume(local_ray, tmp_path):
+    first = _fit(tmp_path, "corrupt", {"steps": 6, "save_every": 2})
+    assert first.checkpoint_step == 6
+    shard = tmp_path / "corrupt" / "checkpoints" / "global_step6" / "rank00000.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-16:] = bytes(16)  # torn tail: the checksum no longer matches the manifest
+    shard.write_bytes(bytes(data))
+    second = _fit(tmp_path, "corrupt", {"steps": 9})  # same name: resumes
+    history = [m for m in second.metrics_history if "step" in m]
+    assert history[0]["started_at"] == 4 and [m["step"] for m in history] == [5, 6, 7, 8, 9]
+    final = [m for m in second.metrics_history if "final" in m][-1]
+    assert final["final"] == pytest.approx(elastic_loop.reference_weights(9), abs=1e-5)
