@@ -24,7 +24,7 @@ from typing import Any
 from rayzero.config.errors import RayZeroRuntimeError
 from rayzero.controller import registry
 from rayzero.controller.elastic import BatchPlan
-from rayzero.controller.errors import TrainingFailedError
+from rayzero.controller.errors import TrainingFailedError, first_to_blame, training_failed
 from rayzero.controller.health import HangPolicy, find_hang
 from rayzero.controller.requests import ControlRequest, RequestKind
 from rayzero.controller.state import Fail, Failure, FailureKind, FailurePolicy, Retry, RunState
@@ -203,7 +203,7 @@ class Controller:
             if item.checkpoint and item.checkpoint not in self.reported_checkpoints:
                 self.reported_checkpoints.append(item.checkpoint)
         if polled.failures:
-            self._on_failure(_first_to_blame(polled.failures))
+            self._on_failure(first_to_blame(polled.failures))
             return
         if polled.finished:
             if polled.stopped and self.state is RunState.RUNNING and self._planned is None:
@@ -261,7 +261,7 @@ class Controller:
         assert self._group is not None
         beats, failures = self._group.heartbeats(min(2.0, self._settings.heartbeat_interval_s + 1.0))
         if failures:
-            self._on_failure(_first_to_blame(failures))
+            self._on_failure(first_to_blame(failures))
             return False
         for rank, beat in beats.items():
             if beat is not None:
@@ -348,7 +348,7 @@ class Controller:
     def _end_errored(self, failure: Failure) -> None:
         if self._group is not None:
             self._group.shutdown()
-        self.error = _training_failed(failure)
+        self.error = training_failed(failure)
         self.state = RunState.ERRORED
 
     # ---- requests ([Note: the control seam]) -----------------------------------------------
@@ -502,25 +502,6 @@ class Controller:
                                       self.stopped, self._latest, self.failures, self.world_size)
             self._outbox, self._events = [], []
         return update
-
-
-def _first_to_blame(failures: list[Failure]) -> Failure:
-    # A loop error names its cause; a rank that died afterwards was usually killed by it.
-    order = [FailureKind.LOOP_ERROR, FailureKind.HANG, FailureKind.SETUP_ERROR, FailureKind.WORKER_DIED,
-             FailureKind.SCHEDULING]
-    return min(failures, key=lambda f: (order.index(f.kind), f.rank if f.rank is not None else 1 << 30))
-
-
-def _training_failed(failure: Failure) -> TrainingFailedError:
-    from rayzero.controller.errors import ResourcesUnavailableError
-
-    if failure.kind is FailureKind.SCHEDULING:
-        return ResourcesUnavailableError(failure.message)
-    where = f"rank {failure.rank}" if failure.rank is not None else "the worker group"
-    message = f"training failed on {where}: {failure.message}"
-    if failure.traceback_text and failure.kind is not FailureKind.HANG:
-        message += f"\n\n--- traceback from {where} ---\n{failure.traceback_text.rstrip()}"
-    return TrainingFailedError(message, failure.rank, failure.traceback_text)
 
 
 class ControllerActor:

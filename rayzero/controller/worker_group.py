@@ -74,11 +74,18 @@ def draining_nodes() -> set[str]:
 
 
 def free_worker_slots(bundle: dict[str, float]) -> int:
-    """How many more worker bundles the cluster's free resources hold now (a bound, not a promise:
-    placement may still find them on too few nodes)."""
-    free = ray.available_resources()
-    slots = [int(free.get(key, 0.0) // amount) for key, amount in bundle.items() if amount > 0]
-    return min(slots) if slots else 0
+    """How many more worker bundles fit in the free resources now, counted node by node (a bundle
+    does not span nodes) and leaving out nodes Ray is draining. A bound, not a promise."""
+    from ray._private.state import available_resources_per_node
+
+    draining = draining_nodes()
+    slots = 0
+    for node_id, free in available_resources_per_node().items():
+        if node_id in draining:
+            continue
+        fits = [int(free.get(key, 0.0) // amount) for key, amount in bundle.items() if amount > 0]
+        slots += min(fits) if fits else 0
+    return slots
 
 
 def assign_ranks(infos: list[NodeInfo]) -> list[tuple[int, int, int]]:

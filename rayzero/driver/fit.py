@@ -278,6 +278,7 @@ def fit(
     wall_clock_breakdown = bool(validated.get("wall_clock_breakdown"))
     batch = validated.get("train_batch_size")
     progress = Progress(batch if isinstance(batch, int) else None, run.progress_interval_s, wall_clock_breakdown)
+    progress.max_failures = failure.max_failures
     metrics_log = MetricsLog(run_uri)
     workers = str(scaling.num_workers) if not scaling.elastic else f"{scaling.min_workers}:{scaling.max_workers}"
     print(f"[rayzero] run {name}: {workers} worker(s), storage {run_uri}", flush=True)
@@ -396,6 +397,7 @@ def _stream(
                     print(f"[rayzero] {signals.name} again: killing the run without a checkpoint", flush=True)
                     controller.kill.remote(f"{signals.name} received twice on the driver")
                 update: ControllerUpdate = ray.get(controller.poll.remote(1.0), timeout=60)
+                progress.failures = update.failures
                 for line in update.events:
                     print(f"[rayzero] {line}", flush=True)
                 for item in update.reports:

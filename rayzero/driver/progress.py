@@ -42,6 +42,8 @@ class Progress:
         self._first: Report | None = None  # rank 0's first report: rates are measured from it
         self._last: Report | None = None
         self._printed_at = 0.0
+        self.failures = 0  # restarts charged to FailureConfig.max_failures so far (set by the driver)
+        self.max_failures = 0
 
     def observe(self, item: Report) -> None:
         self._memory[item.rank] = item.peak_memory_bytes
@@ -99,6 +101,9 @@ class Progress:
             parts.extend(phases)
         memory = " ".join(f"r{rank} {_human_bytes(self._memory[rank])}" for rank in sorted(self._memory))
         parts.append(f"mem {memory}")
+        if self.failures:
+            budget = "unlimited" if self.max_failures < 0 else str(self.max_failures)
+            parts.append(f"restarts {self.failures}/{budget}")
         return "[rayzero] " + " | ".join(parts)
 
     def peak_memory(self) -> dict[int, int]:

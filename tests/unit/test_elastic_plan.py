@@ -73,3 +73,19 @@ def test_scaling_config_takes_a_range():
     assert not ScalingConfig(num_workers=4).elastic
     with pytest.raises(ValueError, match="1 <= min <= max"):
         ScalingConfig(num_workers=(4, 2))
+
+
+def test_cli_workers_takes_a_count_or_a_range():
+    import argparse
+
+    from rayzero.driver.cli import _workers
+
+    assert _workers("4") == 4 and _workers("2:8") == (2, 8)
+    with pytest.raises(argparse.ArgumentTypeError, match="MIN:MAX"):
+        _workers("2-8")
+
+
+def test_should_stop_is_false_outside_a_rayzero_worker():
+    import rayzero
+
+    assert rayzero.get_context().should_stop() is False
