@@ -238,10 +238,11 @@ class Controller:
             self._new_group(planned.workers)
             return
         self.stopped = stopped
+        latest = self._refresh_latest()  # what the run leaves behind, for Result and status()
         self.state = RunState.FINISHED
         if planned is not None:
             self._planned = None
-            planned.resolve(self._refresh_latest())
+            planned.resolve(latest)
 
     def _regroup_after_preemption(self, ranks: list[int]) -> None:
         """A worker got SIGTERM ([Note: preemption] in rayzero/workers/actor.py): the group saved at

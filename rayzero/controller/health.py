@@ -6,8 +6,9 @@ A rank's heartbeat (rayzero.workers.boundary.Heartbeat) carries how long ago it 
 limit: `startup_grace_s` before its first optimizer step (model build, data loading, first
 compile), afterwards `max(hang_timeout_s, multiple × its median step time)` so a slow model is not
 called hung. A rank writing a boundary checkpoint, or whose loop returned, is never hung. When any
-rank is hung the culprit is the one *behind*: the fewest (step, micro step), then the oldest
-progress — the others are usually blocked in a collective waiting for it. A rank that does not
+rank is hung the culprit is the one *behind*: the fewest steps, then one that is not inside an
+engine step (the others are inside, blocked in a collective waiting for it), then the fewest micro
+steps, then the oldest progress. A rank that does not
 answer its heartbeat at all for the same limit is hung too (its process is wedged outside Python).
 """
 from __future__ import annotations
@@ -61,15 +62,16 @@ def find_hang(beats: dict[int, Heartbeat | None], silent_for: dict[int, float], 
     if not hung:
         return None
 
-    def behind(rank: int) -> tuple[int, int, float]:
+    def behind(rank: int) -> tuple[int, bool, int, float]:
         beat = beats.get(rank)
         if beat is None:
-            return (-1, -1, -ages[rank])
-        return (beat.step, beat.micro_step, -ages[rank])
+            return (-1, False, -1, -ages[rank])
+        return (beat.step, beat.in_step, beat.micro_step, -ages[rank])
 
     culprit = min(ages, key=behind)
     beat = beats.get(culprit)
-    where = f"at step {beat.step} (micro step {beat.micro_step})" if beat is not None else "before its first heartbeat"
+    where = (f"at step {beat.step} (micro step {beat.micro_step}, {'inside' if beat.in_step else 'outside'} an "
+             "engine step)") if beat is not None else "before its first heartbeat"
     limit = policy.limit(beat)
     reason = (f"rank {culprit} made no progress for {ages[culprit]:.0f}s {where} (limit {limit:.0f}s: "
               f"FailureConfig.hang_timeout_s, at least {policy.multiple:g}x the median step time); "

@@ -93,6 +93,9 @@ class Heartbeat:
     """The process got SIGTERM: the group stops at the next boundary and regroups."""
     committed: tuple[int, str] | None = None
     """(step, tag directory) of the newest checkpoint committed in this rank's checkpoint directory."""
+    in_step: bool = False
+    """Inside an engine step (forward called, optimizer step not yet done): in a hang, such a rank is
+    usually blocked in a collective waiting for one that is not."""
 
 
 def host_memory_bytes() -> int:
@@ -137,6 +140,7 @@ class StepBoundary:
         self.stop_committed = False
         self.finished = False
         self.preempted = False  # this process got SIGTERM ([Note: preemption] in actor.py)
+        self.in_step = False  # between before_forward and after_step
 
     # ---- requests (from the controller, through the worker actor) --------------------------
     def request(self, request_id: int, kind: int) -> None:
@@ -165,6 +169,7 @@ class StepBoundary:
     # ---- the hook ----------------------------------------------------------------------------
     def before_forward(self, engine: Any) -> None:
         self._progress_at = time.monotonic()
+        self.in_step = True
         if self.stop_committed:
             raise RunStopped(f"rank {self.rank}: the run was stopped at step {self.step} (checkpoint "
                              "committed); check rayzero.get_context().should_stop() to leave the loop cleanly")
@@ -175,6 +180,7 @@ class StepBoundary:
             self._step_intervals.append(now - self._last_step_at)
         self._last_step_at = now
         self._progress_at = now
+        self.in_step = False
         self.step, self.micro_step, self.stepped = engine.global_steps, engine.micro_steps, True
         kind, request_id = self._agree(engine)
         if kind is BoundaryRequest.NONE:
@@ -216,7 +222,7 @@ class StepBoundary:
             progress_age_s=time.monotonic() - self._progress_at, stepped=self.stepped, saving=self.saving,
             step_time_s=statistics.median(intervals) if intervals else None, memory_bytes=memory_bytes,
             host_memory_bytes=host_memory_bytes(), handled=handled, finished=self.finished,
-            preempted=self.preempted, committed=self._newest_committed(),
+            preempted=self.preempted, committed=self._newest_committed(), in_step=self.in_step,
         )
 
     def _newest_committed(self) -> tuple[int, str] | None:

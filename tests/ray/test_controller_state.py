@@ -333,7 +333,7 @@ def test_a_hung_rank_is_named_with_every_ranks_stacks_and_restarted():
         controller.step()
     assert controller.state is RunState.RESTARTING and controller.failures == 1
     line = next(e for e in controller.take_update().events if "hang" in e)
-    assert "rank 1 made no progress for 66s at step 7" in line and "limit 60s" in line
+    assert "rank 1 made no progress for 66s at step 7 (micro step 7, outside" in line and "limit 60s" in line
 
 
 def test_a_hang_past_the_budget_errors_naming_the_rank_with_stacks():
@@ -391,3 +391,12 @@ def test_a_drain_notice_on_a_ranks_node_checkpoints_and_regroups_without_it(tmp_
     while not controller.step().is_terminal:
         pass
     assert second.workers == 2 and made[1] == (1, str(tmp_path)) and controller.failures == 0
+
+
+def test_the_culprit_is_the_rank_outside_the_step_the_others_wait_in():
+    import dataclasses
+
+    waiting = dataclasses.replace(_beat(0, 4, age=3.3), in_step=True)  # blocked in a collective
+    sleeping = dataclasses.replace(_beat(1, 4, age=3.1), in_step=False)  # in user code between steps
+    hang = find_hang({0: waiting, 1: sleeping}, {}, HangPolicy(hang_timeout_s=3))
+    assert hang.culprit == 1 and "outside an engine step" in hang.reason

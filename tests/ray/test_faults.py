@@ -63,7 +63,7 @@ def _check_continued(result, steps: int, lost_at_most: int):
     assert final["final"] == pytest.approx(elastic_loop.reference_weights(steps), abs=1e-5)
 
 
-def test_a_worker_killed_mid_step_restarts_from_the_newest_committed_checkpoint(local_ray, tmp_path):
+def test_a_worker_killed_mid_step_restarts_and_a_torn_newest_checkpoint_is_skipped(local_ray, tmp_path):
     pids = tmp_path / "pids"
     pids.mkdir()
     config = {"steps": 16, "sleep": 0.1, "save_every": 3, "pid_dir": str(pids)}
@@ -77,6 +77,18 @@ def test_a_worker_killed_mid_step_restarts_from_the_newest_committed_checkpoint(
     result = box["result"]
     assert result.failures == 1 and not result.stopped
     _check_continued(result, 16, lost_at_most=2)  # saved every 3 steps
+
+    # The newest checkpoint torn on disk: a same-name rerun skips it and resumes from the one before.
+    assert result.checkpoint_step == 15
+    shard = tmp_path / "killed" / "checkpoints" / "global_step15" / "rank00000.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-16:] = bytes(16)  # the checksum no longer matches the manifest
+    shard.write_bytes(bytes(data))
+    rerun = _fit(tmp_path, "killed", {"steps": 18})
+    history = [m for m in rerun.metrics_history if "step" in m]
+    assert history[0]["started_at"] == 12 and [m["step"] for m in history] == list(range(13, 19))
+    final = [m for m in rerun.metrics_history if "final" in m][-1]
+    assert final["final"] == pytest.approx(elastic_loop.reference_weights(18), abs=1e-5)
 
 
 def test_a_hung_rank_is_named_and_the_run_restarts(local_ray, tmp_path, capsys):
@@ -105,16 +117,3 @@ def test_sigterm_to_a_worker_is_a_preemption_checkpoint_and_regroup(local_ray, t
     assert "preempted (SIGTERM)" in capsys.readouterr().out
     _check_continued(result, 14, lost_at_most=0)  # the boundary save: nothing lost
 
-
-def test_a_corrupted_newest_checkpoint_is_skipped_on_resume(local_ray, tmp_path):
-    first = _fit(tmp_path, "corrupt", {"steps": 6, "save_every": 2})
-    assert first.checkpoint_step == 6
-    shard = tmp_path / "corrupt" / "checkpoints" / "global_step6" / "rank00000.safetensors"
-    data = bytearray(shard.read_bytes())
-    data[-16:] = bytes(16)  # torn tail: the checksum no longer matches the manifest
-    shard.write_bytes(bytes(data))
-    second = _fit(tmp_path, "corrupt", {"steps": 9})  # same name: resumes
-    history = [m for m in second.metrics_history if "step" in m]
-    assert history[0]["started_at"] == 4 and [m["step"] for m in history] == [5, 6, 7, 8, 9]
-    final = [m for m in second.metrics_history if "final" in m][-1]
-    assert final["final"] == pytest.approx(elastic_loop.reference_weights(9), abs=1e-5)
