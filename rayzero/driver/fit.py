@@ -214,8 +214,13 @@ def fit(
 
     fit_started_wall, fit_started = time.time(), time.monotonic()
     scaling, run, failure = scaling or ScalingConfig(), run or RunConfig(), failure or FailureConfig()
-    ds_config, validated = _validated_config(config, scaling.max_workers)
-    plan = _batch_plan(ds_config, scaling)
+    raw = _raw_config(config)
+    plan = _batch_plan(raw, scaling)
+    first_size = plan.choose(None) or scaling.max_workers
+    elastic_batch = bool(((raw or {}).get("elasticity") or {}).get("enabled"))
+    # An elastic run is validated with the batch keys of its largest size ([Note: elastic batch]).
+    to_check = plan.config_for(raw, first_size) if scaling.elastic or elastic_batch else config
+    ds_config, validated = _validated_config(to_check, first_size)
     name, run_uri, checkpoint_dir = _run_locations(run)
     explicit = run.resume_from or os.environ.get("RAYZERO_RESUME_FROM") or None
     resume_from = resolve_resume_from(explicit, explicit=bool(run.resume_from))
@@ -343,6 +348,22 @@ def _start_controller(actor_options: Any, make_controller: Callable[[], Controll
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.25)
+
+
+def _raw_config(config: Any) -> dict[str, Any] | None:
+    """The DeepSpeed config as a plain dict (what the batch plan reads), before validation."""
+    if config is None:
+        return None
+    from rayzero.config import RayZeroConfig
+
+    if isinstance(config, RayZeroConfig):
+        return config.to_deepspeed_dict()
+    if isinstance(config, Mapping):
+        return json.loads(json.dumps(config))
+    try:
+        return json.loads(Path(config).read_text())
+    except (OSError, ValueError):
+        return None  # not readable here: validation names the problem
 
 
 def _batch_plan(ds_config: dict[str, Any] | None, scaling: ScalingConfig) -> BatchPlan:

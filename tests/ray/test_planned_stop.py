@@ -150,3 +150,18 @@ def test_checkpoint_now_resize_and_stop_through_the_control_target(local_ray, tm
     assert weights == pytest.approx(elastic_loop.reference_weights(final_step), abs=1e-5)
     manifest = json.loads(Path(final.location, "manifest.json").read_text())
     assert manifest["step"] == final.step and manifest["world_size"] == 1
+
+
+def test_an_elasticity_block_decides_the_batch_for_the_size_that_fits(local_ray, tmp_path):
+    config = dict(elastic_loop.config(), elasticity={
+        "enabled": True, "max_train_batch_size": 12, "micro_batch_sizes": [2, 3], "min_gpus": 1, "max_gpus": 4,
+        "ignore_non_elastic_batch_info": True, "version": 0.1})
+    result = rayzero.fit(elastic_loop.train, config=config, scaling=rayzero.ScalingConfig(num_workers=(1, 2)),
+                         run=rayzero.RunConfig(storage=tmp_path.as_uri(), progress_interval_s=30),
+                         train_loop_config={"steps": 3})
+    steps = _steps(result)
+    # DeepSpeed's algorithm over micro batches 2 and 3 under 12 gives a global batch of 12; at 2 workers
+    # the largest listed micro batch dividing 12 / 2 = 6 is 3, so gas is 2
+    assert {(m["world"], m["gas"]) for m in steps} == {(2, 2)}
+    weights, _ = _finals(result)
+    assert weights == pytest.approx(elastic_loop.reference_weights(3), abs=1e-5)
