@@ -78,6 +78,46 @@ def test_driver_sigterm_is_a_planned_stop_and_a_rerun_with_the_same_name_resumes
     assert (tmp_path / "sigterm" / "checkpoints" / committed[0] / "manifest.json").exists()
 
 
+def test_a_killed_driver_loses_only_uncommitted_steps_and_the_rerun_resumes(local_ray, tmp_path):
+    script = tmp_path / "driver.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        import elastic_loop, rayzero
+        rayzero.fit(elastic_loop.train, config=elastic_loop.config(),
+                    scaling=rayzero.ScalingConfig(num_workers=2),
+                    run=rayzero.RunConfig(name="killed", storage={tmp_path.as_uri()!r}, progress_interval_s=0),
+                    train_loop_config={{"steps": 10_000, "sleep": 0.05, "save_every": 2}})
+    """))
+    env = dict(os.environ, RAY_ADDRESS=local_ray.get_runtime_context().gcs_address)
+    driver = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, env=env)
+    for line in driver.stdout:
+        if "step 5 " in line:
+            break
+    driver.kill()  # SIGKILL: no stop, no checkpoint; the controller and workers go with the driver
+    driver.communicate(timeout=60)
+    checkpoints = tmp_path / "killed" / "checkpoints"
+
+    def newest() -> int:
+        return max(int(p.name.removeprefix("global_step")) for p in checkpoints.glob("global_step*")
+                   if (p / "manifest.json").exists())
+
+    # Ray ends the dead driver's actors shortly after; until then its workers may still commit.
+    committed, stable_since = newest(), time.monotonic()
+    while time.monotonic() - stable_since < 3:
+        time.sleep(0.2)
+        if newest() != committed:
+            committed, stable_since = newest(), time.monotonic()
+    result = rayzero.fit(elastic_loop.train, config=elastic_loop.config(), scaling=rayzero.ScalingConfig(num_workers=2),
+                         run=rayzero.RunConfig(name="killed", storage=tmp_path.as_uri(), progress_interval_s=30),
+                         train_loop_config={"steps": committed + 2})
+    steps = _steps(result)
+    assert steps[0]["started_at"] == committed and [m["step"] for m in steps] == [committed + 1, committed + 2]
+    weights, final_step = _finals(result)
+    assert weights == pytest.approx(elastic_loop.reference_weights(final_step), abs=1e-5)
+
+
 def _fit_in_thread(**kwargs):
     box: dict = {}
 
