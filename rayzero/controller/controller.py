@@ -65,7 +65,7 @@ class ControllerUpdate:
 class ControllerSettings:
     """How the controller watches and resizes a run (from FailureConfig and ScalingConfig)."""
 
-    hang: HangPolicy = HangPolicy()
+    hang: HangPolicy = field(default_factory=HangPolicy)
     heartbeat_interval_s: float = 1.0
     """Seconds between heartbeat rounds (hang detection and request progress)."""
     grow_interval_s: float = 5.0

@@ -293,8 +293,8 @@ def fit(
     finally:
         try:  # let a control call that ended the run (stop, kill) get its reply first
             ray.get(controller.quiesce.remote(2.0), timeout=5)
-        except Exception:  # noqa: BLE001 - the controller may be gone already
-            pass
+        except Exception as error:  # noqa: BLE001 - the controller may be gone already
+            logging.getLogger("rayzero.driver").debug("controller quiesce: %s", error)
         ray.kill(controller)  # its workers and placement group go with it (fate sharing)
         metrics_log.flush()
     timings["total_s"] = time.monotonic() - fit_started

@@ -14,6 +14,7 @@ from __future__ import annotations
 import signal
 import threading
 from types import FrameType
+from typing import Self
 
 
 class StopSignals:
@@ -29,7 +30,7 @@ class StopSignals:
         self.count += 1
         self.name = signal.Signals(signum).name
 
-    def __enter__(self) -> StopSignals:
+    def __enter__(self) -> Self:
         if threading.current_thread() is threading.main_thread():
             for signum in (signal.SIGINT, signal.SIGTERM):
                 self._previous[signum] = signal.getsignal(signum)

@@ -64,9 +64,9 @@ def train(loop_config: dict) -> None:
             engine.save_checkpoint()
         rayzero.report({"step": engine.global_steps, "loss": loss.item(), "world": world, "gas": gas,
                         "attempt": context.attempt, "started_at": started_at})
-        if loop_config.get("hang_rank") == context.rank and engine.global_steps == loop_config.get("hang_at"):
-            if context.attempt == 0:
-                time.sleep(3600)  # a hung rank: the others block in the next collective
+        hang_here = loop_config.get("hang_rank") == context.rank and engine.global_steps == loop_config.get("hang_at")
+        if hang_here and context.attempt == 0:
+            time.sleep(3600)  # a hung rank: the others block in the next collective
         time.sleep(loop_config.get("sleep", 0.0))
     weights = torch.cat([p.detach().flatten() for p in model.parameters()]).tolist()
     rayzero.report({"final": weights, "final_step": engine.global_steps})

@@ -7,16 +7,16 @@ import pytest
 
 from rayzero.checkpoint.manifest import Manifest, commit
 from rayzero.config.errors import RayZeroRuntimeError, RayZeroValueError
+from rayzero.controller.controller import Controller, ControllerSettings
 from rayzero.controller.elastic import BatchPlan, plan_batches
+from rayzero.controller.errors import ResourcesUnavailableError, TrainingFailedError
 from rayzero.controller.health import HangPolicy, find_hang
 from rayzero.controller.requests import ControlRequest, RequestKind
-from rayzero.controller.status import CheckpointRecord
-from rayzero.workers.boundary import BoundaryRequest, HandledRequest, Heartbeat
-from rayzero.controller.controller import Controller, ControllerSettings
-from rayzero.controller.errors import ResourcesUnavailableError, TrainingFailedError
 from rayzero.controller.state import Failure, FailureKind, FailurePolicy, RunState
+from rayzero.controller.status import CheckpointRecord
 from rayzero.controller.worker_group import GroupPoll, assign_ranks
 from rayzero.workers.actor import NodeInfo
+from rayzero.workers.boundary import BoundaryRequest, HandledRequest, Heartbeat
 from rayzero.workers.session import Report
 
 
@@ -307,11 +307,10 @@ def test_grows_back_when_room_returns_and_restarts_with_what_fits_after_a_failur
 
 
 def test_a_size_that_does_not_place_falls_back_to_the_next_valid_one_without_a_failure():
-    groups = [FakeGroup([], start_error=ResourcesUnavailableError("3 did not fit")), FakeGroup([GroupPoll(finished=True)])]
     plan = plan_batches({"train_batch_size": 12, "train_micro_batch_size_per_gpu": 3}, 1, 3)
     assert plan.valid_sizes() == [1, 2] and "3 workers" in plan.skipped[3]  # 12 = 3 x 3 x gas: no
     groups = [FakeGroup([], start_error=ResourcesUnavailableError("2 did not fit")), FakeGroup([GroupPoll(finished=True)])]
-    controller, made = _controller(groups, plan=plan)
+    controller, _ = _controller(groups, plan=plan)
     while not controller.step().is_terminal:
         pass
     assert [g.workers for g in groups] == [2, 1] and controller.failures == 0
@@ -325,7 +324,7 @@ def test_a_hung_rank_is_named_with_every_ranks_stacks_and_restarted():
         {0: _beat(0, 7, age=40), 1: _beat(1, 7, age=45, saving=True)},  # saving is progress
         {0: _beat(0, 7, age=61), 1: _beat(1, 7, age=66)},
     ])
-    controller, made = _controller([hung, FakeGroup([GroupPoll(finished=True)])], max_failures=1, clock=clock,
+    controller, _ = _controller([hung, FakeGroup([GroupPoll(finished=True)])], max_failures=1, clock=clock,
                                        plan=BatchPlan(2, 2, None))
     _running(controller)
     for _ in range(3):

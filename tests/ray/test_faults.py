@@ -14,7 +14,7 @@ import pytest
 import rayzero
 
 sys.path.insert(0, str(Path(__file__).parent))
-import elastic_loop  # noqa: E402 - the loop module next to this file
+import elastic_loop
 
 pytest.importorskip("rayzero.engine.api")
 

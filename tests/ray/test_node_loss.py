@@ -16,10 +16,10 @@ import rayzero
 from rayzero.driver.fit import controller_actor_name
 
 ray = pytest.importorskip("ray")
-from ray.cluster_utils import Cluster  # noqa: E402
+from ray.cluster_utils import Cluster
 
 sys.path.insert(0, str(Path(__file__).parent))
-import elastic_loop  # noqa: E402 - the loop module next to this file
+import elastic_loop
 
 
 @pytest.fixture(scope="module")

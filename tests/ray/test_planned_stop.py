@@ -19,7 +19,7 @@ import rayzero
 from rayzero.driver.fit import controller_actor_name
 
 sys.path.insert(0, str(Path(__file__).parent))
-import elastic_loop  # noqa: E402 - the loop module next to this file
+import elastic_loop
 
 pytest.importorskip("rayzero.engine.api")
 
