@@ -14,7 +14,7 @@ def run_status(controller: Controller, run_name: str, started_at: float) -> RunS
     report = controller.last_rank0_report
     metrics = report.metrics if report is not None else {}
     step = metrics.get("step")
-    beats = controller.heartbeats
+    beats = dict(controller.heartbeats)  # a copy: the step thread updates it (dict() copies atomically)
     if not isinstance(step, (int, float)):
         beat = beats.get(0)
         step = beat.step if beat is not None else 0
