@@ -17,8 +17,11 @@ class _Settings(BaseModel):
 class ScalingConfig(_Settings):
     """How many workers, and what each one gets. One worker = one training process = one rank."""
 
-    num_workers: int = Field(1, ge=1)
-    """Number of training processes (ranks). With `use_gpu`, one GPU each by default."""
+    num_workers: int | tuple[int, int] = 1
+    """Number of training processes (ranks); with `use_gpu`, one GPU each by default. A pair
+    `(min, max)` makes the run elastic (Ray Train v2's shape): it starts with as many as fit (at least
+    min), restarts after a failure with as many as then fit, and grows back towards max when room
+    returns, keeping `train_batch_size` by recomputing gradient accumulation ([Note: elastic batch])."""
     use_gpu: bool = False
     """Give each worker a GPU and use the NCCL backend; otherwise CPU workers on gloo."""
     resources_per_worker: dict[str, float] | None = None
@@ -28,6 +31,26 @@ class ScalingConfig(_Settings):
     """Ray placement-group strategy: PACK fills few nodes (fast collectives), SPREAD one per node."""
     placement_timeout_s: float = Field(120.0, gt=0)
     """How long to wait for the cluster to fit every bundle before failing with the reason."""
+
+    @property
+    def min_workers(self) -> int:
+        return self.num_workers if isinstance(self.num_workers, int) else self.num_workers[0]
+
+    @property
+    def max_workers(self) -> int:
+        return self.num_workers if isinstance(self.num_workers, int) else self.num_workers[1]
+
+    @property
+    def elastic(self) -> bool:
+        return self.min_workers != self.max_workers
+
+    @model_validator(mode="after")
+    def _worker_range_is_valid(self) -> ScalingConfig:
+        if self.min_workers < 1 or self.max_workers < self.min_workers:
+            raise ValueError(
+                f"num_workers={self.num_workers!r}: give a count >= 1 or a range (min, max) with "
+                "1 <= min <= max, e.g. (2, 8)")
+        return self
 
     @model_validator(mode="after")
     def _gpu_resources_agree(self) -> ScalingConfig:
@@ -83,3 +106,15 @@ class FailureConfig(_Settings):
     process_group_timeout_s: float = Field(600.0, gt=0)
     """Timeout of the torch process group: forming it and every collective. A rank that hangs
     makes the others fail after this long instead of blocking forever."""
+    backoff_s: float = Field(1.0, ge=0)
+    """Seconds to wait before the first retry, doubled for each further one (at most 60 s); a
+    placement that does not fit is retried like any failure, within `max_failures`."""
+    hang_timeout_s: float = Field(60.0, ge=0)
+    """A rank with no progress (engine step, forward, report) for this long after its first
+    optimizer step is hung: the controller names it, prints every rank's Python stacks and restarts
+    (within `max_failures`). Adaptive: at least 10x the median step time. 0 turns detection off."""
+    startup_grace_s: float = Field(600.0, gt=0)
+    """The hang limit before a rank's first optimizer step (model build, data, first load)."""
+    stop_timeout_s: float = Field(300.0, gt=0)
+    """A planned stop or resize waits this long for the boundary checkpoint before ending the group
+    without it (a loop that never steps a rayzero engine has no boundary)."""

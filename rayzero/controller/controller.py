@@ -2,25 +2,42 @@
 
 `Controller.step()` moves it one transition; `ControllerActor` runs steps in a background thread
 inside a Ray actor and lets the driver long-poll the reports and the state. See
-[Note: decisions as data] in `state.py` for how failures become actions.
+[Note: decisions as data] in `state.py` for how failures become actions, [Note: agreed step
+boundary] in rayzero/workers/boundary.py for planned stops and resizes, and [Note: the control
+seam] in `status.py` for the requests the control plane makes.
+
+    INITIALIZING -> SCHEDULING -> RUNNING -> FINISHED
+                         ^           |  \\-> DRAINING (stop: checkpoint, then end) -> FINISHED
+                         |           |  \\-> RESIZING (checkpoint, regroup) ---------> SCHEDULING
+                         |           \\--> RESTARTING (failure within budget) -------> SCHEDULING
+                         \\-- any failure past the budget, or kill ------------------> ERRORED
 """
 from __future__ import annotations
 
-import os
+import logging
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from rayzero.config.errors import RayZeroRuntimeError
+from rayzero.controller import registry
 from rayzero.controller.control_server import ControlServer
-from rayzero.controller.errors import TrainingFailedError
+from rayzero.controller.elastic import BatchPlan
+from rayzero.controller.errors import TrainingFailedError, first_to_blame, training_failed
+from rayzero.controller.health import HangPolicy, find_hang
+from rayzero.controller.requests import ControlRequest, RequestKind
 from rayzero.controller.state import Fail, Failure, FailureKind, FailurePolicy, Retry, RunState
+from rayzero.controller.status import CheckpointRecord, RunStatus
 from rayzero.controller.worker_group import WorkerGroup, setup_failure
+from rayzero.workers.boundary import NODE_LOCAL_RESUME, BoundaryRequest, Heartbeat
 from rayzero.workers.session import Report
 
-# attempt number, resume point -> a fresh (not yet started) worker group
-GroupFactory = Callable[[int, str | None], WorkerGroup]
+logger = logging.getLogger("rayzero.controller")
+
+# attempt number, resume point, number of workers -> a fresh (not yet started) worker group
+GroupFactory = Callable[[int, str | None, int], WorkerGroup]
 
 
 @dataclass
@@ -36,6 +53,30 @@ class ControllerUpdate:
     """Start-up phases in seconds (placement group, worker start, process group)."""
     events: list[str] = field(default_factory=list)
     """Lines for the driver's log: restarts and their reasons."""
+    stopped: bool = False
+    """The run ended through a planned stop (not because every loop finished)."""
+    checkpoint: CheckpointRecord | None = None
+    """The newest committed checkpoint the controller knows (from the checkpoint layer)."""
+    failures: int = 0
+    """Restarts charged to the retry budget."""
+    world_size: int = 0
+
+
+@dataclass(frozen=True)
+class ControllerSettings:
+    """How the controller watches and resizes a run (from FailureConfig and ScalingConfig)."""
+
+    hang: HangPolicy = field(default_factory=HangPolicy)
+    heartbeat_interval_s: float = 1.0
+    """Seconds between heartbeat rounds (hang detection and request progress)."""
+    grow_interval_s: float = 5.0
+    """Seconds between checks for room to grow back towards max_workers."""
+    stop_timeout_s: float = 300.0
+    """A planned stop or resize waits this long for the boundary checkpoint, then ends the group."""
+    checkpoint_locations: tuple[str, ...] = ()
+    """Where committed checkpoints are looked for ([Note: checkpoints from the checkpoint layer])."""
+    node_local: bool = False
+    """Checkpoints live on the workers' disks: learn them from heartbeats ([Note: node-local runs])."""
 
 
 class Controller:
@@ -48,42 +89,83 @@ class Controller:
         loop_config: dict[str, Any] | None,
         policy: FailurePolicy,
         resume_from: str | None = None,
-        checkpoint_dir: str | None = None,
         poll_timeout_s: float = 1.0,
+        plan: BatchPlan | None = None,
+        capacity: Callable[[], int | None] = lambda: None,
+        draining: Callable[[], set[str]] = set,
+        settings: ControllerSettings = ControllerSettings(),
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.state = RunState.INITIALIZING
         self.error: TrainingFailedError | None = None
         self.failures = 0  # failures so far, the policy's budget counter
-        self.attempt = 0  # incremented on each restart; passed to the group factory
+        self.attempt = 0  # incremented on each restart or resize; passed to the group factory
         self.timings: dict[str, float] = {}
-        self.last_checkpoint: str | None = None  # newest checkpoint a loop reported
+        self.stopped = False  # ended by a planned stop
+        self.world_size = 0  # workers in the current group (0 while none runs)
+        self.heartbeats: dict[int, Heartbeat | None] = {}  # newest per rank, for status()
+        self.message = ""  # the newest event, for status()
+        self.reported_checkpoints: list[str] = []  # locations loops attached to reports
+        self.last_rank0_report: Report | None = None  # for status(): step, loss, time
         self._factory = group_factory
         self._loop = train_loop
         self._loop_config = loop_config
         self._policy = policy
+        self._plan = plan or BatchPlan(1, 1, None)
+        self._capacity = capacity  # how many worker bundles fit in the cluster now (None: unknown)
+        self._draining = draining  # ids of nodes Ray is draining (preemption notices)
+        self._settings = settings
+        self._clock = clock
         self._resume_from = resume_from  # what the next attempt resumes from
-        self._checkpoint_dir = checkpoint_dir  # where save_checkpoint() commits without a save_dir
         self._poll_timeout_s = poll_timeout_s
         self._group: WorkerGroup | None = None
-        self._pending_failure: Failure | None = None
+        self._target_workers = 0  # the size of the group being scheduled
         self._outbox: list[Report] = []  # reports not yet handed to the driver
         self._events: list[str] = []
-        self._lock = threading.Lock()  # the actor's poll() reads the outbox from another thread
+        self._lock = threading.Lock()  # requests and take_update come from other threads
+        self._requests: list[ControlRequest] = []  # recorded, not yet taken by step()
+        self._awaiting: list[ControlRequest] = []  # sent to the workers, waiting for the boundary
+        self._planned: ControlRequest | None = None  # the stop/scale being carried out
+        self._planned_deadline = 0.0
+        self._not_before = 0.0  # backoff: do not reschedule before this clock time
+        self._next_heartbeat = 0.0
+        self._next_grow_check = 0.0
+        self._silent_since: dict[int, float] = {}  # rank -> clock of its last heartbeat answer
+        self._latest: CheckpointRecord | None = None
+        self._size_cap: int | None = None  # an explicit scale(n) caps growing back at n
+        self._node_local: CheckpointRecord | None = None  # newest a rank's heartbeat found on its disk
 
+    # ---- the state machine -----------------------------------------------------------------
     def step(self) -> RunState:
-        """Make one transition (or, while RUNNING, one poll of the workers)."""
+        """Make one transition (or, while the group runs, one poll of the workers)."""
+        self._take_requests()
         handler = {
             RunState.INITIALIZING: self._initialize,
             RunState.SCHEDULING: self._schedule,
             RunState.RUNNING: self._run,
+            RunState.DRAINING: self._run,
+            RunState.RESIZING: self._run,
             RunState.RESTARTING: self._restart,
         }.get(self.state)
         if handler is not None:
             handler()
+        if self.state.is_terminal:
+            self._settle_requests()
         return self.state
 
     def _initialize(self) -> None:
-        self._group = self._factory(self.attempt, self._resume_from)
+        workers = self._plan.choose(self._capacity())
+        if workers is None:
+            workers = self._smallest()
+            self._event(f"fewer than {workers} worker(s) fit now; waiting for room (placement_timeout_s)")
+        self._new_group(workers)
+
+    def _smallest(self) -> int:
+        return min(self._plan.valid_sizes() or [self._plan.min_workers])
+
+    def _new_group(self, workers: int) -> None:
+        self._target_workers = workers
+        self._group = self._factory(self.attempt, self._resume_from, workers)
         self.state = RunState.SCHEDULING
 
     def _schedule(self) -> None:
@@ -91,11 +173,25 @@ class Controller:
         try:
             timings = self._group.start()
         except Exception as error:  # noqa: BLE001 - every start-up failure goes through the policy
-            self._on_failure(setup_failure(error))
+            failure = setup_failure(error)
+            smaller = self._plan.choose(self._target_workers - 1) if failure.kind is FailureKind.SCHEDULING else None
+            if smaller is not None and smaller >= self._plan.min_workers:
+                # Elastic: fewer workers fit than planned (a node went away meanwhile); not a failure.
+                self._event(f"{self._target_workers} worker(s) did not fit; trying {smaller}")
+                self._group.shutdown()
+                self._new_group(smaller)
+                return
+            self._on_failure(failure)
             return
         self.timings.update({f"attempt{self.attempt}_{k}" if self.attempt else k: v for k, v in timings.items()})
+        self.world_size = self._target_workers
+        self._silent_since = {rank: self._clock() for rank in range(self.world_size)}
+        self.heartbeats = {}
         self._group.launch(self._loop, self._loop_config)
         self.state = RunState.RUNNING
+        self._next_grow_check = self._clock() + self._settings.grow_interval_s
+        self._event(f"attempt {self.attempt}: {self.world_size} worker(s) running"
+                    + (f", resuming from {self._resume_from}" if self._resume_from else ""))
 
     def _run(self) -> None:
         assert self._group is not None
@@ -103,83 +199,327 @@ class Controller:
         with self._lock:
             self._outbox.extend(polled.reports)
         for item in polled.reports:
-            if item.checkpoint:
-                self.last_checkpoint = item.checkpoint
+            if item.rank == 0:
+                self.last_rank0_report = item
+            if item.checkpoint and item.checkpoint not in self.reported_checkpoints:
+                self.reported_checkpoints.append(item.checkpoint)
         if polled.failures:
-            self._on_failure(_first_to_blame(polled.failures))
-        elif polled.finished:
+            self._on_failure(first_to_blame(polled.failures))
+            return
+        if polled.finished:
+            if polled.stopped and self.state is RunState.RUNNING and self._planned is None:
+                return self._regroup_after_preemption(polled.preempted)
+            self._group_ended(stopped=polled.stopped)
+            return
+        now = self._clock()
+        if now >= self._next_heartbeat:
+            self._next_heartbeat = now + self._settings.heartbeat_interval_s
+            if not self._check_heartbeats(now):
+                return
+        if self.state is RunState.RUNNING:
+            self._maybe_grow(now)
+        elif now >= self._planned_deadline:
+            self._event(f"the boundary checkpoint did not come within {self._settings.stop_timeout_s:g}s "
+                        "(does the loop step a rayzero engine?); ending the group without it")
             self._group.shutdown()
-            self.state = RunState.FINISHED
+            self._group_ended(stopped=True)
 
-    def _restart(self) -> None:
+    def _group_ended(self, stopped: bool) -> None:
+        """Every rank's loop returned: the run finished, or a planned stop/resize reached its end."""
         assert self._group is not None
         self._group.shutdown()
+        self.world_size = 0
+        self._resolve_awaiting(error=None)
+        planned = self._planned
+        if self.state is RunState.RESIZING and stopped and planned is not None:
+            self._planned = None
+            self.attempt += 1
+            self._resume_from = self._newest_location() or self._resume_from
+            planned.resolve(None)
+            self._new_group(planned.workers)
+            return
+        self.stopped = stopped
+        latest = self._refresh_latest()  # what the run leaves behind, for Result and status()
+        self.state = RunState.FINISHED
+        if planned is not None:
+            self._planned = None
+            planned.resolve(latest)
+
+    def _regroup_after_preemption(self, ranks: list[int]) -> None:
+        """A worker got SIGTERM ([Note: preemption] in rayzero/workers/actor.py): the group saved at
+        the agreed boundary and stopped; go on with as many workers as now fit. Not a failure."""
+        assert self._group is not None
+        self._group.shutdown()
+        self._resolve_awaiting(None)
         self.attempt += 1
-        self._resume_from = self._newest_checkpoint() or self._resume_from
-        self._group = self._factory(self.attempt, self._resume_from)
-        self.state = RunState.SCHEDULING
+        self._resume_from = self._newest_location() or self._resume_from
+        step = self._latest.step if self._latest is not None else None
+        self._event(f"rank(s) {ranks or '?'} preempted (SIGTERM): checkpoint committed at step {step}; regrouping")
+        workers = self._plan.choose(self._capacity())
+        self._new_group(workers if workers is not None else self._smallest())
+
+    def _check_heartbeats(self, now: float) -> bool:
+        """Take a round of heartbeats; False when it ended the attempt (a failure)."""
+        assert self._group is not None
+        beats, failures = self._group.heartbeats(min(2.0, self._settings.heartbeat_interval_s + 1.0))
+        if failures:
+            self._on_failure(first_to_blame(failures))
+            return False
+        for rank, beat in beats.items():
+            if beat is not None:
+                self._silent_since[rank] = now
+                self.heartbeats[rank] = beat
+                if self._settings.node_local and beat.committed is not None and (
+                        self._node_local is None or beat.committed[0] > self._node_local.step):
+                    self._node_local = CheckpointRecord("node_local", beat.committed[1], beat.committed[0], time.time())
+                    self._latest = self._node_local
+        self._progress_awaiting()
+        if self.state is RunState.RUNNING and self._planned is None:
+            self._check_drain()
+        silent = {rank: now - since for rank, since in self._silent_since.items()}
+        hang = find_hang({rank: self.heartbeats.get(rank) for rank in range(self.world_size)}, silent,
+                         self._settings.hang)
+        if hang is None:
+            return True
+        stacks = self._group.stacks(5.0)
+        message = hang.reason + "\n\n" + "\n".join(
+            f"--- rank {rank} Python stacks{' (culprit)' if rank == hang.culprit else ''} ---\n{text}"
+            for rank, text in sorted(stacks.items()))
+        self._event(f"hang detected: {hang.reason}")
+        self._on_failure(Failure(FailureKind.HANG, message, hang.culprit, stacks.get(hang.culprit, "")))
+        return False
+
+    def _check_drain(self) -> None:
+        """Ray's node drain notice (a preemption with a deadline) on a node a rank runs on: checkpoint
+        at the agreed boundary and regroup without it, before the node goes (no budget used)."""
+        try:
+            draining = self._draining()
+        except Exception as error:  # noqa: BLE001 - a failed probe must not end the run
+            logger.debug("drain probe failed: %s", error)
+            return
+        hit = {rank for rank, beat in self.heartbeats.items()
+               if beat is not None and rank < self.world_size and beat.node_id in draining}
+        if not hit:
+            return
+        target = self._plan.choose(self.world_size - len(hit)) or self._smallest()
+        self._event(f"node(s) of rank(s) {sorted(hit)} are draining: checkpointing, then regrouping with {target}")
+        self._begin_planned(ControlRequest(RequestKind.SCALE, workers=target, reason="grow"))
+
+    def _maybe_grow(self, now: float) -> None:
+        ceiling = min(self._plan.max_workers, self._size_cap or self._plan.max_workers)
+        if now < self._next_grow_check or self.world_size >= ceiling:
+            return
+        self._next_grow_check = now + self._settings.grow_interval_s
+        free = self._capacity()
+        if free is None:
+            return
+        target = self._plan.choose(min(ceiling, self.world_size + free))
+        if target is not None and target > self.world_size:
+            self._event(f"room for {target} worker(s) (now {self.world_size}): growing through a planned resize")
+            self._begin_planned(ControlRequest(RequestKind.SCALE, workers=target, reason="grow"))
+
+    def _restart(self) -> None:
+        if self._clock() < self._not_before:
+            time.sleep(min(0.2, self._not_before - self._clock()))
+            return
+        if self._group is not None:
+            self._group.shutdown()
+        self.attempt += 1
+        self._resume_from = self._newest_location() or self._resume_from
+        workers = self._plan.choose(self._capacity())  # as many as fit now, not the old count
+        self._new_group(workers if workers is not None else self._smallest())
 
     def _on_failure(self, failure: Failure) -> None:
         decision = self._policy.decide(failure, self.failures)
         self.failures += 1
+        self.world_size = 0
+        self._resolve_awaiting(RayZeroRuntimeError(f"the worker group failed first: {failure.message.splitlines()[0]}"))
         if isinstance(decision, Retry):
+            if self._planned is not None:  # a stop still ends the run; a resize regroups anyway
+                if self._planned.kind is RequestKind.STOP:
+                    return self._end_errored(failure)
+                self._planned.resolve(None)
+                self._planned = None
             self._event(f"restarting the worker group: {decision.reason}")
+            self._not_before = self._clock() + self._policy.backoff(self.failures)
             self.state = RunState.RESTARTING
             return
         assert isinstance(decision, Fail)
+        self._end_errored(decision.failure)
+
+    def _end_errored(self, failure: Failure) -> None:
         if self._group is not None:
             self._group.shutdown()
-        self.error = _training_failed(decision.failure)
+        self.error = training_failed(failure)
         self.state = RunState.ERRORED
 
-    def _newest_checkpoint(self) -> str | None:
-        if self.last_checkpoint:
-            return self.last_checkpoint
-        # A loop that saves with engine.save_checkpoint() but never reports it: the checkpoint
-        # layer moves `latest` only after a commit, so its presence means there is one to load.
-        if self._checkpoint_dir and os.path.exists(os.path.join(self._checkpoint_dir, "latest")):
-            return self._checkpoint_dir
-        return None
+    # ---- requests ([Note: the control seam]) -----------------------------------------------
+    def submit(self, request: ControlRequest) -> ControlRequest:
+        """Record a request for the step loop (any thread); wait on it with `request.wait`."""
+        if request.kind is RequestKind.SCALE:
+            self._plan.check(request.workers)
+        with self._lock:
+            self._requests.append(request)
+        return request
+
+    def _take_requests(self) -> None:
+        with self._lock:
+            requests, self._requests = self._requests, []
+        for request in requests:
+            if request.kind is RequestKind.KILL:
+                self._event(f"killed: {request.reason}")
+                self._end_errored(Failure(FailureKind.LOOP_ERROR, f"the run was killed: {request.reason}"))
+                request.resolve(None)
+            elif self.state.is_terminal:
+                self._settle(request)
+            elif request.kind is RequestKind.CHECKPOINT:
+                if self.state is not RunState.RUNNING or self._group is None:
+                    request.reject(RayZeroRuntimeError(f"cannot checkpoint now: the run is {self.state.value}, "
+                                                       "not running; try again once it runs"))
+                    continue
+                self._group.request_boundary(request.request_id, BoundaryRequest.CHECKPOINT)
+                self._awaiting.append(request)
+            elif request.kind is RequestKind.SCALE and request.workers == self.world_size:
+                self._size_cap = request.workers
+                request.resolve(None)
+            else:
+                self._begin_planned(request)
+
+    def _begin_planned(self, request: ControlRequest) -> None:
+        """A stop or resize: ask for the boundary checkpoint (and a stop) at the agreed step."""
+        if self._planned is not None:  # a stop overrides a resize in flight; otherwise the first wins
+            if request.kind is RequestKind.STOP and self._planned.kind is RequestKind.SCALE:
+                self._planned.resolve(None)
+            else:
+                request.resolve(None)
+                return
+        self._planned = request
+        if request.kind is RequestKind.SCALE and request.reason != "grow":
+            self._size_cap = request.workers  # asked for: do not grow back past it
+        if self.state is not RunState.RUNNING or self._group is None:
+            # Nothing runs (scheduling, restarting): a stop ends the run now; a resize waits its turn.
+            if request.kind is RequestKind.STOP:
+                if self._group is not None:
+                    self._group.shutdown()
+                self._planned = None
+                self.stopped, self.state = True, RunState.FINISHED
+                request.resolve(self._refresh_latest())
+            else:
+                self._planned = None
+                self._target_workers = request.workers
+                request.resolve(None)
+            return
+        self._group.request_boundary(request.request_id, BoundaryRequest.STOP)
+        self._planned_deadline = self._clock() + self._settings.stop_timeout_s
+        self.state = RunState.DRAINING if request.kind is RequestKind.STOP else RunState.RESIZING
+        self._event(f"{self.state.value}: checkpoint at the next step boundary every rank reaches"
+                    + (f", then regroup with {request.workers} worker(s)" if request.kind is RequestKind.SCALE else ""))
+
+    def _progress_awaiting(self) -> None:
+        """Resolve checkpoint requests every rank has carried out (committed before they say so)."""
+        live = [self.heartbeats.get(rank) for rank in range(self.world_size)]
+        for request in list(self._awaiting):
+            handled = [beat.handled for beat in live if beat is not None and beat.handled is not None]
+            if len(handled) == len(live) and all(h.request_id >= request.request_id for h in handled):
+                self._awaiting.remove(request)
+                request.resolve(self._record_of(handled[0].location, handled[0].step))
+
+    def _resolve_awaiting(self, error: BaseException | None) -> None:
+        for request in self._awaiting:
+            request.reject(error or RayZeroRuntimeError("the run ended before the checkpoint was taken"))
+        self._awaiting = []
+
+    def _settle(self, request: ControlRequest) -> None:
+        if request.kind is RequestKind.STOP:
+            request.resolve(self._refresh_latest())
+        elif request.kind is RequestKind.CHECKPOINT:
+            request.reject(RayZeroRuntimeError(f"cannot checkpoint: the run already ended ({self.state.value})"))
+        else:
+            request.resolve(None)
+
+    def _settle_requests(self) -> None:
+        self._resolve_awaiting(None)
+        if self._planned is not None:
+            self._settle(self._planned)
+            self._planned = None
+        with self._lock:
+            requests, self._requests = self._requests, []
+        for request in requests:
+            self._settle(request)
+
+    # ---- checkpoints ([Note: checkpoints from the checkpoint layer]) -----------------------
+    def _locations(self) -> list[str]:
+        return list(self._settings.checkpoint_locations) + [
+            location.rstrip("/").rsplit("/", 1)[0] if location.rstrip("/").rsplit("/", 1)[-1].startswith("global_step")
+            else location for location in self.reported_checkpoints]
+
+    def _refresh_latest(self) -> CheckpointRecord | None:
+        found = registry.newest(self._locations())
+        if found is not None:
+            self._latest = found.record
+        return self._latest
+
+    def _newest_location(self) -> str | None:
+        found = registry.newest(self._locations())
+        if self._settings.node_local:
+            # Each new rank resumes from its own node's directory; the loader there takes the newest
+            # checkpoint complete over the survivors' copies, peer replicas and the durable copy —
+            # including one committed after the last heartbeat ([Note: node-local runs]).
+            if self._node_local is not None and (found is None or self._node_local.step >= found.record.step):
+                self._latest = self._node_local
+            return NODE_LOCAL_RESUME
+        if found is None:
+            return None
+        self._latest = found.record
+        return found.root
+
+    def _record_of(self, location: str, step: int) -> CheckpointRecord:
+        for item in registry.committed_in(location):
+            self._latest = item.record
+            return item.record
+        return CheckpointRecord("durable", location, step, time.time())
+
+    @property
+    def latest_checkpoint(self) -> CheckpointRecord | None:
+        return self._latest
+
+    @property
+    def plan(self) -> BatchPlan:
+        return self._plan
+
+    @property
+    def policy_budget(self) -> int:
+        return self._policy.max_failures
 
     def _event(self, line: str) -> None:
+        logger.info("%s", line)
         with self._lock:
             self._events.append(line)
+            self.message = line
 
     def take_update(self) -> ControllerUpdate:
         """Hand the driver everything new since the last call."""
         with self._lock:
-            update = ControllerUpdate(self.state, self._outbox, self.error, dict(self.timings), self._events)
+            update = ControllerUpdate(self.state, self._outbox, self.error, dict(self.timings), self._events,
+                                      self.stopped, self._latest, self.failures, self.world_size)
             self._outbox, self._events = [], []
         return update
 
 
-def _first_to_blame(failures: list[Failure]) -> Failure:
-    # A loop error names its cause; a rank that died afterwards was usually killed by it.
-    order = [FailureKind.LOOP_ERROR, FailureKind.SETUP_ERROR, FailureKind.WORKER_DIED, FailureKind.SCHEDULING]
-    return min(failures, key=lambda f: (order.index(f.kind), f.rank if f.rank is not None else 1 << 30))
-
-
-def _training_failed(failure: Failure) -> TrainingFailedError:
-    from rayzero.controller.errors import ResourcesUnavailableError
-
-    if failure.kind is FailureKind.SCHEDULING:
-        return ResourcesUnavailableError(failure.message)
-    where = f"rank {failure.rank}" if failure.rank is not None else "the worker group"
-    message = f"training failed on {where}: {failure.message}"
-    if failure.traceback_text:
-        message += f"\n\n--- traceback from {where} ---\n{failure.traceback_text.rstrip()}"
-    return TrainingFailedError(message, failure.rank, failure.traceback_text)
-
-
 class ControllerActor:
-    """The controller as a Ray actor (threaded): `start()` runs steps in a thread, `poll()` streams."""
+    """The controller as a Ray actor (threaded): `start()` runs steps in a thread, `poll()` streams,
+    and the `ControlTarget` methods ([Note: the control seam]) take requests from the control plane."""
 
     def __init__(self, controller_factory: Callable[[], Controller], run_name: str = "",
                  run_directory: str | None = None) -> None:
         self._controller = controller_factory()
+        self._started_at = time.time()
         self._thread: threading.Thread | None = None
         self._changed = threading.Event()  # set after each step, wakes a waiting poll
         self._run_name, self._run_directory = run_name, run_directory  # where control.json goes
+        self._calls_in_flight = 0  # control calls not yet answered (the driver waits before killing us)
+        self._calls_lock = threading.Lock()
+        self._answered_at = 0.0
 
     def start(self) -> None:
         import ray
@@ -217,3 +557,40 @@ class ControllerActor:
                 return update
             self._changed.wait(max(0.0, deadline - time.monotonic()))
             self._changed.clear()
+
+    def quiesce(self, timeout_s: float) -> None:
+        """Wait (bounded) until no control call is being answered: the driver calls this before it
+        kills the actor, so a `stop()` that ended the run still gets its reply."""
+        deadline = time.monotonic() + timeout_s
+        # in flight, or answered a moment ago (Ray still sending the reply)
+        while (self._calls_in_flight or time.monotonic() - self._answered_at < 0.2) and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+    def _answer(self, request: ControlRequest, timeout_s: float) -> Any:
+        with self._calls_lock:
+            self._calls_in_flight += 1
+        try:
+            return self._controller.submit(request).wait(timeout_s)
+        finally:
+            with self._calls_lock:
+                self._calls_in_flight -= 1
+                self._answered_at = time.monotonic()
+
+    # ---- ControlTarget ----------------------------------------------------------------------
+    def status(self) -> RunStatus:
+        from rayzero.controller.status_view import run_status
+
+        return run_status(self._controller, self._run_name, self._started_at)
+
+    def checkpoint_now(self, timeout_s: float) -> CheckpointRecord:
+        return self._answer(ControlRequest(RequestKind.CHECKPOINT), timeout_s)
+
+    def stop(self, timeout_s: float) -> CheckpointRecord | None:
+        return self._answer(ControlRequest(RequestKind.STOP, reason="stop requested"), timeout_s)
+
+    def scale(self, workers: int) -> None:
+        request = self._controller.submit(ControlRequest(RequestKind.SCALE, workers=workers, reason="scale"))
+        del request  # accepted; carried out through a planned resize (status() shows it)
+
+    def kill(self, reason: str) -> None:
+        self._answer(ControlRequest(RequestKind.KILL, reason=reason), 30.0)

@@ -1,6 +1,7 @@
 """Errors the controller hands to the driver. All survive pickling (see rayzero.workers.errors)."""
 from __future__ import annotations
 
+from rayzero.controller.state import Failure, FailureKind
 from rayzero.workers.errors import RayZeroRuntimeError
 
 
@@ -21,3 +22,20 @@ class ResourcesUnavailableError(TrainingFailedError):
 
     def __reduce__(self):
         return (type(self), (self.message,))
+
+
+def first_to_blame(failures: list[Failure]) -> Failure:
+    # A loop error names its cause; a rank that died afterwards was usually killed by it.
+    order = [FailureKind.LOOP_ERROR, FailureKind.HANG, FailureKind.SETUP_ERROR, FailureKind.WORKER_DIED,
+             FailureKind.SCHEDULING]
+    return min(failures, key=lambda f: (order.index(f.kind), f.rank if f.rank is not None else 1 << 30))
+
+
+def training_failed(failure: Failure) -> TrainingFailedError:
+    if failure.kind is FailureKind.SCHEDULING:
+        return ResourcesUnavailableError(failure.message)
+    where = f"rank {failure.rank}" if failure.rank is not None else "the worker group"
+    message = f"training failed on {where}: {failure.message}"
+    if failure.traceback_text and failure.kind is not FailureKind.HANG:
+        message += f"\n\n--- traceback from {where} ---\n{failure.traceback_text.rstrip()}"
+    return TrainingFailedError(message, failure.rank, failure.traceback_text)

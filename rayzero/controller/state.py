@@ -5,6 +5,13 @@ Policies never act: `FailurePolicy.decide` is a pure function from (failure, fai
 decision value (`Retry` or `Fail`), and only `Controller.step()` carries decisions out. A scaling
 policy (grow/shrink between min and max workers) will plug in the same way with a `Resize`
 decision; tests queue decisions and drive the controller one `step()` at a time.
+
+[Note: one retry budget]
+Every unplanned restart — a loop error, a dead worker or node, a hang, a placement that did not
+fit — is charged once to `FailureConfig.max_failures`; planned resizes and preemptions are not
+failures and cost nothing. Each retry waits `backoff_s · 2^(n-1)` (capped at 60 s) first, so a
+cluster that is out of room gets time for an autoscaler or a returning node instead of a burst of
+failed placements.
 """
 from __future__ import annotations
 
@@ -19,6 +26,8 @@ class RunState(enum.Enum):
     SCHEDULING = "scheduling"  # waiting for the placement group, starting workers, forming the group
     RUNNING = "running"  # the loops run; reports stream
     RESTARTING = "restarting"  # a failure is being handled by tearing the group down to reschedule
+    RESIZING = "resizing"  # planned: checkpoint at the agreed boundary, then regroup at a new size
+    DRAINING = "draining"  # planned stop: checkpoint at the agreed boundary, then end the run
     FINISHED = "finished"  # every rank's loop returned
     ERRORED = "errored"  # the policy gave up; `Controller.error` says why
 
@@ -32,6 +41,7 @@ class FailureKind(enum.Enum):
     WORKER_DIED = "worker_died"  # the actor process or its node went away
     SETUP_ERROR = "setup_error"  # environment / process group could not be set up
     SCHEDULING = "scheduling"  # not enough resources for the placement group
+    HANG = "hang"  # a rank made no progress within the hang timeout
 
 
 @dataclass(frozen=True)
@@ -62,7 +72,15 @@ class Fail:
     failure: Failure
 
 
-Decision = Retry | Fail
+@dataclass(frozen=True)
+class Resize:
+    """Planned: checkpoint at the agreed boundary, then regroup with `workers` ranks (no budget)."""
+
+    workers: int
+    reason: str
+
+
+Decision = Retry | Fail | Resize
 
 
 @dataclass(frozen=True)
@@ -71,14 +89,21 @@ class FailurePolicy:
 
     max_failures: int = 0
     """Failures tolerated over the whole run (one budget, not per rank); -1 means unlimited."""
+    backoff_s: float = 0.0
+    """Wait before the first retry; doubled each further retry, capped at 60 s."""
 
     def decide(self, failure: Failure, failures_so_far: int) -> Decision:
-        # A placement group that did not fit will not fit better by trying again at once.
-        if failure.kind is FailureKind.SCHEDULING:
-            return Fail(failure)
+        # A placement that did not fit is retried (after the backoff) only with a budget: with none,
+        # the run fails at once with the reason, as before ([Note: one retry budget]).
         if self.max_failures < 0 or failures_so_far < self.max_failures:
             return Retry(f"failure {failures_so_far + 1} of {self._budget()}: {failure.message}")
         return Fail(failure)
+
+    def backoff(self, failures_so_far: int) -> float:
+        """Seconds to wait before retry number `failures_so_far` (1-based)."""
+        if self.backoff_s <= 0 or failures_so_far <= 0:
+            return 0.0
+        return min(60.0, self.backoff_s * 2 ** (failures_so_far - 1))
 
     def _budget(self) -> str:
         return "unlimited" if self.max_failures < 0 else str(self.max_failures)

@@ -20,6 +20,7 @@ from rayzero.controller.configs import ScalingConfig
 from rayzero.controller.errors import ResourcesUnavailableError
 from rayzero.controller.state import Failure, FailureKind
 from rayzero.workers.actor import NodeInfo, TrainWorker, WorkerOutcome
+from rayzero.workers.boundary import Heartbeat
 from rayzero.workers.errors import WorkerSetupError
 from rayzero.workers.session import Report
 
@@ -37,6 +38,10 @@ class GroupPoll:
     failures: list[Failure] = field(default_factory=list)
     finished: bool = False
     """True once every rank's loop has returned normally."""
+    stopped: bool = False
+    """With `finished`: the loops ended because the run was told to stop (a planned stop)."""
+    preempted: list[int] = field(default_factory=list)
+    """With `stopped`: ranks whose process got SIGTERM (a preemption, not a request)."""
 
 
 class WorkerGroup(Protocol):
@@ -46,7 +51,41 @@ class WorkerGroup(Protocol):
 
     def poll(self, timeout_s: float) -> GroupPoll: ...
 
+    def heartbeats(self, timeout_s: float) -> tuple[dict[int, Heartbeat | None], list[Failure]]:
+        """Each rank's heartbeat (None: no answer in time), and ranks found dead."""
+        ...
+
+    def request_boundary(self, request_id: int, kind: int) -> None:
+        """Ask every rank for a checkpoint (kind CHECKPOINT) or a stop (STOP) at the agreed boundary."""
+        ...
+
+    def stacks(self, timeout_s: float) -> dict[int, str]:
+        """Every rank's Python thread stacks (for hang reports); ranks that do not answer are left out."""
+        ...
+
     def shutdown(self) -> None: ...
+
+
+def draining_nodes() -> set[str]:
+    """Ids of the nodes Ray is draining (the autoscaler's or a cloud's preemption notice)."""
+    from ray._private.state import state
+
+    return set(state.get_draining_nodes())
+
+
+def free_worker_slots(bundle: dict[str, float]) -> int:
+    """How many more worker bundles fit in the free resources now, counted node by node (a bundle
+    does not span nodes) and leaving out nodes Ray is draining. A bound, not a promise."""
+    from ray._private.state import available_resources_per_node
+
+    draining = draining_nodes()
+    slots = 0
+    for node_id, free in available_resources_per_node().items():
+        if node_id in draining:
+            continue
+        fits = [int(free.get(key, 0.0) // amount) for key, amount in bundle.items() if amount > 0]
+        slots += min(fits) if fits else 0
+    return slots
 
 
 def assign_ranks(infos: list[NodeInfo]) -> list[tuple[int, int, int]]:
@@ -83,12 +122,14 @@ class RayWorkerGroup:
     def __init__(
         self,
         scaling: ScalingConfig,
+        num_workers: int,
         run_env: dict[str, str],
         process_group_timeout_s: float,
         datasets: dict[str, Any] | None = None,
         node_local_root: str = "/tmp/rayzero-node-local",  # not /tmp/rayzero: a bare `rayzero` dir in the cwd would shadow the package
     ) -> None:
         self._scaling = scaling
+        self._num_workers = num_workers  # this attempt's size, within the elastic range
         self._run_env = dict(run_env)  # RAYZERO_* variables shared by every rank
         self._timeout_s = process_group_timeout_s
         self._datasets = dict(datasets or {})
@@ -98,17 +139,22 @@ class RayWorkerGroup:
         self._poll_refs: dict[Any, int] = {}  # outstanding poll() call -> rank
         self._run_refs: dict[Any, int] = {}  # outstanding run() call -> rank
         self._done: set[int] = set()
+        self._stopped: set[int] = set()  # ranks whose loop ended through a planned stop
+        self._preempted: set[int] = set()  # ranks whose process got SIGTERM
+        self._heartbeat_refs: dict[int, Any] = {}  # rank -> outstanding heartbeat() call
+        self.placement_timeout_s = scaling.placement_timeout_s  # the controller shortens it for tries above min
 
     def start(self) -> dict[str, float]:
         timings: dict[str, float] = {}
         started = time.monotonic()
         bundle = self._scaling.bundle()
-        bundles = [dict(bundle) for _ in range(self._scaling.num_workers)]
+        bundles = [dict(bundle) for _ in range(self._num_workers)]
         self._pg = placement_group(bundles, strategy=self._scaling.placement_strategy, name="")
-        ready, _ = ray.wait([self._pg.ready()], timeout=self._scaling.placement_timeout_s)
+        ready, _ = ray.wait([self._pg.ready()], timeout=self.placement_timeout_s)
         if not ready:
             self.shutdown()
-            raise ResourcesUnavailableError(_unschedulable_message(self._scaling, bundle))
+            raise ResourcesUnavailableError(_unschedulable_message(self._scaling, bundle, self._num_workers,
+                                                                   self.placement_timeout_s))
         timings["placement_group_s"] = time.monotonic() - started
 
         started = time.monotonic()
@@ -120,12 +166,12 @@ class RayWorkerGroup:
                 num_cpus=bundle.get("CPU", 0.0),
                 num_gpus=gpus,
                 resources=extra or None,
-                max_concurrency=2,  # run() and poll() at the same time
+                max_concurrency=4,  # run(), poll(), heartbeat() and a request at the same time
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=i),
             ).remote()
-            for i in range(self._scaling.num_workers)
+            for i in range(self._num_workers)
         ]
-        infos: list[NodeInfo] = ray.get([actor.node_info.remote() for actor in actors])
+        infos: list[NodeInfo] = ray.get([actor.node_info.remote() for actor in actors], timeout=self._timeout_s)
         ranks = assign_ranks(infos)
         self._workers = [None] * len(actors)
         for index, (rank, _, _) in enumerate(ranks):
@@ -135,7 +181,7 @@ class RayWorkerGroup:
         started = time.monotonic()
         rank0_index = next(i for i, (rank, _, _) in enumerate(ranks) if rank == 0)
         master_addr = infos[rank0_index].node_ip
-        master_port = ray.get(actors[rank0_index].free_port.remote())
+        master_port = ray.get(actors[rank0_index].free_port.remote(), timeout=60)
         shards = self._split_datasets()
         backend = "nccl" if self._scaling.use_gpu else "gloo"
         setups = []
@@ -200,7 +246,42 @@ class RayWorkerGroup:
         if result.failures:
             self._drain_survivors(result)
         result.finished = not result.failures and len(self._done) == len(self._workers)
+        result.stopped = result.finished and bool(self._stopped)
+        result.preempted = sorted(self._preempted) if result.stopped else []
         return result
+
+    def heartbeats(self, timeout_s: float) -> tuple[dict[int, Heartbeat | None], list[Failure]]:
+        for rank, worker in enumerate(self._workers):
+            if worker is not None and rank not in self._heartbeat_refs and rank not in self._done:
+                self._heartbeat_refs[rank] = worker.heartbeat.remote()
+        refs = {ref: rank for rank, ref in self._heartbeat_refs.items()}
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s) if refs else ([], [])
+        beats: dict[int, Heartbeat | None] = {rank: None for rank in range(len(self._workers))}
+        failures: list[Failure] = []
+        for ref in ready:
+            rank = refs[ref]
+            del self._heartbeat_refs[rank]
+            try:
+                beats[rank] = ray.get(ref)
+            except ray.exceptions.RayActorError as error:  # ActorUnavailableError too: a lost node
+                failures.append(_died(rank, error))
+        return beats, failures
+
+    def request_boundary(self, request_id: int, kind: int) -> None:
+        for worker in self._workers:
+            if worker is not None:
+                worker.request_boundary.remote(request_id, int(kind))  # fire and forget: answered by heartbeats
+
+    def stacks(self, timeout_s: float) -> dict[int, str]:
+        refs = {worker.stacks.remote(): rank for rank, worker in enumerate(self._workers) if worker is not None}
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+        out = {}
+        for ref in ready:
+            try:
+                out[refs[ref]] = ray.get(ref)
+            except ray.exceptions.RayError as error:
+                out[refs[ref]] = f"(no stacks: {error})"
+        return out
 
     def _drain_survivors(self, result: GroupPoll) -> None:
         """A failure tears the group down next: first take what the other ranks already reported,
@@ -242,6 +323,10 @@ class RayWorkerGroup:
         self._take_reports(self._workers[rank].poll.remote(0.0), rank, result)
         if outcome.error is None:
             self._done.add(rank)
+            if outcome.stopped:
+                self._stopped.add(rank)
+            if outcome.preempted:
+                self._preempted.add(rank)
         else:
             result.failures.append(
                 Failure(
@@ -264,7 +349,7 @@ class RayWorkerGroup:
         for worker in self._workers:
             if worker is not None:
                 ray.kill(worker)
-        self._workers, self._poll_refs, self._run_refs = [], {}, {}
+        self._workers, self._poll_refs, self._run_refs, self._heartbeat_refs = [], {}, {}, {}
         if self._pg is not None:
             remove_placement_group(self._pg)
             self._pg = None
@@ -285,16 +370,16 @@ def _died(rank: int, error: BaseException) -> Failure:
     return Failure(FailureKind.WORKER_DIED, f"rank {rank}'s worker died: {error}", rank)
 
 
-def _unschedulable_message(scaling: ScalingConfig, bundle: dict[str, float]) -> str:
+def _unschedulable_message(scaling: ScalingConfig, bundle: dict[str, float], workers: int, waited_s: float) -> str:
     try:
         total = {k: v for k, v in ray.cluster_resources().items() if not k.startswith("node:")}
         free = {k: v for k, v in ray.available_resources().items() if not k.startswith("node:")}
     except Exception:  # noqa: BLE001 - the message matters more than the numbers
         total, free = {}, {}
-    needed = {key: value * scaling.num_workers for key, value in bundle.items()}
+    needed = {key: value * workers for key, value in bundle.items()}
     return (
-        f"could not place {scaling.num_workers} worker(s) of {bundle} each (in all {needed}, strategy "
-        f"{scaling.placement_strategy}) within placement_timeout_s={scaling.placement_timeout_s:g}s. "
+        f"could not place {workers} worker(s) of {bundle} each (in all {needed}, strategy "
+        f"{scaling.placement_strategy}) within {waited_s:g}s (placement_timeout_s={scaling.placement_timeout_s:g}). "
         f"The cluster has {total} in total, {free} free now. Fix: lower ScalingConfig.num_workers or "
         "resources_per_worker (--workers / --gpus-per-worker), add nodes, or raise placement_timeout_s "
         "if an autoscaler is adding them."

@@ -40,7 +40,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("target", help="path/to/file.py:function or package.module:function")
     parser.add_argument("--config", required=True, help="DeepSpeed JSON config for the run")
-    parser.add_argument("--workers", type=int, default=1, help="number of workers (ranks); default 1")
+    parser.add_argument("--workers", type=_workers, default=1,
+                        help="number of workers (ranks), or an elastic range MIN:MAX (e.g. 2:8); default 1")
     parser.add_argument("--gpus-per-worker", type=float, default=0, help="GPUs per worker (0: CPU, gloo)")
     parser.add_argument("--cpus-per-worker", type=float, default=1, help="CPUs per worker; default 1")
     parser.add_argument("--storage", default=None, help="root URI for runs (default ./runs)")
@@ -53,6 +54,17 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--placement-timeout", type=float, default=120.0,
                         help="seconds to wait for resources before failing (default 120)")
     return parser
+
+
+def _workers(text: str) -> int | tuple[int, int]:
+    """`--workers N` or `--workers MIN:MAX` (elastic)."""
+    try:
+        if ":" in text:
+            low, high = text.split(":", 1)
+            return int(low), int(high)
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--workers {text!r}: give a count (4) or a range MIN:MAX (2:8)") from None
 
 
 def load_target(target: str) -> Callable[..., Any]:
@@ -164,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingFailedError as error:
         print(f"rayzero run: {error}", file=sys.stderr)
         return 1
-    print(f"[rayzero] finished: {len(result.metrics_history)} report(s); last metrics {result.metrics}")
+    ending = "stopped (planned, checkpoint committed)" if result.stopped else "finished"
+    print(f"[rayzero] {ending}: {len(result.metrics_history)} report(s); last metrics {result.metrics}")
     print(f"[rayzero] metrics log: {result.metrics_path}")
     if result.checkpoint:
         print(f"[rayzero] checkpoint: {result.checkpoint}")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import os
 import secrets
 import time
@@ -14,16 +15,21 @@ from typing import Any
 import pyarrow.fs as pafs
 
 from rayzero.config.errors import RayZeroValueError
+from rayzero.controller import registry
 from rayzero.controller.configs import FailureConfig, RunConfig, ScalingConfig
-from rayzero.controller.controller import Controller, ControllerActor
+from rayzero.controller.controller import Controller, ControllerActor, ControllerSettings, ControllerUpdate
+from rayzero.controller.elastic import BatchPlan, plan_batches
 from rayzero.controller.errors import TrainingFailedError
+from rayzero.controller.health import HangPolicy
 from rayzero.controller.state import FailurePolicy, RunState
-from rayzero.controller.worker_group import RayWorkerGroup
+from rayzero.controller.worker_group import RayWorkerGroup, draining_nodes, free_worker_slots
 from rayzero.driver.cluster import check_fits, connect
 from rayzero.driver.config_check import validated_config
 from rayzero.driver.metrics_log import MetricsLog
 from rayzero.driver.progress import Progress
 from rayzero.driver.shipping import ship
+from rayzero.driver.signals import StopSignals
+from rayzero.workers.boundary import CHECKPOINT_TIER_ENV, NODE_LOCAL_RESUME
 
 
 @dataclass
@@ -31,8 +37,7 @@ class Result:
     """What a finished run leaves behind."""
 
     metrics_history: list[dict[str, Any]]
-    """What rank 0 passed to `rayzero.report`, one dict per step: a step re-run after a restart keeps
-    only its newest report (reports without a `step` key are all kept), in order."""
+    """Every dict rank 0 passed to `rayzero.report`, in order."""
     metrics: dict[str, Any] | None
     """The last of them (None if rank 0 never reported)."""
     checkpoint: str | None
@@ -43,6 +48,14 @@ class Result:
     """Start-up phases and throughput in seconds / per second, e.g. `fit_to_first_report_s`."""
     metrics_path: str | None = None
     """URI of the Parquet metrics log (every rank's reports)."""
+    stopped: bool = False
+    """The run ended through a planned stop (Ctrl-C/SIGTERM, `rayzero stop`), its checkpoint committed;
+    run `fit` again with the same name and storage to go on from it."""
+    failures: int = 0
+    """Restarts charged to `FailureConfig.max_failures` (crash, hang, node loss)."""
+    checkpoint_step: int | None = None
+    """Step of the newest committed checkpoint the controller found (None when there is none)."""
+
 
 
 def _run_locations(run: RunConfig) -> tuple[str, str, str]:
@@ -116,11 +129,19 @@ def fit(
 
     fit_started_wall, fit_started = time.time(), time.monotonic()
     scaling, run, failure = scaling or ScalingConfig(), run or RunConfig(), failure or FailureConfig()
-    ds_config, validated, trainer = validated_config(config, scaling.num_workers, trainer)
+    raw = _raw_config(config)
+    plan = _batch_plan(raw, scaling)
+    first_size = plan.choose(None) or scaling.max_workers
+    elastic_batch = bool(((raw or {}).get("elasticity") or {}).get("enabled"))
+    # An elastic run is validated with the batch keys of its largest size ([Note: elastic batch]).
+    to_check = plan.config_for(raw, first_size) if scaling.elastic or elastic_batch else config
+    ds_config, validated, trainer = validated_config(to_check, first_size, trainer)
     name, run_uri, checkpoint_dir = _run_locations(run)
-    resume_from = resolve_resume_from(
-        run.resume_from or os.environ.get("RAYZERO_RESUME_FROM") or None, explicit=bool(run.resume_from)
-    )
+    explicit = run.resume_from or os.environ.get("RAYZERO_RESUME_FROM") or None
+    resume_from = resolve_resume_from(explicit, explicit=bool(run.resume_from))
+    node_local = bool((validated.get("checkpoint") or {}).get("use_node_local_storage"))
+    if resume_from is None and explicit is None:
+        resume_from = _resume_same_name(name, run_uri, checkpoint_dir, node_local)
 
     working_dir = getattr(train_loop, "working_dir", None)  # a `rayzero run file.py:fn` target's directory
     train_loop = ship(train_loop)  # [Note: shipping the loop]; before Ray starts: a failure is quick
@@ -133,45 +154,74 @@ def fit(
         # the engine's own bound for groups it creates (e.g. the checkpoint writer's)
         "RAYZERO_COLLECTIVE_TIMEOUT_S": str(failure.process_group_timeout_s),
     }
-    if ds_config is not None:
-        run_env["RAYZERO_CONFIG"] = json.dumps(ds_config)
     if trainer:
         run_env["RAYZERO_TRAINER"] = json.dumps(dict(trainer))  # HF trainer arguments for "auto"s
     datasets = dict(datasets or {})
-    local_checkpoint_dir = checkpoint_dir if run_uri.startswith("file://") else None
+    locations = [checkpoint_dir] + ([validated["checkpoint"]["durable_uri"]]
+                                    if (validated.get("checkpoint") or {}).get("durable_uri") else [])
+    if node_local:
+        run_env[CHECKPOINT_TIER_ENV] = "node_local"  # [Note: node-local runs]
+    settings = ControllerSettings(
+        hang=HangPolicy(failure.hang_timeout_s, failure.startup_grace_s),
+        stop_timeout_s=failure.stop_timeout_s,
+        checkpoint_locations=tuple(locations),
+        node_local=node_local,
+    )
 
     def make_controller() -> Controller:  # runs inside the controller actor
-        def make_group(attempt: int, resume: str | None) -> RayWorkerGroup:
+        def make_group(attempt: int, resume: str | None, workers: int) -> RayWorkerGroup:
             env = dict(run_env, RAYZERO_ATTEMPT=str(attempt))
+            worker_config = plan.config_for(ds_config, workers)
+            if worker_config is not None:
+                env["RAYZERO_CONFIG"] = json.dumps(worker_config)
             if resume:
                 env["RAYZERO_RESUME_FROM"] = resume
-            return RayWorkerGroup(scaling, env, failure.process_group_timeout_s, datasets)
+            group = RayWorkerGroup(scaling, workers, env, failure.process_group_timeout_s, datasets)
+            if workers > plan.min_workers:
+                # Above the minimum the size came from the free resources: if it does not place
+                # quickly a node went away meanwhile, and the controller tries the next smaller size.
+                group.placement_timeout_s = min(scaling.placement_timeout_s, 10.0)
+            return group
 
         return Controller(
-            make_group, train_loop, train_loop_config, FailurePolicy(failure.max_failures),
-            resume_from=resume_from, checkpoint_dir=local_checkpoint_dir,
+            make_group, train_loop, train_loop_config, FailurePolicy(failure.max_failures, failure.backoff_s),
+            resume_from=resume_from, plan=plan, capacity=lambda: free_worker_slots(scaling.bundle()),
+            draining=draining_nodes,
+            settings=settings,
         )
 
-    # num_cpus=0: the controller only waits; it must not take a CPU a worker bundle needs.
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    # num_cpus=0: the controller only waits; it must not take a CPU a worker bundle needs. Pinned to
+    # the driver's node: a lost worker node must not take the controller with it.
     # RAYZERO_CONTROL_* (host, port, TLS files) reach the control service in the controller actor;
     # not the token: a runtime env is readable through Ray's state API (the operator's pods have it
     # in the environment of every process on the head already).
     control_env = {key: value for key, value in os.environ.items()
                    if key.startswith("RAYZERO_CONTROL_") and key != "RAYZERO_CONTROL_TOKEN"}
-    controller = ray.remote(ControllerActor).options(
-        num_cpus=0, max_concurrency=4, **({"runtime_env": {"env_vars": control_env}} if control_env else {})
-    ).remote(make_controller, name, run_uri)
+    controller = _start_controller(ray.remote(ControllerActor).options(
+        num_cpus=0, max_concurrency=8, name=controller_actor_name(name),
+        scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
+        **({"runtime_env": {"env_vars": control_env}} if control_env else {}),
+    ), make_controller, name, run_uri)
     wall_clock_breakdown = bool(validated.get("wall_clock_breakdown"))
     batch = validated.get("train_batch_size")
     progress = Progress(batch if isinstance(batch, int) else None, run.progress_interval_s, wall_clock_breakdown)
+    progress.max_failures = failure.max_failures
     metrics_log = MetricsLog(run_uri)
-    print(f"[rayzero] run {name}: {scaling.num_workers} worker(s), storage {run_uri}", flush=True)
+    workers = str(scaling.num_workers) if not scaling.elastic else f"{scaling.min_workers}:{scaling.max_workers}"
+    print(f"[rayzero] run {name}: {workers} worker(s), storage {run_uri}", flush=True)
     try:
-        history, last_checkpoint, error = _stream(controller, progress, metrics_log, timings, fit_started_wall)
+        history, last_checkpoint, error, final = _stream(controller, progress, metrics_log, timings,
+                                                         fit_started_wall, failure.stop_timeout_s)
     finally:
+        try:  # let a control call that ended the run (stop, kill) get its reply first
+            ray.get(controller.quiesce.remote(2.0), timeout=5)
+        except Exception as error:  # noqa: BLE001 - the controller may be gone already
+            logging.getLogger("rayzero.driver").debug("controller quiesce: %s", error)
         ray.kill(controller)  # its workers and placement group go with it (fate sharing)
         metrics_log.flush()
-    history = metrics_log.history()  # one entry per step: a re-run step replaces its earlier report
+    history = metrics_log.history() or history  # one entry per step: a re-run step replaces its earlier report
     timings["total_s"] = time.monotonic() - fit_started
     timings.update(progress.rates())
     if wall_clock_breakdown:
@@ -181,8 +231,18 @@ def fit(
         raise error
     if history:
         print(progress.line(), flush=True)
-    if last_checkpoint is None and local_checkpoint_dir and Path(local_checkpoint_dir, "latest").exists():
-        last_checkpoint = local_checkpoint_dir
+    record = final.checkpoint if final is not None else None
+    if record is not None:
+        last_checkpoint = checkpoint_dir if record.location.startswith(checkpoint_dir) else record.location
+    elif last_checkpoint is None:
+        found = registry.newest([checkpoint_dir])
+        last_checkpoint = found.root if found is not None else None
+        record = found.record if found is not None else None
+    stopped = bool(final and final.stopped)
+    if stopped:
+        where = f"checkpoint {record.location} (step {record.step})" if record else "no checkpoint was taken"
+        print(f"[rayzero] run {name} stopped: {where}. Rerun with the same name ({name}) and storage to resume.",
+              flush=True)
     return Result(
         metrics_history=history,
         metrics=history[-1] if history else None,
@@ -190,34 +250,114 @@ def fit(
         path=run_uri,
         timings=timings,
         metrics_path=metrics_log.uri,
+        stopped=stopped,
+        failures=final.failures if final is not None else 0,
+        checkpoint_step=record.step if record is not None else None,
     )
 
 
+def controller_actor_name(run_name: str) -> str:
+    """The Ray actor name of a run's controller (in the driver's namespace): `ray.get_actor(...)`
+    gives a `ControlTarget` ([Note: the control seam]) to code in the driver's job."""
+    return f"rayzero-controller:{run_name}"
+
+
+def _start_controller(actor_options: Any, make_controller: Callable[[], Controller], name: str,
+                      run_uri: str | None = None) -> Any:
+    # A rerun of the same name right after the previous one ended: Ray frees the actor name only
+    # once the old controller is marked dead (ray.kill is asynchronous), so wait a little for it.
+    deadline = time.monotonic() + 15.0
+    while True:
+        try:
+            return actor_options.remote(make_controller, name, run_uri)
+        except ValueError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.25)
+
+
+def _raw_config(config: Any) -> dict[str, Any] | None:
+    """The DeepSpeed config as a plain dict (what the batch plan reads), before validation."""
+    if config is None:
+        return None
+    from rayzero.config import RayZeroConfig
+
+    if isinstance(config, RayZeroConfig):
+        return config.to_deepspeed_dict()
+    if isinstance(config, Mapping):
+        return json.loads(json.dumps(config))
+    try:
+        return json.loads(Path(config).read_text())
+    except (OSError, ValueError):
+        return None  # not readable here: validation names the problem
+
+
+def _batch_plan(ds_config: dict[str, Any] | None, scaling: ScalingConfig) -> BatchPlan:
+    plan = plan_batches(ds_config, scaling.min_workers, scaling.max_workers)
+    if not plan.valid_sizes():
+        reasons = "; ".join(f"{size}: {why}" for size, why in sorted(plan.skipped.items()))
+        raise RayZeroValueError(
+            f"no world size in ScalingConfig.num_workers={scaling.num_workers!r} keeps the global batch "
+            f"({reasons}); change the range or train_batch_size / train_micro_batch_size_per_gpu")
+    for size, why in sorted(plan.skipped.items()):
+        print(f"[rayzero] world size {size} will not be used: {why}", flush=True)
+    return plan
+
+
+def _resume_same_name(name: str, run_uri: str, checkpoint_dir: str, node_local: bool) -> str | None:
+    """A rerun with the same name and storage goes on from the run's newest committed checkpoint
+    (Ray Train v2's contract), found through the checkpoint layer's manifests."""
+    if node_local:  # the checkpoints are on the nodes' disks: each rank looks at its own
+        filesystem, path = pafs.FileSystem.from_uri(run_uri)
+        if filesystem.get_file_info(f"{path}/metrics.parquet").type == pafs.FileType.NotFound:
+            return None
+        print(f"[rayzero] run {name} exists: resuming from the newest checkpoint on the nodes' disks", flush=True)
+        return NODE_LOCAL_RESUME
+    found = registry.newest([checkpoint_dir])
+    if found is None:
+        return None
+    print(f"[rayzero] run {name} exists: resuming from its checkpoint {found.record.location} "
+          f"(step {found.record.step})", flush=True)
+    return found.root
+
+
 def _stream(
-    controller: Any, progress: Progress, metrics_log: MetricsLog, timings: dict[str, float], started_wall: float
-) -> tuple[list[dict[str, Any]], str | None, TrainingFailedError | None]:
-    """Long-poll the controller until the run ends: (rank 0's history, last checkpoint, error)."""
+    controller: Any, progress: Progress, metrics_log: MetricsLog, timings: dict[str, float], started_wall: float,
+    stop_timeout_s: float,
+) -> tuple[list[dict[str, Any]], str | None, TrainingFailedError | None, ControllerUpdate | None]:
+    """Long-poll the controller until the run ends: (rank 0's history, last checkpoint, error, final update).
+    Ctrl-C / SIGTERM meanwhile are a planned stop ([Note: driver signals])."""
     import ray
 
     history: list[dict[str, Any]] = []
     last_checkpoint: str | None = None
-    try:
-        ray.get(controller.start.remote())
-        while True:
-            update = ray.get(controller.poll.remote(1.0))
-            for line in update.events:
-                print(f"[rayzero] {line}", flush=True)
-            for item in update.reports:
-                if "fit_to_first_report_s" not in timings:
-                    timings["fit_to_first_report_s"] = max(0.0, item.time - started_wall)
-                if item.rank == 0:
-                    history.append(item.metrics)
-                progress.observe(item)
-                metrics_log.add(item)
-                last_checkpoint = item.checkpoint or last_checkpoint
-            if update.state.is_terminal:
-                timings.update(update.timings)
-                error = update.error if update.state is RunState.ERRORED else None
-                return history, last_checkpoint, error
-    except ray.exceptions.RayActorError as died:
-        return history, last_checkpoint, TrainingFailedError(f"the rayzero controller actor died: {died}")
+    with StopSignals() as signals:
+        try:
+            ray.get(controller.start.remote(), timeout=60)
+            while True:
+                received = signals.take()
+                if received == 1:
+                    print(f"[rayzero] {signals.name}: stopping at the next step boundary after a checkpoint "
+                          "(send it again to kill the run without one)", flush=True)
+                    controller.stop.remote(stop_timeout_s)
+                elif received > 1:
+                    print(f"[rayzero] {signals.name} again: killing the run without a checkpoint", flush=True)
+                    controller.kill.remote(f"{signals.name} received twice on the driver")
+                update: ControllerUpdate = ray.get(controller.poll.remote(1.0), timeout=60)
+                progress.failures = update.failures
+                for line in update.events:
+                    print(f"[rayzero] {line}", flush=True)
+                for item in update.reports:
+                    if "fit_to_first_report_s" not in timings:
+                        timings["fit_to_first_report_s"] = max(0.0, item.time - started_wall)
+                    if item.rank == 0:
+                        history.append(item.metrics)
+                    progress.observe(item)
+                    metrics_log.add(item)
+                    last_checkpoint = item.checkpoint or last_checkpoint
+                if update.state.is_terminal:
+                    timings.update(update.timings)
+                    error = update.error if update.state is RunState.ERRORED else None
+                    return history, last_checkpoint, error, update
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as died:
+            return history, last_checkpoint, TrainingFailedError(f"the rayzero controller actor died: {died}"), None

@@ -68,6 +68,12 @@ class MetricsLog:
         self._flush_interval_s = flush_interval_s
         self._flushed_at = time.monotonic()
         self._dirty = False
+        # A rerun of the same run name appends to its log instead of replacing it.
+        try:
+            with self._filesystem.open_input_file(f"{self._dir}/{METRICS_FILE}") as source:
+                self._rows = pq.read_table(source).to_pylist()
+        except (OSError, pa.ArrowInvalid):
+            pass
 
     def add(self, item: Report) -> None:
         if item.seq <= self._last_seq.get(item.rank, -1):  # a fresh worker process: the next attempt

@@ -47,6 +47,8 @@ class Progress:
         self._last: Report | None = None
         self._printed_at = float("-inf")  # the first report prints at once
         self._resumed_from: object = None  # the step rank 0 went back to, until a line has said so
+        self.failures = 0  # restarts charged to FailureConfig.max_failures so far (set by the driver)
+        self.max_failures = 0
 
     def observe(self, item: Report) -> None:
         self._memory[item.rank] = item.peak_memory_bytes
@@ -120,6 +122,9 @@ class Progress:
             parts.extend(phases)
         memory = " ".join(f"r{rank} {_human_bytes(self._memory[rank])}" for rank in sorted(self._memory))
         parts.append(f"mem {memory}")
+        if self.failures:
+            budget = "unlimited" if self.max_failures < 0 else str(self.max_failures)
+            parts.append(f"restarts {self.failures}/{budget}")
         return "[rayzero] " + " | ".join(parts)
 
     def peak_memory(self) -> dict[int, int]:

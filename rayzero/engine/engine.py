@@ -21,7 +21,7 @@ import resource
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -35,6 +35,28 @@ from rayzero.engine.policies import MixedPrecisionPolicy, Precision
 from rayzero.engine.strategy import ZeroStrategy
 
 logger = logging.getLogger(__name__)
+
+
+class StepBoundaryHook(Protocol):
+    """[Note: step boundary hook] The runtime that started this process (rayzero's Ray worker)
+    watches every engine through this: `after_step` runs once per optimizer step, after the update,
+    on every rank at the same step — the one place all ranks can agree to checkpoint (planned stops,
+    resizes, `checkpoint now`); `before_forward` lets it end a loop that was told to stop. The
+    engine never imports the runtime (layers); the worker installs the hook with
+    `set_step_boundary_hook`. Under plain torchrun none is installed and both calls cost nothing."""
+
+    def before_forward(self, engine: ZeroEngine) -> None: ...
+
+    def after_step(self, engine: ZeroEngine) -> None: ...
+
+
+_STEP_BOUNDARY_HOOK: StepBoundaryHook | None = None  # process-wide, like the default process group
+
+
+def set_step_boundary_hook(hook: StepBoundaryHook | None) -> None:
+    """Install (or remove, with None) the process's step-boundary hook ([Note: step boundary hook])."""
+    global _STEP_BOUNDARY_HOOK
+    _STEP_BOUNDARY_HOOK = hook
 
 
 class Phase(enum.Enum):
@@ -171,6 +193,8 @@ class ZeroEngine:
         return self.forward(*inputs, **kwargs)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if _STEP_BOUNDARY_HOOK is not None:
+            _STEP_BOUNDARY_HOOK.before_forward(self)
         self.strategy.before_forward()
         # Inputs are cast only as DeepSpeed casts them: with fp16.auto_cast, every floating tensor
         # among the positional inputs (nested lists/tuples/dicts too) to fp16; keyword arguments and
@@ -228,6 +252,8 @@ class ZeroEngine:
         self.micro_steps += 1
         self.global_steps += 1
         self.comm.begin_step()
+        if _STEP_BOUNDARY_HOOK is not None:
+            _STEP_BOUNDARY_HOOK.after_step(self)
 
     def _report(self) -> None:
         """Progress line, timers and monitor events at a boundary ([Note: monitor events])."""
@@ -344,9 +370,10 @@ class ZeroEngine:
 
     def load_extra_state(self, state: dict[str, Any]) -> None:
         self.global_steps = int(state["global_steps"])
-        # Resume at an accumulation boundary of *this* run: accumulated gradients are not saved, and the
-        # saved count is in the saving run's accumulation steps (another world size keeps the global
-        # batch with another gradient_accumulation_steps; a checkpoint imported from DeepSpeed too).
+        # Realign to an accumulation boundary at *this* gradient_accumulation_steps: a run resumed at
+        # another world size keeps its global batch with another gas ([Note: elastic batch] in
+        # rayzero/controller/elastic.py), and the saved count would put the next boundary mid-window
+        # (DeepSpeed does not restore a micro-step count at all).
         self.micro_steps = self.global_steps * self.step_policy.gradient_accumulation_steps
         self.skipped_steps = int(state.get("skipped_steps", 0))
         self.global_samples = int(state.get("global_samples", 0))  # absent in older checkpoints

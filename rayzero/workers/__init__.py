@@ -3,6 +3,7 @@
 Inside a loop started by `rayzero.fit` (or `rayzero run`): `get_context()`, `report(metrics)`,
 `get_dataset_shard(name)`. See [Note: the worker session] in `session.py`.
 """
+from rayzero.workers.boundary import RunStopped
 from rayzero.workers.errors import RayZeroRuntimeError, WorkerSetupError
 from rayzero.workers.session import (
     Report,
@@ -16,6 +17,7 @@ from rayzero.workers.session import (
 __all__ = [
     "RayZeroRuntimeError",
     "Report",
+    "RunStopped",
     "TrainContext",
     "WorkerSetupError",
     "get_context",

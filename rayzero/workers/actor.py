@@ -11,6 +11,7 @@ import datetime
 import inspect
 import logging
 import os
+import signal
 import socket
 import threading
 import traceback
@@ -19,8 +20,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from rayzero.workers import session as session_module
+from rayzero.workers.boundary import (
+    CHECKPOINT_TIER_ENV,
+    NODE_LOCAL_RESUME,
+    BoundaryRequest,
+    Heartbeat,
+    RunStopped,
+    StepBoundary,
+    thread_stacks,
+)
 from rayzero.workers.errors import WorkerSetupError
-from rayzero.workers.session import Report, WorkerSession
+from rayzero.workers.session import Report, WorkerSession, peak_memory_bytes
 
 
 @dataclass(frozen=True)
@@ -47,6 +57,10 @@ class WorkerOutcome:
     """`Type: message` of the exception that ended the loop, or None."""
     traceback_text: str = ""
     """The formatted traceback of that exception, as the worker saw it."""
+    stopped: bool = False
+    """The loop ended because the run was told to stop (a planned stop, its checkpoint committed)."""
+    preempted: bool = False
+    """This worker's process got SIGTERM (the stop was a preemption)."""
 
 
 def _takes_an_argument(function: Callable[..., Any]) -> bool:
@@ -67,6 +81,30 @@ class TrainWorker:
         # The node's own node-local directory (e.g. the Kubernetes operator mounts a volume and exports
         # RAYZERO_NODE_LOCAL_DIR in the pod), read before setup() overwrites the environment.
         self._node_local_root = os.environ.get("RAYZERO_NODE_LOCAL_DIR")
+        # [Note: preemption] SIGTERM to this process (a pod being deleted, a spot node reclaimed) is a
+        # planned stop of the whole group: checkpoint at the next agreed boundary, then regroup on
+        # what remains. Ray runs an actor's __init__ on the process's main thread, the only place
+        # Python lets us install a signal handler; outside a running loop Ray's own handler (exit)
+        # still applies.
+        self.preempted = False
+        self._running = False
+        if threading.current_thread() is threading.main_thread():
+            self._previous_sigterm = signal.getsignal(signal.SIGTERM)
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        boundary = self._session.boundary if self._session is not None else None
+        if self._running and boundary is not None and not self.preempted:
+            self.preempted = True
+            boundary.preempt()
+            logging.getLogger("rayzero.workers").warning(
+                "rank %d got SIGTERM: checkpointing at the next step boundary, then stopping", boundary.rank)
+            return
+        previous = self._previous_sigterm
+        if callable(previous):
+            previous(signum, frame)
+        else:
+            raise SystemExit(128 + signum)
 
     def node_info(self) -> NodeInfo:
         import ray
@@ -96,11 +134,16 @@ class TrainWorker:
                 # Per node id under the node's root, as for the default root: two Ray nodes sharing one
                 # host path (two pods on one machine) must not share a checkpoint tier.
                 env["RAYZERO_NODE_LOCAL_DIR"] = f"{self._node_local_root}/{env['RAYZERO_NODE_ID']}"
-            os.environ.update(env)
             node_local_dir = env.get("RAYZERO_NODE_LOCAL_DIR")
             if node_local_dir:
                 os.makedirs(node_local_dir, exist_ok=True)
-            self._session = WorkerSession(rank=rank, dataset_shards=dict(dataset_shards))
+            if node_local_dir and env.get(CHECKPOINT_TIER_ENV) == "node_local":
+                # [Note: node-local runs] checkpoints stay on this node's disk (peers keep replicas);
+                # the same name under every node's root, so a rank resumes from whatever its node holds.
+                env["RAYZERO_CHECKPOINT_DIR"] = f"{node_local_dir}/checkpoints/{env.get('RAYZERO_RUN_NAME', 'run')}"
+                if env.get("RAYZERO_RESUME_FROM") == NODE_LOCAL_RESUME:
+                    env["RAYZERO_RESUME_FROM"] = env["RAYZERO_CHECKPOINT_DIR"]
+            os.environ.update(env)
             import torch
             import torch.distributed as dist
 
@@ -115,6 +158,12 @@ class TrainWorker:
                 world_size=int(env["WORLD_SIZE"]),
                 timeout=datetime.timedelta(seconds=timeout_s),
             )
+            # The boundary agreement runs on the CPU ([Note: agreed step boundary]): NCCL gets a gloo
+            # twin (creating it is collective: every rank does it here, in the same order).
+            agreement_group = dist.new_group(backend="gloo") if backend == "nccl" else None
+            boundary = StepBoundary(rank, env.get("RAYZERO_NODE_ID", ""), agreement_group,
+                                    env.get("RAYZERO_CHECKPOINT_DIR"))
+            self._session = WorkerSession(rank=rank, dataset_shards=dict(dataset_shards), boundary=boundary)
         except Exception as error:  # noqa: BLE001 - the controller reports it with this rank and traceback
             raise WorkerSetupError(
                 f"rank {rank} could not join the process group ({backend}, "
@@ -127,7 +176,12 @@ class TrainWorker:
         """Run the loop to its end; an exception is returned as data, not raised, with its traceback."""
         assert self._session is not None, "setup() must run before run()"
         rank = self._session.rank
+        boundary = self._session.boundary
         session_module.activate(self._session)
+        from rayzero.engine.engine import set_step_boundary_hook
+
+        set_step_boundary_hook(boundary)
+        self._running = True
         try:
             # Ray Train's convention: a loop with a parameter gets the config ({} when none was given).
             if _takes_an_argument(train_loop):
@@ -139,14 +193,21 @@ class TrainWorker:
             from rayzero.checkpoint.saver import wait_for_pending_saves
 
             wait_for_pending_saves()
-            return WorkerOutcome(rank)
+            return WorkerOutcome(rank, stopped=boundary is not None and boundary.should_stop(),
+                                 preempted=self.preempted)
+        except RunStopped:
+            return WorkerOutcome(rank, stopped=True, preempted=self.preempted)
         except BaseException as error:  # noqa: BLE001 - SystemExit from an argparse loop is a failure too
             return WorkerOutcome(rank, f"{type(error).__name__}: {error}", traceback.format_exc())
         finally:
+            self._running = False
+            set_step_boundary_hook(None)
             from rayzero.engine.offload import release_scratch
 
             release_scratch()  # NVMe swap files are the run's scratch: gone when the loop ends
             session_module.activate(None)
+            if boundary is not None:
+                boundary.finished = True
             self._finished.set()
             self._session.reports.put(None)  # wake a poll blocked on an empty queue
 
@@ -156,6 +217,21 @@ class TrainWorker:
             return []
         wait = 0.0 if self._finished.is_set() else timeout_s
         return self._session.drain(wait)
+
+    def heartbeat(self) -> Heartbeat | None:
+        """This rank's progress now (None before setup). Served while the loop runs."""
+        if self._session is None or self._session.boundary is None:
+            return None
+        return self._session.boundary.heartbeat(peak_memory_bytes())
+
+    def request_boundary(self, request_id: int, kind: int) -> None:
+        """Ask for a checkpoint (and a stop) at the next step boundary all ranks agree on."""
+        if self._session is not None and self._session.boundary is not None:
+            self._session.boundary.request(request_id, BoundaryRequest(kind))
+
+    def stacks(self) -> str:
+        """Every thread's Python stack in this worker process (for hang reports)."""
+        return thread_stacks()
 
     def shutdown(self) -> None:
         """Leave the process group so a restarted group in this process could form a new one."""

@@ -52,6 +52,13 @@ class TrainContext:
     attempt: int = 0
     """0 for the first attempt, incremented each time the controller restarts the worker group."""
 
+    def should_stop(self) -> bool:
+        """True once the run was told to stop (driver Ctrl-C/SIGTERM, `rayzero stop`, a resize or a
+        preemption) and, for a loop that steps a rayzero engine, the stop checkpoint is committed at a
+        step every rank reached. Leave the loop when it turns true; a loop that does not check gets
+        `RunStopped` from its next `engine(...)` call. Always False outside rayzero.fit."""
+        return _ACTIVE is not None and _ACTIVE.boundary is not None and _ACTIVE.boundary.should_stop()
+
     @property
     def config(self) -> dict[str, Any] | None:
         """The run's validated DeepSpeed config (what `rayzero.initialize` uses without `config=`)."""
@@ -96,7 +103,7 @@ class Report:
     """Peak memory of the worker so far: GPU max allocated when on a GPU, else peak RSS."""
 
 
-def _peak_memory_bytes() -> int:
+def peak_memory_bytes() -> int:
     try:
         import torch
 
@@ -118,14 +125,18 @@ class WorkerSession:
     """Ray Data iterators for this rank, by dataset name."""
     reports: queue.Queue[Report | None] = field(default_factory=queue.Queue)
     """Reports not yet collected by the controller; `None` wakes a waiting poll at the end."""
+    boundary: Any = None
+    """The engine step-boundary hook of this worker (rayzero.workers.boundary.StepBoundary)."""
     _seq: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def report(self, metrics: Mapping[str, Any], checkpoint: str | None = None) -> None:
         with self._lock:  # a loop may report from several threads; keep seq and queue order equal
-            item = Report(self.rank, self._seq, time.time(), dict(metrics), checkpoint, _peak_memory_bytes())
+            item = Report(self.rank, self._seq, time.time(), dict(metrics), checkpoint, peak_memory_bytes())
             self._seq += 1
             self.reports.put(item)
+        if self.boundary is not None:
+            self.boundary.progressed()
 
     def drain(self, timeout_s: float) -> list[Report]:
         """Wait up to `timeout_s` for a first report, then take every report already queued."""
@@ -176,7 +187,7 @@ def report(metrics: Mapping[str, Any], checkpoint: str | None = None) -> None:
         return
     rank = context_from_environment().rank
     _LOCAL_REPORTS.append(
-        Report(rank, len(_LOCAL_REPORTS), time.time(), dict(metrics), checkpoint, _peak_memory_bytes())
+        Report(rank, len(_LOCAL_REPORTS), time.time(), dict(metrics), checkpoint, peak_memory_bytes())
     )
 
 

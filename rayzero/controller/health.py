@@ -1,0 +1,79 @@
+"""Hang detection from per-rank heartbeats: a pure function of what the ranks last said.
+
+[Note: hang detection]
+A rank's heartbeat (rayzero.workers.boundary.Heartbeat) carries how long ago it last made progress
+(an engine forward or step, a report, a boundary save). A rank is hung when that age passes its
+limit: `startup_grace_s` before its first optimizer step (model build, data loading, first
+compile), afterwards `max(hang_timeout_s, multiple × its median step time)` so a slow model is not
+called hung. A rank writing a boundary checkpoint, or whose loop returned, is never hung. When any
+rank is hung the culprit is the one *behind*: the fewest steps, then one that is not inside an
+engine step (the others are inside, blocked in a collective waiting for it), then the fewest micro
+steps, then the oldest progress. A rank that does not
+answer its heartbeat at all for the same limit is hung too (its process is wedged outside Python).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rayzero.workers.boundary import Heartbeat
+
+
+@dataclass(frozen=True)
+class HangPolicy:
+    hang_timeout_s: float = 60.0
+    """No progress for this long after the first step is a hang (0 disables hang detection)."""
+    startup_grace_s: float = 600.0
+    """Before a rank's first optimizer step, the limit is this instead."""
+    multiple: float = 10.0
+    """Adaptive floor: the limit is at least this many median step times."""
+
+    def limit(self, beat: Heartbeat | None) -> float:
+        if beat is None or not beat.stepped:
+            return self.startup_grace_s
+        step_time = beat.step_time_s or 0.0
+        return max(self.hang_timeout_s, self.multiple * step_time)
+
+
+@dataclass(frozen=True)
+class Hang:
+    culprit: int
+    """The rank blamed (behind the others, or silent)."""
+    ages: dict[int, float]
+    """Every rank's seconds without progress."""
+    reason: str
+
+
+def find_hang(beats: dict[int, Heartbeat | None], silent_for: dict[int, float], policy: HangPolicy) -> Hang | None:
+    """A `Hang` when some rank exceeded its limit ([Note: hang detection]), else None.
+
+    `beats`: each rank's newest heartbeat (None when it never answered); `silent_for`: seconds since
+    each rank last answered a heartbeat call at all."""
+    if policy.hang_timeout_s <= 0:
+        return None
+    ages: dict[int, float] = {}
+    hung: list[int] = []
+    for rank, beat in beats.items():
+        if beat is not None and (beat.finished or beat.saving):
+            continue
+        age = max(beat.progress_age_s if beat is not None else 0.0, silent_for.get(rank, 0.0))
+        ages[rank] = age
+        if age > policy.limit(beat):
+            hung.append(rank)
+    if not hung:
+        return None
+
+    def behind(rank: int) -> tuple[int, bool, int, float]:
+        beat = beats.get(rank)
+        if beat is None:
+            return (-1, False, -1, -ages[rank])
+        return (beat.step, beat.in_step, beat.micro_step, -ages[rank])
+
+    culprit = min(ages, key=behind)
+    beat = beats.get(culprit)
+    where = (f"at step {beat.step} (micro step {beat.micro_step}, {'inside' if beat.in_step else 'outside'} an "
+             "engine step)") if beat is not None else "before its first heartbeat"
+    limit = policy.limit(beat)
+    reason = (f"rank {culprit} made no progress for {ages[culprit]:.0f}s {where} (limit {limit:.0f}s: "
+              f"FailureConfig.hang_timeout_s, at least {policy.multiple:g}x the median step time); "
+              f"seconds without progress per rank: " + ", ".join(f"{r}: {a:.0f}" for r, a in sorted(ages.items())))
+    return Hang(culprit, ages, reason)

@@ -1,0 +1,53 @@
+"""`RunStatus` snapshots of a live controller ([Note: the control seam] in status.py)."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from rayzero.controller.status import RankStatus, RunStatus
+
+if TYPE_CHECKING:
+    from rayzero.controller.controller import Controller
+
+
+def run_status(controller: Controller, run_name: str, started_at: float) -> RunStatus:
+    """A snapshot of `controller` now; reads only what its step loop already recorded (no worker call)."""
+    report = controller.last_rank0_report
+    metrics = report.metrics if report is not None else {}
+    step = metrics.get("step")
+    beats = dict(controller.heartbeats)  # a copy: the step thread updates it (dict() copies atomically)
+    if not isinstance(step, (int, float)):
+        beat = beats.get(0)
+        step = beat.step if beat is not None else 0
+    loss = metrics.get("loss")
+    ranks = tuple(
+        RankStatus(rank=rank, node_id=beat.node_id, heartbeat_age_s=beat.progress_age_s, step=beat.step,
+                   micro_step=beat.micro_step, memory_bytes=beat.memory_bytes,
+                   host_memory_bytes=beat.host_memory_bytes)
+        for rank, beat in sorted(beats.items()) if beat is not None and rank < controller.world_size)
+    latest = controller.latest_checkpoint
+    plan = controller.plan
+    budget = controller.policy_budget
+    return RunStatus(
+        run_name=run_name,
+        state=controller.state.value,
+        attempt=controller.attempt,
+        world_size=controller.world_size,
+        min_workers=plan.min_workers,
+        max_workers=plan.max_workers,
+        started_at=started_at,
+        step=int(step),
+        loss=float(loss) if isinstance(loss, (int, float)) else None,
+        samples_per_s=_number(metrics.get("samples_per_s")),
+        tokens_per_s=_number(metrics.get("tokens_per_s")),
+        last_report_time=report.time if report is not None else 0.0,
+        checkpoints=(latest,) if latest is not None else (),
+        failures=controller.failures,
+        max_failures=budget,
+        ranks=ranks,
+        message=controller.message,
+        extra={"stopped": str(controller.stopped).lower()} if controller.state.is_terminal else {},
+    )
+
+
+def _number(value: object) -> float | None:
+    return float(value) if isinstance(value, (int, float)) else None

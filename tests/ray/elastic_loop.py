@@ -1,0 +1,85 @@
+"""A tiny deterministic training loop for the controller's fault and resize tests.
+
+The global batch of step s is always samples [s*B, (s+1)*B) of one fixed dataset, however the run is
+split into ranks and micro batches, so the weights after N steps are the same at every world size
+(up to float summation order) and equal to plain SGD on those batches (`reference_weights`).
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+import rayzero
+
+SAMPLES = 96
+FEATURES = 8
+
+
+def dataset() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1234)
+    inputs = torch.randn(SAMPLES, FEATURES, generator=generator)
+    targets = inputs @ torch.linspace(-1, 1, FEATURES).unsqueeze(1) + 0.5
+    return inputs, targets
+
+
+def config(batch: int = 12, micro: int = 2, lr: float = 0.05) -> dict:
+    return {"train_batch_size": batch, "train_micro_batch_size_per_gpu": micro,
+            "optimizer": {"type": "SGD", "params": {"lr": lr}}, "gradient_clipping": 0.0,
+            "zero_optimization": {"stage": 1}}
+
+
+def initial_model() -> torch.nn.Linear:
+    torch.manual_seed(0)
+    return torch.nn.Linear(FEATURES, 1)
+
+
+def train(loop_config: dict) -> None:
+    context = rayzero.get_context()
+    model = initial_model()
+    engine, _, _, _ = rayzero.initialize(model=model)
+    if context.resume_from:
+        engine.load_checkpoint(context.resume_from)
+        rayzero.report({"loaded_step": engine.global_steps,
+                        "loaded": torch.cat([p.detach().flatten() for p in model.parameters()]).tolist()})
+    inputs, targets = dataset()
+    world, gas = engine.world_size, engine.gradient_accumulation_steps()
+    micro = engine.train_micro_batch_size_per_gpu()
+    batch = micro * gas * world
+    started_at = engine.global_steps
+    if loop_config.get("pid_dir"):  # the fault tests signal this process
+        import os
+
+        Path(loop_config["pid_dir"], f"rank{context.rank}.attempt{context.attempt}").write_text(str(os.getpid()))
+    while engine.global_steps < loop_config["steps"] and not context.should_stop():
+        step = engine.global_steps
+        for micro_step in range(gas):
+            first = step * batch + (micro_step * world + context.rank) * micro
+            index = torch.arange(first, first + micro) % SAMPLES
+            loss = torch.nn.functional.mse_loss(engine(inputs[index]), targets[index])
+            engine.backward(loss)
+            engine.step()
+        if loop_config.get("save_every") and engine.global_steps % loop_config["save_every"] == 0:
+            engine.save_checkpoint()
+        rayzero.report({"step": engine.global_steps, "loss": loss.item(), "world": world, "gas": gas,
+                        "attempt": context.attempt, "started_at": started_at})
+        hang_here = loop_config.get("hang_rank") == context.rank and engine.global_steps == loop_config.get("hang_at")
+        if hang_here and context.attempt == 0:
+            time.sleep(3600)  # a hung rank: the others block in the next collective
+        time.sleep(loop_config.get("sleep", 0.0))
+    weights = torch.cat([p.detach().flatten() for p in model.parameters()]).tolist()
+    rayzero.report({"final": weights, "final_step": engine.global_steps})
+
+
+def reference_weights(steps: int, batch: int = 12, lr: float = 0.05) -> list[float]:
+    """Plain torch SGD over the same global batches, in one process."""
+    model = initial_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    inputs, targets = dataset()
+    for step in range(steps):
+        index = torch.arange(step * batch, (step + 1) * batch) % SAMPLES
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(inputs[index]), targets[index]).backward()
+        optimizer.step()
+    return torch.cat([p.detach().flatten() for p in model.parameters()]).tolist()

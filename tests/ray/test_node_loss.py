@@ -1,0 +1,121 @@
+"""Losing a node through `rayzero.fit`: node-local checkpoints only (no shared checkpoint path), 3 fake
+nodes, one rank each. The node goes away with its disk; the run restarts with the 2 workers that now
+fit, resumes from the survivors' copies and peer replicas, and ends with the weights of one process."""
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import rayzero
+from rayzero.driver.fit import controller_actor_name
+
+ray = pytest.importorskip("ray")
+from ray.cluster_utils import Cluster
+
+sys.path.insert(0, str(Path(__file__).parent))
+import elastic_loop
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """3 fake nodes of 1 CPU; each node's workers see their own node-local directory."""
+    if ray.is_initialized():
+        ray.shutdown()
+    node_root = tmp_path_factory.mktemp("node-local")
+    os.environ["RAYZERO_NODE_LOCAL_DIR"] = str(node_root)  # inherited by the fake nodes' workers
+    made = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    try:
+        nodes = [made.head_node] + [made.add_node(num_cpus=1) for _ in range(2)]
+        made.wait_for_nodes()
+        ray.init(address=made.address, logging_level="WARNING")
+        yield made, nodes, node_root
+    finally:
+        os.environ.pop("RAYZERO_NODE_LOCAL_DIR", None)
+        ray.shutdown()
+        made.shutdown()
+
+
+def _fit_in_thread(tmp_path, name: str, workers, steps: int, save_every: int | None, max_failures: int = 0):
+    config = dict(elastic_loop.config(), checkpoint={"use_node_local_storage": True, "replicas": 1})
+    box: dict = {}
+
+    def run():
+        try:
+            box["result"] = rayzero.fit(
+                elastic_loop.train, config=config,
+                scaling=rayzero.ScalingConfig(num_workers=workers, placement_strategy="SPREAD"),
+                run=rayzero.RunConfig(name=name, storage=(tmp_path / "runs").as_uri(), progress_interval_s=30),
+                failure=rayzero.FailureConfig(max_failures=max_failures, backoff_s=0),
+                train_loop_config={"steps": steps, "sleep": 0.25, "save_every": save_every})
+        except BaseException as error:  # noqa: BLE001 - re-raised by the test
+            box["error"] = error
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, box
+
+
+def _check(result, steps: int, worlds: tuple[int, int], failures: int):
+    history = [m for m in result.metrics_history if "step" in m]
+    assert (history[0]["world"], history[-1]["world"]) == worlds and result.failures == failures
+    resumed = [m for m in history if m["attempt"] > 0]
+    assert resumed[0]["started_at"] >= 2  # from a committed node-local checkpoint, not from scratch
+    assert [m["step"] for m in resumed] == list(range(resumed[0]["started_at"] + 1, steps + 1))
+    loaded = [m for m in result.metrics_history if "loaded" in m][-1]
+    assert loaded["loaded_step"] == resumed[0]["started_at"]
+    assert loaded["loaded"] == pytest.approx(elastic_loop.reference_weights(loaded["loaded_step"]), abs=1e-5)
+    final = [m for m in result.metrics_history if "final" in m][-1]
+    assert final["final"] == pytest.approx(elastic_loop.reference_weights(steps), abs=1e-5)
+
+
+def test_node_loss_resumes_from_peer_replicas_with_fewer_workers(cluster, tmp_path):
+    made, nodes, node_root = cluster
+    thread, box = _fit_in_thread(tmp_path, "nodeloss", (2, 3), 24, save_every=2, max_failures=1)
+    lost = nodes[2]
+    lost_dir = node_root / lost.node_id / "checkpoints" / "nodeloss"
+    deadline = time.monotonic() + 120
+    while not any((p / "manifest.json").exists() for p in lost_dir.glob("global_step*")):
+        assert time.monotonic() < deadline and thread.is_alive(), box
+        time.sleep(0.1)
+    time.sleep(0.3)
+    made.remove_node(lost)
+    shutil.rmtree(node_root / lost.node_id)  # its disk is gone with it
+    thread.join(240)
+    assert "error" not in box, box.get("error")
+    _check(box["result"], 24, (3, 2), failures=1)
+    shared = tmp_path / "runs" / "nodeloss" / "checkpoints"
+    assert not any(shared.glob("global_step*"))  # nothing went through shared storage
+
+
+def test_a_drain_notice_checkpoints_and_regroups_without_the_node(cluster, tmp_path):
+    made, nodes, node_root = cluster  # nodes 0 and 1 are left
+    from ray._raylet import GcsClient
+    from ray.core.generated import autoscaler_pb2
+
+    thread, box = _fit_in_thread(tmp_path, "drain", (1, 2), 16, save_every=None)  # never saves itself
+    draining = nodes[1]
+    run_dir = node_root / draining.node_id / "checkpoints" / "drain"
+    deadline = time.monotonic() + 120
+    controller = None
+    while controller is None or ray.get(controller.status.remote()).step < 3:  # a few steps in
+        assert time.monotonic() < deadline and thread.is_alive(), box
+        try:
+            controller = controller or ray.get_actor(controller_actor_name("drain"))
+        except ValueError:
+            pass
+        time.sleep(0.2)
+    assert {r.node_id for r in ray.get(controller.status.remote()).ranks} == {nodes[0].node_id, draining.node_id}
+    accepted, why = GcsClient(address=made.address).drain_node(
+        draining.node_id, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
+        "spot reclaim (test)", int((time.time() + 60) * 1000))
+    assert accepted, why
+    thread.join(240)
+    assert "error" not in box, box.get("error")
+    _check(box["result"], 16, (2, 1), failures=0)  # planned: no budget used, nothing lost
+    assert any((p / "manifest.json").exists() for p in run_dir.glob("global_step*"))  # the boundary save
