@@ -75,7 +75,7 @@ class RayZeroConfig(UnimplementedSections):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     """Checkpoint writing options."""
     elasticity: ElasticityConfig = Field(default_factory=ElasticityConfig)
-    """DeepSpeed elasticity (removed in DeepSpeed 0.19: `enabled: true` is refused)."""
+    """DeepSpeed elasticity, honoured by rayzero's elastic controller (DeepSpeed 0.19 removed it)."""
     data_types: DataTypesConfig = Field(default_factory=DataTypesConfig)
     """Gradient-accumulation and load dtypes (DeepSpeed's `data_types`)."""
     tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig)

@@ -136,10 +136,8 @@ def _removed(config: RayZeroConfig, notes: list[str], problems: list[Problem]) -
         else:
             notes.append(f"ignored: `{name}` is disabled; {what} was removed in DeepSpeed 0.19 (which refuses the "
                          "key): remove it")
-    if config.elasticity.enabled is True:
-        problems.append(Problem("elasticity.enabled", True, "elastic training was removed in DeepSpeed 0.19",
-                                "remove the elasticity section; rayzero keeps the global batch across resizes "
-                                "by changing gradient accumulation (see ScalingConfig)"))
+    # `elasticity` is a deliberate difference: DeepSpeed 0.19 refuses `enabled: true` (it removed
+    # elastic training); rayzero's controller honours the block (rayzero/controller/elastic.py).
 
 
 def _walk(model: BaseModel, path: str) -> Iterator[tuple[str, FieldInfo, Any]]:

@@ -216,8 +216,9 @@ class ElasticityConfig(ConfigModel):
     """DeepSpeed elasticity: batch sizes that stay valid as the GPU count changes."""
 
     enabled: Bool = False
-    """DeepSpeed's elastic batch computation, removed in DeepSpeed 0.19: `true` is refused (rayzero
-    resizes by changing gradient accumulation, see the driver's ScalingConfig)."""
+    """DeepSpeed's elastic batch computation (its v0.1/v0.2 algorithm; DeepSpeed 0.19 removed it and
+    refuses `true`): rayzero's controller picks the global batch and micro batch per world size from
+    this block when a run resizes (rayzero/controller/elastic.py)."""
     max_train_batch_size: Int = Field(2000, ge=1)
     """Largest acceptable global batch."""
     micro_batch_sizes: list[Int] = Field(default_factory=lambda: [2, 4, 6])

@@ -21,8 +21,9 @@ TRAINER = {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 1, "
 
 
 def _offloading(path: Path) -> bool:
-    zero = load_config(path, allow_unresolved=True).zero_optimization
-    return "none" != zero.offload_optimizer_device or "none" != zero.offload_param_device
+    zero = json.loads(path.read_text()).get("zero_optimization")
+    return isinstance(zero, dict) and any(isinstance(zero.get(key), dict) and zero[key].get("device", "none") != "none"
+                                          for key in ("offload_optimizer", "offload_param"))
 
 
 OFFLOAD_EXAMPLES = [p for p in EXAMPLES if _offloading(p)]
@@ -59,6 +60,12 @@ def test_offload_example_trains_under_fit(path: Path, local_ray, tmp_path) -> No
     from rayzero.demo.train import train_loop
     from rayzero.driver.fit import fit
 
+    from rayzero.config import ConfigError
+
+    if path.name == "ds_reference_zero3_nvme.json":  # NVMe with ratio 0.3: DeepSpeed 0.19.8 refuses it too
+        with pytest.raises(ConfigError, match="offload_optimizer.ratio"):
+            _runnable(path, tmp_path)
+        return
     config = _runnable(path, tmp_path)
     if config["optimizer"]["type"] == "OneBitAdam":  # compressed communication: refused by name, not run
         with pytest.raises(Exception, match="OneBitAdam"):

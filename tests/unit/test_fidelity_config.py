@@ -43,7 +43,6 @@ def _accepts(source: dict) -> bool:
     {"sparse_attention": {"mode": "fixed", "block": 16}},
     {"curriculum_learning": {"enabled": True, "curriculum_type": "seqlen"}},
     {"compression_training": {"weight_quantization": {"shared_parameters": {"enabled": True}}}},
-    {"elasticity": {"enabled": True, "max_train_batch_size": 64}},
     {"compile": {"disable": False, "backend": "inductor"}},
     {"zero_optimization": {"reduce_bucket_size": 0}},
     {"zero_optimization": {"stage": 3, "stage3_max_live_parameters": "auto", "sub_group_size": "auto",
@@ -55,6 +54,14 @@ def _accepts(source: dict) -> bool:
 ])
 def test_same_verdict_as_deepspeed_on_the_listed_cases(source):
     assert _accepts(source) == _deepspeed_accepts(source)
+
+
+def test_elasticity_is_a_deliberate_difference_accepted_and_honoured():
+    """DeepSpeed 0.19 refuses `elasticity.enabled` (it removed elastic training); rayzero's controller
+    implements the block (tests/unit/test_elastic_plan.py, tests/ray/test_planned_stop.py)."""
+    source = {"elasticity": {"enabled": True, "max_train_batch_size": 64}}
+    assert _accepts(source)
+    assert not _deepspeed_accepts(source)
 
 
 def test_removed_features_are_refused_only_when_enabled():
