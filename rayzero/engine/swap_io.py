@@ -102,30 +102,24 @@ class SwapFile:
 
     def write(self, buffer: AlignedBuffer, nbytes: int) -> None:
         """Write the first `nbytes` (aligned up) of `buffer` to the start of the file."""
-        nbytes = align_up(nbytes)
-
-        def one(offset: int, size: int) -> None:
-            view = buffer.memoryview(offset, size)
-            done = 0
-            while done < size:
-                done += os.pwritev(self.fd, [view[done:]], offset + done)
-        for future in [self.pool.submit(one, o, s) for o, s in self._requests(nbytes)]:
-            future.result()
+        self._transfer(os.pwritev, buffer, nbytes)
 
     def read(self, buffer: AlignedBuffer, nbytes: int) -> None:
         """Fill the first `nbytes` (aligned up) of `buffer` from the start of the file."""
-        nbytes = align_up(nbytes)
+        self._transfer(os.preadv, buffer, nbytes)
 
+    def _transfer(self, call, buffer: AlignedBuffer, nbytes: int) -> None:
+        """`call` (os.preadv / os.pwritev) over the aligned range in parallel requests."""
         def one(offset: int, size: int) -> None:
             view = buffer.memoryview(offset, size)
             done = 0
             while done < size:
-                got = os.preadv(self.fd, [view[done:]], offset + done)
-                if got == 0:
+                moved = call(self.fd, [view[done:]], offset + done)
+                if moved == 0:
                     raise OSError(f"swap file {self.path} is shorter than expected ({offset + done} < "
                                   f"{offset + size} bytes): it was truncated or replaced while training")
-                done += got
-        for future in [self.pool.submit(one, o, s) for o, s in self._requests(nbytes)]:
+                done += moved
+        for future in [self.pool.submit(one, o, s) for o, s in self._requests(align_up(nbytes))]:
             future.result()
 
     def close(self, remove: bool = True) -> None:
