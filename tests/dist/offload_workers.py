@@ -84,7 +84,8 @@ def measured_memory(rank: int, world: int, payload: dict) -> list[dict]:
                   "bf16": {"enabled": precision == "bf16"}}
         engine, *_ = rayzero.initialize(model=mlp(), config=config)
         for _ in range(2):
-            x = torch.randn(4, ESTIMATE_WIDTH)
+            # inputs are the loop's to cast (DeepSpeed casts only with fp16.auto_cast)
+            x = torch.randn(4, ESTIMATE_WIDTH).to(torch.bfloat16 if precision == "bf16" else torch.float32)
             engine.backward(engine(x).float().pow(2).mean())
             engine.step()
         out.append({"run": (precision, stage, opt_off, param_off), "stats": engine.memory_stats(),
