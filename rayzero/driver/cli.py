@@ -117,9 +117,12 @@ def _flag_problems(error: ValidationError, args: argparse.Namespace) -> str:
     lines = []
     for item in error.errors():
         field = str(item["loc"][0]) if item.get("loc") else ""
+        message = str(item.get("msg", "")).removeprefix("Value error, ").replace("Input should be", "must be")
+        if not field and "=" in message.split(":")[0]:  # a whole-model check: "num_workers=0: give ..."
+            field, _, message = message.partition(":")
+            field, message = field.split("=")[0].strip(), message.strip()
         flag = _FLAGS.get(field, field)
         value = getattr(args, flag.lstrip("-").split("/")[0].replace("-", "_"), item.get("input"))
-        message = str(item.get("msg", "")).removeprefix("Value error, ").replace("Input should be", "must be")
         lines.append(f"{flag} {value}: {message}")
     return "; ".join(lines)
 

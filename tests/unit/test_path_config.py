@@ -18,7 +18,7 @@ def test_every_problem_of_the_hf_guide_config_arrives_in_one_round_the_hint_once
         validated_config(str(Path(__file__).resolve().parents[2] / "examples" / "ds_zero3_auto.json"), 2)
     paths = [problem.path for problem in raised.value.problems]
     assert "optimizer.params.lr" in paths and "fp16.enabled" in paths  # unresolved trainer autos
-    assert "zero_optimization.offload_param.device" in paths  # and the offload refusal, same round
+    assert not [p for p in paths if "offload" in p]  # CPU offload runs: nothing to refuse there
     assert "zero_optimization.reduce_bucket_size" not in paths  # resolved later from model.config
     assert str(raised.value).count("--trainer KEY=VALUE") == 1
 
