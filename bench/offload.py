@@ -67,20 +67,23 @@ def _adamw_step_timer(kind: str, numel: int):
 def bench_cpu_step(numel: int, threads: int, rounds: int) -> dict[str, Any]:
     torch.set_num_threads(threads)
     out: dict[str, Any] = {"elements": numel, "threads": threads}
+    steps = {}
     for kind in ("rayzero", "deepspeed_cpu_adam", "torch_fused", "torch_foreach", "torch_for_loop"):
         try:
-            step = _adamw_step_timer(kind, numel)
+            steps[kind] = _adamw_step_timer(kind, numel)
         except Exception as error:  # noqa: BLE001 - a system that cannot run here gets an error row
             out[kind] = {"error": f"{type(error).__name__}: {error}"[:300]}
             continue
-        step()  # state allocation and first-touch are not part of the steady step
-        times = []
-        for _ in range(rounds):
+        steps[kind]()  # state allocation and first-touch are not part of the steady step
+    times: dict[str, list[float]] = {kind: [] for kind in steps}
+    for _ in range(rounds):  # interleaved: drifts of clock and memory hit every system alike
+        for kind, step in steps.items():
             start = time.perf_counter()
             step()
-            times.append(time.perf_counter() - start)
-        seconds = statistics.median(times)
-        out[kind] = {"seconds": _spread(times), "params_per_s": numel / seconds, "gb_per_s": 28 * numel / seconds / 1e9}
+            times[kind].append(time.perf_counter() - start)
+    for kind, values in times.items():
+        seconds = statistics.median(values)
+        out[kind] = {"seconds": _spread(values), "params_per_s": numel / seconds, "gb_per_s": 28 * numel / seconds / 1e9}
     a, b, c = torch.empty(numel), torch.randn(numel), torch.randn(numel)
     triad = []
     for _ in range(rounds):
