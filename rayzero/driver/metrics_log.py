@@ -68,12 +68,21 @@ class MetricsLog:
         self._flush_interval_s = flush_interval_s
         self._flushed_at = time.monotonic()
         self._dirty = False
-        # A rerun of the same run name appends to its log instead of replacing it.
+        # A rerun of the same run name appends to its log instead of replacing it: the earlier rows
+        # stay (a step this run re-does replaces its row), this run's reports are a later attempt,
+        # and `history()` is this run's own (None marks a row no report of this run wrote).
         try:
             with self._filesystem.open_input_file(f"{self._dir}/{METRICS_FILE}") as source:
                 self._rows = pq.read_table(source).to_pylist()
         except (OSError, pa.ArrowInvalid):
             pass
+        self._metrics = [None] * len(self._rows)
+        for index, row in enumerate(self._rows):
+            step = row.get("step")
+            if isinstance(row.get("rank"), int) and isinstance(step, (int, float, str)) and not isinstance(step, bool):
+                self._row_of[(row["rank"], step)] = index
+        attempts = [row["attempt"] for row in self._rows if isinstance(row.get("attempt"), int)]
+        self.attempt = max(attempts) + 1 if attempts else 0
 
     def add(self, item: Report) -> None:
         if item.seq <= self._last_seq.get(item.rank, -1):  # a fresh worker process: the next attempt
@@ -99,7 +108,8 @@ class MetricsLog:
     def history(self, rank: int = 0) -> list[dict[str, Any]]:
         """What `rank` reported, one dict per step (a re-run step's newest report), in step order of
         first appearance; what `Result.metrics_history` holds for rank 0."""
-        return [metrics for row, metrics in zip(self._rows, self._metrics) if row["rank"] == rank]
+        return [metrics for row, metrics in zip(self._rows, self._metrics)
+                if row["rank"] == rank and metrics is not None]
 
     def flush(self) -> None:
         self._flushed_at = time.monotonic()

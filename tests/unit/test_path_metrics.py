@@ -36,6 +36,23 @@ def test_re_run_steps_replace_their_rows_marked_by_attempt(tmp_path):
     assert all(time >= 100 for _, step, _, time in rows if step >= 3)  # the newer report won
 
 
+def test_a_same_name_rerun_appends_replaces_re_run_steps_and_reports_only_its_own(tmp_path):
+    first = MetricsLog(tmp_path.as_uri())
+    for item in _reports(0, range(5), 0) + _reports(1, range(5), 0):
+        first.add(item)
+    first.flush()
+    rerun = MetricsLog(tmp_path.as_uri())  # a new fit with the same name: resumes at step 3
+    for item in _reports(0, range(3, 7), 100) + _reports(1, range(3, 7), 100):
+        rerun.add(item)
+    rerun.flush()
+    assert [m["step"] for m in rerun.history()] == [3, 4, 5, 6]  # this run's reports, each step once
+    assert [m["step"] for m in rerun.history(rank=1)] == [3, 4, 5, 6]
+    table = pq.read_table(str(tmp_path / "metrics.parquet")).to_pydict()
+    rows = sorted(zip(table["rank"], table["step"], table["attempt"]))
+    assert [(step, attempt) for rank, step, attempt in rows if rank == 0] == [
+        (0, 0), (1, 0), (2, 0), (3, 1), (4, 1), (5, 1), (6, 1)]
+
+
 def test_the_progress_line_says_resumed_when_the_step_goes_back():
     lines: list[str] = []
     progress = Progress(None, interval_s=3600, phase_keys=False, emit=lines.append)
