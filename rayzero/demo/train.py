@@ -57,9 +57,15 @@ def train_loop(config: dict[str, Any] | None = None) -> None:
         n_embd=int(options.get("n_embd", 128)),
     )
     torch.manual_seed(seed)  # every rank builds the same initial weights
+    model = CharGPT(gpt)
     # Under rayzero.fit the run's config reaches the engine through the environment (config=None).
+    # A config without an `optimizer` section (the HF guide's snippets: the Trainer brings its own)
+    # gets the demo's AdamW, as the HF Trainer would give it one.
+    run_config = context.config or DEFAULT_DS_CONFIG
+    optimizer = None if "optimizer" in run_config else torch.optim.AdamW(
+        model.parameters(), lr=float(options.get("lr", 1e-3)), weight_decay=0.0)
     engine, _, _, _ = rayzero.initialize(
-        model=CharGPT(gpt), config=None if context.config else DEFAULT_DS_CONFIG
+        model=model, config=None if context.config else DEFAULT_DS_CONFIG, optimizer=optimizer
     )
     micro_batch = int(engine.config.train_micro_batch_size_per_gpu)  # resolved, also from train_batch_size
     accumulation = int(engine.gradient_accumulation_steps())

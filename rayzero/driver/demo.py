@@ -10,6 +10,7 @@ import json
 import sys
 from typing import Any
 
+from rayzero.config.cli import _trainer_arg
 from rayzero.controller.configs import RunConfig, ScalingConfig
 from rayzero.controller.errors import TrainingFailedError
 
@@ -24,6 +25,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--storage", default=None, help="root URI for runs (default ./runs)")
     parser.add_argument("--name", default=None, help="run name")
     parser.add_argument("--gpus-per-worker", type=float, default=0, help="GPUs per worker (default 0)")
+    parser.add_argument("--trainer", type=_trainer_arg, action="append", default=[], metavar="KEY=VALUE",
+                        help="an HF trainer argument for the config's \"auto\" values (repeatable), as in "
+                             "`rayzero run`, e.g. --trainer per_device_train_batch_size=4")
     return parser
 
 
@@ -65,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
                                   resources_per_worker=resources),
             run=RunConfig(name=args.name, storage=args.storage),
             train_loop_config={"steps": args.steps},
+            trainer=dict(args.trainer) or None,
         )
         summary = summarize(result, args.steps, args.workers)
     except ConfigError as error:

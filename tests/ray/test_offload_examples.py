@@ -82,3 +82,16 @@ def test_offload_example_trains_under_fit(path: Path, local_ray, tmp_path) -> No
     assert len(losses) >= 6 and all(math.isfinite(x) for x in losses)
     assert losses[-1] < losses[0], losses
     assert not list((tmp_path / "nvme").glob("rayzero-swap/*")), "swap files are removed at the end"
+
+
+def test_demo_runs_the_hf_guide_offload_config_with_trainer_facts(local_ray, tmp_path, capsys) -> None:
+    """`rayzero demo --config` with the HF guide's ZeRO-3 CPU-offload snippet: the trainer's facts
+    fill its batch keys and, with no optimizer section, the demo brings an AdamW as the Trainer would."""
+    from rayzero.driver import demo
+
+    code = demo.main(["--config", str(EXAMPLES[0].parent / "hf_zero3.json"), "--steps", "6", "--workers", "2",
+                      "--storage", (tmp_path / "runs").as_uri(), "--trainer", "per_device_train_batch_size=4",
+                      "--trainer", "learning_rate=3e-3", "--trainer", "warmup_steps=2"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "rayzero demo: 6 steps on 2 workers" in out
