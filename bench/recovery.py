@@ -31,6 +31,17 @@ from pathlib import Path
 STEPS = 400  # the loop runs until the case stops it; this bounds a case that never recovers
 
 
+
+def _inject(kind: str, pids: Path, hang_flag: Path) -> bool:
+    """The fault `kind` on rank 1 (kill, sigterm, hang); False for a kind that is not a fault."""
+    if kind in ("kill", "sigterm"):
+        os.kill(int((pids / "rank1.attempt0").read_text()), signal.SIGKILL if kind == "kill" else signal.SIGTERM)
+    elif kind == "hang":
+        hang_flag.write_text("1")
+    else:
+        return False
+    return True
+
 def _model_and_data():
     import torch
 
@@ -109,13 +120,7 @@ def rayzero_case(kind: str, args: argparse.Namespace, root: Path) -> dict:
         time.sleep(0.05)
     before = ray.get(controller.status.remote())
     fault_at = time.time()
-    if kind == "kill":
-        os.kill(int((pids / "rank1.attempt0").read_text()), signal.SIGKILL)
-    elif kind == "sigterm":
-        os.kill(int((pids / "rank1.attempt0").read_text()), signal.SIGTERM)
-    elif kind == "hang":
-        hang_flag.write_text("1")
-    elif kind == "resize":
+    if not _inject(kind, pids, hang_flag) and kind == "resize":
         ray.get(controller.scale.remote(1))
     decided_at = None
     while decided_at is None and time.time() - fault_at < 300:
@@ -212,12 +217,7 @@ def ray_train_case(kind: str, args: argparse.Namespace, root: Path) -> dict:
         time.sleep(0.05)
     fault_at = time.time()
     reached = max(int(p.name.split(".")[1]) for p in times.glob("0.*"))
-    if kind == "kill":
-        os.kill(int((pids / "rank1.attempt0").read_text()), signal.SIGKILL)
-    elif kind == "sigterm":
-        os.kill(int((pids / "rank1.attempt0").read_text()), signal.SIGTERM)
-    elif kind == "hang":
-        hang_flag.write_text("1")
+    _inject(kind, pids, hang_flag)
     deadline = time.time() + args.ray_train_wait_s
     while not list(times.glob("1.*")) and time.time() < deadline:
         time.sleep(0.05)

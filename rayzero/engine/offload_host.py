@@ -56,8 +56,7 @@ class HostOffload(OffloadBackend):
         self._arena = None
         if zero.offload_param_device == "nvme":
             self._arena = _param_arena(param_cfg)
-            atexit.register(self.close)
-            _SCRATCH_OWNERS.add(self)
+            self._own_scratch()
         if optimizer_cfg is not None and optimizer_cfg.ratio < 1.0:
             warnings.warn(
                 f"zero_optimization.offload_optimizer.ratio={optimizer_cfg.ratio}: the whole optimizer step "
@@ -93,6 +92,13 @@ class HostOffload(OffloadBackend):
 
     def breakdown(self) -> dict[str, float]:
         return dict(self._timings)
+
+    def _own_scratch(self) -> None:
+        """This backend holds scratch files: closed at exit and by `release_scratch` (once)."""
+        if not getattr(self, "_scratch_owned", False):
+            self._scratch_owned = True
+            atexit.register(self.close)
+            _SCRATCH_OWNERS.add(self)
 
     def close(self) -> None:
         """Remove the parameter swap files (mapped shards stay readable until released)."""

@@ -26,7 +26,6 @@ host are removed at start. Checkpoints hold the state itself ([Note: flat-range 
 """
 from __future__ import annotations
 
-import atexit
 import contextlib
 import os
 import queue
@@ -43,11 +42,9 @@ from typing import Any
 import torch
 
 from rayzero.config.errors import RayZeroValueError
-from rayzero.engine.offload import _SCRATCH_OWNERS
 from rayzero.engine.offload_host import HostOffload, cpu_threads
 from rayzero.engine.optim_state import zero_state_template
 from rayzero.engine.swap_io import AlignedBuffer, IOKnobs, SwapFile, align_up, io_layer_name
-
 
 _TILE_ALIGN = 64
 """Elements: a multiple of every CPU vector width (AVX-512: 16 fp32) and of 4 KiB / 64."""
@@ -84,12 +81,17 @@ def _elementwise(value: Any, numel: int) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() == numel
 
 
-def _step_proxy(optimizer: torch.optim.Optimizer, tile: _Tile, state: dict) -> dict:
+def _owner_groups(optimizer: torch.optim.Optimizer) -> dict[int, dict]:
+    """id(parameter) -> the param group holding it."""
+    return {id(p): group for group in optimizer.param_groups for p in group["params"]}
+
+
+def _step_proxy(optimizer: torch.optim.Optimizer, tile: _Tile, state: dict, owner: dict) -> dict:
     """optimizer.step() on just `tile`'s range through a proxy ([Note: NVMe tiles]); returns the
-    proxy's state (`state` as given, or what torch created when it was empty)."""
+    proxy's state (`state` as given, or what torch created when it was empty). `owner` is the
+    param group holding the tile's master."""
     proxy = tile.master.detach()[tile.start:tile.end]
     proxy.grad = tile.master.grad[tile.start:tile.end]
-    owner = next(g for g in optimizer.param_groups if any(p is tile.master for p in g["params"]))
     saved_groups, saved_params = optimizer.param_groups, owner["params"]
     optimizer.state[proxy] = state
     try:
@@ -180,8 +182,7 @@ class NvmeOffload(HostOffload):
             warnings.warn(f"{key}={options.nvme_path!r}: the filesystem refuses O_DIRECT (tmpfs or a FUSE mount?); "
                           "swap files use buffered I/O through the page cache, which holds the state in memory "
                           "again. Point nvme_path at a local disk", stacklevel=3)
-        atexit.register(self.close)
-        _SCRATCH_OWNERS.add(self)
+        self._own_scratch()
 
     @property
     def io_layer(self) -> str:
@@ -256,6 +257,7 @@ class NvmeOffload(HostOffload):
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         masters = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         tiles = [tile for master in masters for tile in self._tiles_of(master)]
+        owners = _owner_groups(optimizer)
         timings = {"cpu_step": 0.0, "nvme_read": 0.0, "nvme_write": 0.0}
         reads: dict[int, Future] = {}
         writes: list[Future] = []
@@ -286,7 +288,7 @@ class NvmeOffload(HostOffload):
                     proxy_state.update({key: tile.view(slot, offset, dtype) for key, offset, dtype in tile.layout})
                 start = time.perf_counter()
                 with cpu_threads(self.step_threads):
-                    proxy_state = _step_proxy(optimizer, tile, proxy_state)
+                    proxy_state = _step_proxy(optimizer, tile, proxy_state, owners[id(tile.master)])
                 timings["cpu_step"] += time.perf_counter() - start
                 entries = {k: v for k, v in proxy_state.items() if _elementwise(v, tile.numel)}
                 if not tile.layout:  # first step: torch created the (tile-sized) state; move it to a buffer
