@@ -1,4 +1,5 @@
-"""The driver's periodic progress line: step, loss, samples/s, tokens/s, memory per rank.
+"""The driver's periodic progress line: step, loss, samples/s, tokens/s, memory per rank, and
+with offload where rank 0's model state lives (device / host / NVMe bytes).
 
 Rates come from rank 0's reports: `samples` / `tokens` (cumulative over all ranks) when the loop
 reports them, else `step` times the config's `train_batch_size` for samples. Memory is each rank's
@@ -43,6 +44,7 @@ class Progress:
         self._phase_keys = phase_keys  # wall_clock_breakdown: show *_ms metrics on the line
         self._emit = emit
         self._memory: dict[int, int] = {}  # rank -> newest peak memory
+        self._placement: dict[str, int] | None = None  # rank 0's device/host/nvme state bytes
         self._first: Report | None = None  # rank 0's first report: rates are measured from it
         self._last: Report | None = None
         self._printed_at = float("-inf")  # the first report prints at once
@@ -52,6 +54,8 @@ class Progress:
 
     def observe(self, item: Report) -> None:
         self._memory[item.rank] = item.peak_memory_bytes
+        if item.rank == 0 and item.placement is not None:
+            self._placement = item.placement
         if item.rank != 0:
             return
         if self._first is None or self._went_back(item):
@@ -122,6 +126,10 @@ class Progress:
             parts.extend(phases)
         memory = " ".join(f"r{rank} {_human_bytes(self._memory[rank])}" for rank in sorted(self._memory))
         parts.append(f"mem {memory}")
+        where = self._placement
+        if where and (where.get("host_bytes") or where.get("nvme_bytes")):  # only with offload
+            parts.append("state r0 " + " ".join(f"{key[:-6]} {_human_bytes(where[key])}" for key in
+                                                ("device_bytes", "host_bytes", "nvme_bytes") if where.get(key)))
         if self.failures:
             budget = "unlimited" if self.max_failures < 0 else str(self.max_failures)
             parts.append(f"restarts {self.failures}/{budget}")

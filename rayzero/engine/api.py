@@ -15,9 +15,10 @@ from rayzero.engine.distributed import compute_device, init_distributed
 from rayzero.engine.engine import StepPolicy, ZeroEngine, ensure_not_wrapped
 from rayzero.engine.loss_scaler import build_loss_scaler
 from rayzero.engine.offload import build_offload_backend
-from rayzero.engine.optimizers import optimizer_factory
+from rayzero.engine.offload_overlap import overlap_allowed
+from rayzero.engine.optimizers import TESTED_OPTIMIZERS, optimizer_factory
 from rayzero.engine.param_groups import broadcast_module_state, named_parameter_ids, trainable_param_groups
-from rayzero.engine.policies import MixedPrecisionPolicy, ReducePolicy
+from rayzero.engine.policies import MixedPrecisionPolicy, Precision, ReducePolicy
 from rayzero.engine.schedulers import build_scheduler
 from rayzero.engine.strategy import StrategyContext, build_strategy
 
@@ -64,6 +65,9 @@ def initialize(model: torch.nn.Module | None = None, config: Any = None,
     step_policy = StepPolicy(gradient_accumulation_steps=int(cfg.gradient_accumulation_steps or 1),
                              gradient_clipping=float(cfg.gradient_clipping or 0.0),
                              micro_batch_size=cfg.train_micro_batch_size_per_gpu)
+    if overlap_allowed(step_policy.gradient_clipping, precision.precision is Precision.FP16,
+                       strategy.optimizer, TESTED_OPTIMIZERS):
+        strategy.enable_step_overlap()
     engine = ZeroEngine(model, strategy, comm, precision, step_policy, build_loss_scaler(cfg.fp16),
                         scheduler, cfg)
     loader = build_dataloader(training_data, step_policy.micro_batch_size,

@@ -18,6 +18,7 @@ backward continues; they are waited for before the step or before the next backw
 from __future__ import annotations
 
 import abc
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -102,6 +103,8 @@ class BucketedStrategy(ZeroStrategy):
         self._reducing = False
         self._next_bucket = 0
         self._inflight: list[tuple[object, Finish]] = []
+        self._boundary = False
+        self._stepper = None  # [Note: step overlapped with backward]
         self._hooks = [
             param.register_post_accumulate_grad_hook(self._make_hook(bucket, slot_index))
             for bucket in self.buckets for slot_index, param in enumerate(bucket.params)]
@@ -204,7 +207,10 @@ class BucketedStrategy(ZeroStrategy):
             self._next_bucket += 1
             overlap = self.policy.overlap_comm or self.always_overlaps
             work, finish = self._reduce_bucket(bucket, async_op=overlap)
-            if overlap:
+            if self._stepper is not None and self._boundary:
+                self._inflight.append(self._stepper.submit(
+                    self.optimizer, bucket.master, bucket.master_grad, work, finish))
+            elif overlap:
                 self._inflight.append((work, finish))
             else:
                 finish()
@@ -218,6 +224,9 @@ class BucketedStrategy(ZeroStrategy):
 
     def before_backward(self, is_boundary: bool) -> None:
         self._drain()
+        if self._stepper is not None:
+            self._stepper.check_consumed()
+        self._boundary = is_boundary
         self._reducing = is_boundary or self.reduces_every_micro_step
         self._next_bucket = 0
         for bucket in self.buckets:
@@ -244,7 +253,9 @@ class BucketedStrategy(ZeroStrategy):
             self._launch_complete_buckets()
 
     def finish_gradients(self) -> None:
+        start = time.perf_counter()
         self._drain()
+        self._exposed_step = time.perf_counter() - start
         for bucket in self.buckets:
             bucket.master.grad = bucket.master_grad
 
@@ -252,8 +263,21 @@ class BucketedStrategy(ZeroStrategy):
         return [bucket.master_grad for bucket in self.buckets]
 
     # ---- step --------------------------------------------------------------------------------
+    def enable_step_overlap(self) -> bool:
+        """Step each bucket on the host while backward goes on, when the backend can
+        ([Note: step overlapped with backward]; api.py decides the math allows it)."""
+        self._stepper = self.offload.background_stepper()
+        return self._stepper is not None
+
     def optimizer_step(self) -> None:
-        self.offload.step(self.optimizer)
+        stepped = self._stepper.take() if self._stepper is not None else (0, 0.0)
+        if stepped[0] == len(self.buckets):
+            self.offload.record_overlapped_step(stepped[1], self._exposed_step)
+        elif stepped[0] == 0:
+            self.offload.step(self.optimizer)
+        else:
+            raise RayZeroRuntimeError(f"internal: {stepped[0]} of {len(self.buckets)} buckets stepped during "
+                                      "backward")
         self._publish()
 
     def zero_grad(self) -> None:
@@ -308,6 +332,9 @@ class BucketedStrategy(ZeroStrategy):
 
     def close(self) -> None:
         self._drain()
+        if self._stepper is not None:
+            self._stepper.close()
+            self._stepper = None
         for handle in self._hooks:
             handle.remove()
         self._hooks = []

@@ -80,6 +80,14 @@ class OffloadBackend(abc.ABC):
         """Within this block every optimizer state tensor is in memory (checkpoint save/load)."""
         yield
 
+    def background_stepper(self):
+        """A stepper that runs the optimizer on one bucket at a time while backward goes on, or
+        None where the step must run after backward ([Note: step overlapped with backward])."""
+        return None
+
+    def record_overlapped_step(self, seconds: float, exposed: float) -> None:
+        """Timings of a step that ran during backward (for `breakdown`)."""
+
     def breakdown(self) -> dict[str, float]:
         """Seconds spent in the last optimizer step's parts (cpu_step, nvme_read, nvme_write)."""
         return {}

@@ -90,6 +90,31 @@ class HostOffload(OffloadBackend):
             optimizer.step()
         self._timings = {"cpu_step": time.perf_counter() - start}
 
+    def background_stepper(self):
+        if self.optimizer_home != "host":
+            return None
+        from rayzero.engine.offload_overlap import BackgroundStepper
+        return BackgroundStepper(self.step_subset, self.step_threads)
+
+    def step_subset(self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> float:
+        """Step only `params` (one bucket's masters): the other parameters are hidden from the
+        optimizer for this call. Only the stepper's thread touches the optimizer while backward
+        runs ([Note: step overlapped with backward]). Returns the seconds spent."""
+        start = time.perf_counter()
+        wanted = {id(p) for p in params}
+        saved = [group["params"] for group in optimizer.param_groups]
+        try:
+            for group in optimizer.param_groups:
+                group["params"] = [p for p in group["params"] if id(p) in wanted]
+            optimizer.step()
+        finally:
+            for group, kept in zip(optimizer.param_groups, saved):
+                group["params"] = kept
+        return time.perf_counter() - start
+
+    def record_overlapped_step(self, seconds: float, exposed: float) -> None:
+        self._timings = {"cpu_step": seconds, "cpu_step_exposed": exposed}
+
     def breakdown(self) -> dict[str, float]:
         return dict(self._timings)
 

@@ -110,6 +110,11 @@ class ZeroStrategy(abc.ABC):
             for grad in self.master_gradients():
                 grad.mul_(factor)
 
+    def enable_step_overlap(self) -> bool:
+        """Run the offloaded optimizer step bucket by bucket during backward, where this stage and
+        the backend can ([Note: step overlapped with backward]); False: it runs after backward."""
+        return False
+
     @abc.abstractmethod
     def optimizer_step(self) -> None:
         """Run the optimizer where the offload backend keeps its state, then publish the updated

@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 import traceback
+import weakref
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -135,6 +136,7 @@ class StepBoundary:
         self.step = 0
         self.micro_step = 0
         self.stepped = False  # an engine stepped: stops go through the agreed boundary
+        self._engine: weakref.ref | None = None  # the engine that stepped last (for placement)
         self.saving = False
         self.stop_committed = False
         self.finished = False
@@ -162,6 +164,15 @@ class StepBoundary:
         # A loop that never steps an engine has no boundary to agree on: stop when asked.
         return not self.stepped and self._pending_kind is BoundaryRequest.STOP
 
+    def placement(self) -> dict[str, int] | None:
+        """Where the engine's model state lives now (device/host/nvme bytes, engine.memory_stats),
+        for the progress line; None before an engine stepped."""
+        engine = self._engine() if self._engine is not None else None
+        if engine is None or engine.closed:
+            return None
+        stats = engine.memory_stats()
+        return {key: int(stats[key]) for key in ("device_bytes", "host_bytes", "nvme_bytes")}
+
     def progressed(self) -> None:
         self._progress_at = time.monotonic()
 
@@ -181,6 +192,7 @@ class StepBoundary:
         self._progress_at = now
         self.in_step = False
         self.step, self.micro_step, self.stepped = engine.global_steps, engine.micro_steps, True
+        self._engine = weakref.ref(engine)
         kind, request_id = self._agree(engine)
         if kind is BoundaryRequest.NONE:
             return

@@ -101,6 +101,8 @@ class Report:
     """Checkpoint location the loop attached (`report(metrics, checkpoint=...)`), if any."""
     peak_memory_bytes: int = 0
     """Peak memory of the worker so far: GPU max allocated when on a GPU, else peak RSS."""
+    placement: dict[str, int] | None = None
+    """Where the rank's engine keeps its model state: device/host/nvme bytes (None: no engine)."""
 
 
 def peak_memory_bytes() -> int:
@@ -132,7 +134,9 @@ class WorkerSession:
 
     def report(self, metrics: Mapping[str, Any], checkpoint: str | None = None) -> None:
         with self._lock:  # a loop may report from several threads; keep seq and queue order equal
-            item = Report(self.rank, self._seq, time.time(), dict(metrics), checkpoint, peak_memory_bytes())
+            placement = self.boundary.placement() if self.boundary is not None else None
+            item = Report(self.rank, self._seq, time.time(), dict(metrics), checkpoint, peak_memory_bytes(),
+                          placement)
             self._seq += 1
             self.reports.put(item)
         if self.boundary is not None:

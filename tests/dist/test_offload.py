@@ -28,6 +28,7 @@ def _nvme(**knobs) -> dict:
 MODES = [
     ("s1-cpu", 1, "sgd", (("offload_optimizer", CPU),)),
     ("s2-cpu", 2, "adamw", (("offload_optimizer", CPU),)),
+    ("s2-cpu-sgd", 2, "sgd", (("offload_optimizer", CPU), ("overlap_comm", True))),
     ("s3-cpu", 3, "adamw", (("offload_optimizer", CPU), ("sub_group_size", 300))),
     ("s3-cpu-params", 3, "sgd", (("offload_optimizer", CPU), ("offload_param", CPU))),
     ("s1-nvme-pipelined", 1, "adamw", (("offload_optimizer", _nvme(pipeline_read=True, pipeline_write=True)),)),
@@ -86,6 +87,10 @@ def test_offload_trains_like_the_engine_and_like_torch(index: int) -> None:
     assert [r.losses for r in got] == [r.losses for r in base]
     probe = got[0].extra
     assert probe["backend"] == ("nvme" if "nvme" in name else "cpu")
+    # [Note: step overlapped with backward]: CPU offload at stages 1-2 without clipping (the SGD
+    # cases) steps each bucket during backward; with clipping (AdamW cases) after it
+    overlapped = probe["backend"] == "cpu" and stage < 3 and optimizer == "sgd"
+    assert ("cpu_step_exposed" in probe["breakdown"]) == overlapped, probe["breakdown"]
     assert base[0].extra["backend"] == "none"
 
 

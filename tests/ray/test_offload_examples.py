@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -95,3 +96,5 @@ def test_demo_runs_the_hf_guide_offload_config_with_trainer_facts(local_ray, tmp
     out = capsys.readouterr().out
     assert code == 0, out
     assert "rayzero demo: 6 steps on 2 workers" in out
+    # issue 9 Deliver 3: the progress line says where the offloaded state lives (read from the engine)
+    assert re.search(r"state r0 device \S+ host \d+(\.\d)?[KMG]i?B", out), out

@@ -65,3 +65,14 @@ def test_the_progress_line_says_resumed_when_the_step_goes_back():
         progress.observe(item)
     assert "resumed" not in progress.line()
     assert progress.rates()["samples_per_s"] > 0  # measured within the new attempt, never negative
+
+
+def test_the_progress_line_says_where_offloaded_state_lives():
+    lines: list[str] = []
+    progress = Progress(None, interval_s=0, phase_keys=False, emit=lines.append)
+    plain = {"device_bytes": 3 << 20, "host_bytes": 0, "nvme_bytes": 0}
+    progress.observe(Report(rank=0, seq=0, time=1.0, metrics={"step": 1}, placement=plain))
+    assert "state" not in lines[-1]  # nothing offloaded: the line stays short
+    offloaded = {"device_bytes": 3 << 20, "host_bytes": 5 << 30, "nvme_bytes": 7 << 30}
+    progress.observe(Report(rank=0, seq=1, time=2.0, metrics={"step": 2}, placement=offloaded))
+    assert lines[-1].endswith("state r0 device 3MiB host 5.0GiB nvme 7.0GiB"), lines[-1]

@@ -1,0 +1,93 @@
+"""The CPU optimizer step overlapped with backward (ZeRO-Offload, stages 1-2).
+
+[Note: step overlapped with backward]
+With `offload_optimizer.device: cpu`, each bucket's masters, gradients and optimizer state are the
+bucket's own tensors on the host. At the accumulation boundary, as soon as a bucket's gradient
+reduction is issued, a background thread waits for it, copies the reduced shard to the host
+(the bucket's finish callback) and runs the optimizer on that bucket's master alone, while the main
+thread goes on with backward for the earlier layers. `engine.step()` then only waits for the last
+buckets and publishes the weights. The math is unchanged, bit for bit: Adam, AdamW and SGD are
+elementwise per parameter with a per-parameter step count, so stepping bucket by bucket gives the
+same result as one step over all of them.
+
+It applies only where nothing global must be known before any element is updated: no gradient
+clipping (the norm needs every gradient) and no fp16 (an overflow anywhere skips the whole step),
+and torch's Adam, AdamW or SGD (an arbitrary optimizer may couple its parameters). Otherwise the
+step runs after backward as before. `RAYZERO_OFFLOAD_OVERLAP_STEP=0` turns it off (benchmarks
+compare both). Decided in engine/api.py; flat_strategy submits buckets; offload_host steps them.
+"""
+from __future__ import annotations
+
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from rayzero.config.errors import RayZeroRuntimeError
+
+
+def overlap_allowed(gradient_clipping: float, fp16: bool, optimizer: torch.optim.Optimizer,
+                    elementwise: tuple[type, ...]) -> bool:
+    """The conditions of [Note: step overlapped with backward]."""
+    if os.environ.get("RAYZERO_OFFLOAD_OVERLAP_STEP", "1") == "0":
+        return False
+    return gradient_clipping == 0 and not fp16 and type(optimizer) in elementwise
+
+
+class _Pending:
+    """An `_inflight` entry of the flat strategy: `wait()` returns once the bucket was stepped."""
+
+    def __init__(self, future: Future) -> None:
+        self.future = future
+
+    def wait(self) -> bool:
+        self.future.result()  # re-raises the background thread's error here
+        return True
+
+
+class BackgroundStepper:
+    """One thread that finishes each submitted bucket's reduction and steps its master."""
+
+    def __init__(self, step_subset, threads: int) -> None:
+        self._step_subset = step_subset  # (optimizer, [master]) -> seconds
+        self._threads = threads
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rayzero-cpu-step",
+                                        initializer=self._init_thread)
+        self.stepped = 0  # buckets stepped since the strategy last consumed them
+        self.step_seconds = 0.0
+
+    def _init_thread(self) -> None:
+        if self._threads > 0:
+            torch.set_num_threads(self._threads)  # this thread's OpenMP team only
+
+    def submit(self, optimizer: torch.optim.Optimizer, master: torch.Tensor, master_grad: torch.Tensor,
+               work, finish) -> tuple[_Pending, object]:
+        """Queue: wait for `work`, run `finish` (the reduced shard into `master_grad`), then step."""
+        def run() -> None:
+            if work is not None:
+                work.wait()
+            finish()
+            master.grad = master_grad
+            self.step_seconds += self._step_subset(optimizer, [master])
+            self.stepped += 1
+        return _Pending(self._pool.submit(run)), _nothing
+
+    def check_consumed(self) -> None:
+        if self.stepped:
+            raise RayZeroRuntimeError(
+                "engine.backward() was called again at a gradient-accumulation boundary before "
+                "engine.step(): with CPU offload the optimizer already stepped during the first "
+                "backward; call engine.step() after each boundary backward")
+
+    def take(self) -> tuple[int, float]:
+        """(buckets stepped, seconds spent stepping) since the last call; resets both."""
+        out = (self.stepped, self.step_seconds)
+        self.stepped, self.step_seconds = 0, 0.0
+        return out
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+def _nothing() -> None:
+    return None

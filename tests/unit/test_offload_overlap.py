@@ -1,0 +1,63 @@
+"""[Note: step overlapped with backward] in a world of one: with CPU offload at stages 1-2 the
+optimizer steps each bucket while backward goes on, with the same result bit for bit as the step
+after backward (the oracle: the same run with RAYZERO_OFFLOAD_OVERLAP_STEP=0, and the run without
+offload); it stays off where the math needs every gradient first (clipping, fp16); a second
+boundary backward before `step()` is refused instead of stepping twice (issue 9)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import rayzero
+from rayzero.config.errors import RayZeroRuntimeError
+
+pytestmark = pytest.mark.unit
+
+
+def _engine(stage: int, offload: str, clipping: float = 0.0, gas: int = 2):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(6)])
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": gas,
+              "gradient_clipping": clipping,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
+              "zero_optimization": {"stage": stage, "reduce_bucket_size": 1500,
+                                    "offload_optimizer": {"device": offload}}}
+    return rayzero.initialize(model=model, config=config)[0], model
+
+
+def _train(engine, model, steps: int = 4) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(steps * engine.gradient_accumulation_steps()):
+        loss = engine(torch.randn(4, 32, generator=generator)).pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+    out = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
+    engine.close()
+    return out
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_overlapped_step_is_bitwise_the_step_after_backward(stage: int, monkeypatch) -> None:
+    engine, model = _engine(stage, "cpu")
+    assert len(engine.strategy.buckets) > 2, "several buckets, so some step while backward runs"
+    overlapped = _train(engine, model)
+    assert set(engine.offload_breakdown()) == {"cpu_step", "cpu_step_exposed"}
+    monkeypatch.setenv("RAYZERO_OFFLOAD_OVERLAP_STEP", "0")
+    after = _train(*_engine(stage, "cpu"))
+    plain = _train(*_engine(stage, "none"))
+    assert torch.equal(overlapped, after) and torch.equal(overlapped, plain)
+
+
+def test_clipping_keeps_the_step_after_backward() -> None:
+    engine, model = _engine(2, "cpu", clipping=1.0)
+    _train(engine, model, steps=1)
+    assert set(engine.offload_breakdown()) == {"cpu_step"}
+
+
+def test_second_boundary_backward_before_step_is_refused() -> None:
+    engine, _ = _engine(1, "cpu", gas=1)
+    x = torch.randn(4, 32)
+    engine.backward(engine(x).pow(2).mean())
+    with pytest.raises(RayZeroRuntimeError, match=r"before engine.step\(\)"):
+        engine.backward(engine(x).pow(2).mean())
+    engine.close()
