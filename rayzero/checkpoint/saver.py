@@ -54,7 +54,7 @@ from rayzero.checkpoint.manifest import (
 from rayzero.checkpoint.options import CheckpointOptions
 from rayzero.checkpoint.reshard import build_tensor_entries, choose_writers
 from rayzero.checkpoint.shard_file import write_shard_file
-from rayzero.checkpoint.types import ShardedTensor
+from rayzero.checkpoint.types import LazyPiece, ShardedTensor
 from rayzero.config.errors import RayZeroRuntimeError
 
 log = logging.getLogger(__name__)
@@ -139,6 +139,10 @@ class CheckpointSaver:
         started = time.perf_counter()
         self.wait()
         asynchronous = self.options.async_save if asynchronous is None else asynchronous
+        if asynchronous and any(isinstance(shard.local, LazyPiece) for shard in shards):
+            # [Note: streamed save]: a background snapshot would hold every piece in memory at once;
+            # pieces on NVMe are written one at a time before save() returns instead.
+            asynchronous = False
         deferred = asynchronous and self.fenced
         if deferred:
             # [Note: snapshot fence]: the copy runs in the background; the training thread waits only
@@ -150,7 +154,8 @@ class CheckpointSaver:
         elif asynchronous:
             shards = self._snapshot(shards)
         else:
-            shards = [ShardedTensor(s.spec, s.local.detach().cpu()) for s in shards]
+            shards = [s if isinstance(s.local, LazyPiece) else ShardedTensor(s.spec, s.local.detach().cpu())
+                      for s in shards]
         job = _SaveJob(root, tag, step, stage, config_digest, shards, dict(extra_state), dict(client_state),
                        rng.capture(), started, deferred_snapshot=deferred,
                        durable=durable if durable is not None else self.durable)

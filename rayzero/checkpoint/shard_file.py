@@ -23,6 +23,7 @@ import torch
 import xxhash
 
 from rayzero.checkpoint.direct_io import BLOCK, DirectWriter, read_file, stream_file
+from rayzero.checkpoint.types import LazyPiece
 from rayzero.config.errors import RayZeroRuntimeError, RayZeroValueError
 
 # safetensors dtype codes <-> torch dtypes
@@ -111,7 +112,9 @@ class SafetensorsWriter:
             self.digest.update(chunk)
             self.out.write(chunk, None if address is None else address + start)
 
-    def write(self, name: str, tensor: torch.Tensor) -> None:
+    def write(self, name: str, tensor: torch.Tensor, keep: bool = True) -> None:
+        """`keep`: the caller keeps `tensor` unchanged until close() (then aligned bulk is written
+        from it with no copy); False copies it through the staging buffers."""
         while self.order and self.order[0][0].startswith(PAD_PREFIX):
             self._emit(memoryview(bytes(self.order.pop(0)[1])))
         expected_name, expected_size = self.order.pop(0)
@@ -120,7 +123,7 @@ class SafetensorsWriter:
         if name != expected_name or len(data) != expected_size:
             raise RayZeroValueError(f"safetensors writer: got {name!r} ({len(data)} bytes), expected "
                              f"{expected_name!r} ({expected_size} bytes)")
-        self._emit(data, tensor.data_ptr() if tensor.numel() else None)
+        self._emit(data, tensor.data_ptr() if tensor.numel() and keep else None)
 
     def close(self) -> WrittenFile:
         if self.order:
@@ -131,10 +134,12 @@ class SafetensorsWriter:
 
 
 def write_shard_file(path: str, tensors: Iterable[tuple[str, torch.Tensor]], fsync: bool = True) -> WrittenFile:
-    """Write 1-D pieces (CPU tensors) as a safetensors shard file at `path`, atomically."""
-    items = [(name, tensor.detach().reshape(-1)) for name, tensor in tensors]
+    """Write 1-D pieces (CPU tensors, or LazyPieces read one at a time) as a safetensors shard
+    file at `path`, atomically."""
+    items = [(name, tensor if isinstance(tensor, LazyPiece) else tensor.detach().reshape(-1))
+             for name, tensor in tensors]
     for name, tensor in items:
-        if tensor.device.type != "cpu":
+        if not isinstance(tensor, LazyPiece) and tensor.device.type != "cpu":
             raise RayZeroValueError(f"shard tensor {name!r} is on {tensor.device}; snapshot it to CPU first")
     # Widest dtypes first: every tensor then starts at a multiple of its element size, so the
     # reader can view it in place (safetensors forbids padding between tensors).
@@ -142,7 +147,10 @@ def write_shard_file(path: str, tensors: Iterable[tuple[str, torch.Tensor]], fsy
     writer = SafetensorsWriter(path, [(name, tensor.dtype, (tensor.numel(),)) for name, tensor in items], fsync,
                                align_large=True)
     for name, tensor in items:
-        writer.write(name, tensor)
+        if isinstance(tensor, LazyPiece):  # copied into the writer's staging: the piece is freed now
+            writer.write(name, tensor.materialize(), keep=False)
+        else:
+            writer.write(name, tensor)
     return writer.close()
 
 

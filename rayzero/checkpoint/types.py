@@ -47,9 +47,29 @@ class ShardSpec:
         return self.flat_start == 0 and self.flat_end == self.global_numel
 
 
+class LazyPiece:
+    """A rank's piece that is not in memory (NVMe-offloaded optimizer state): the shard file writer
+    reads it with `materialize()` just before writing it and drops it right after, so a save holds
+    one piece at a time, never the whole state ([Note: streamed save])."""
+
+    def __init__(self, numel: int, dtype: torch.dtype) -> None:
+        self._numel, self.dtype = numel, dtype
+
+    def numel(self) -> int:
+        return self._numel
+
+    def element_size(self) -> int:
+        return self.dtype.itemsize
+
+    def materialize(self) -> torch.Tensor:
+        """The piece as a 1-D CPU tensor (fresh memory the caller may drop)."""
+        raise NotImplementedError
+
+
 @dataclass
 class ShardedTensor:
-    """A rank's piece of a global tensor: `local` is 1-D with flat_end - flat_start elements."""
+    """A rank's piece of a global tensor: `local` is 1-D with flat_end - flat_start elements (or a
+    LazyPiece read only when written)."""
 
     spec: ShardSpec
     local: torch.Tensor

@@ -72,7 +72,10 @@ def save_checkpoint(engine: Any, save_dir: str | None = None, tag: str | None = 
     are written, replicated and uploaded in the background. `save_latest` is always honoured as
     True: `latest` only ever names a committed checkpoint ([Note: commit protocol]).
     """
-    with engine.strategy.offload.resident(engine.optimizer):  # NVMe-swapped state, in memory for the snapshot
+    offload = engine.strategy.offload
+    if offload.streams_checkpoints:  # NVMe state is read piece by piece as it is written ([Note: streamed save])
+        return _save_checkpoint(engine, save_dir, tag, client_state, exclude_frozen_parameters, asynchronous)
+    with offload.resident(engine.optimizer):
         return _save_checkpoint(engine, save_dir, tag, client_state, exclude_frozen_parameters, asynchronous)
 
 

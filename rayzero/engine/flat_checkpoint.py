@@ -51,7 +51,7 @@ def state_shards(strategy: BucketedStrategy) -> list[ShardedTensor]:
             if key in state:
                 value = state[key]
                 spec = ShardSpec(f"optim/{key}/{name}", shape, value.dtype, piece.param_start, piece.param_end)
-                out.append(ShardedTensor(spec, value.detach()[window]))
+                out.append(ShardedTensor(spec, strategy.offload.checkpoint_piece(master, key, value, window)))
     return out
 
 

@@ -80,6 +80,15 @@ class OffloadBackend(abc.ABC):
         """Within this block every optimizer state tensor is in memory (checkpoint save/load)."""
         yield
 
+    streams_checkpoints: bool = False
+    """True when optimizer state is not in memory between steps and a save reads it piece by piece
+    through `checkpoint_piece` instead of `resident()` ([Note: streamed save])."""
+
+    def checkpoint_piece(self, master: torch.Tensor, key: str, value: torch.Tensor, window: slice):
+        """The checkpoint's view of optimizer state `key` of `master` over `window` (a slice of the
+        master's elements): a tensor view, or a checkpoint LazyPiece where the state is on disk."""
+        return value.detach()[window]
+
     def background_stepper(self):
         """A stepper that runs the optimizer on one bucket at a time while backward goes on, or
         None where the step must run after backward ([Note: step overlapped with backward])."""

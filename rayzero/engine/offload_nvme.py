@@ -22,7 +22,14 @@ Swap files are scratch owned by this process: `<nvme_path>/rayzero-swap/<host>-<
 created fresh (never read before this process wrote them, so a restart cannot mistake an old file
 for state), removed by `close()` and at exit; directories of processes that no longer exist on this
 host are removed at start. Checkpoints hold the state itself ([Note: flat-range partitioning]):
-`resident()` brings it into memory around save and load.
+`resident()` brings it into memory around a load.
+
+[Note: streamed save]
+Saving must not hold the whole optimizer state in RAM (it is on NVMe because it does not fit). So
+each optimizer-state piece of a checkpoint is a `LazyPiece` (`checkpoint_piece`): the shard file
+writer materializes it from the tiles overlapping its range, copies it into its staging buffers and
+drops it, one piece at a time; the save is synchronous for such pieces (a background snapshot would
+be the whole state in memory). Peak extra memory: the largest piece plus one tile buffer.
 """
 from __future__ import annotations
 
@@ -41,6 +48,7 @@ from typing import Any
 
 import torch
 
+from rayzero.checkpoint.types import LazyPiece
 from rayzero.config.errors import RayZeroValueError
 from rayzero.engine.offload_host import HostOffload, cpu_threads
 from rayzero.engine.optim_state import zero_state_template
@@ -353,6 +361,30 @@ class NvmeOffload(HostOffload):
                 for key, value in entries.items():
                     state[key] = torch.empty(master.shape, dtype=value.dtype, device="meta")
 
+    streams_checkpoints = True
+
+    def checkpoint_piece(self, master: torch.Tensor, key: str, value: torch.Tensor, window: slice):
+        if value.device.type != "meta":  # in memory (inside resident(), or not swapped yet)
+            return value.detach()[window]
+        return _NvmePiece(self, master, key, value.dtype, window.start or 0, window.stop)
+
+    def read_range(self, master: torch.Tensor, key: str, dtype: torch.dtype, start: int, end: int) -> torch.Tensor:
+        """State `key` of `master` over elements [start, end), read from the tiles covering it."""
+        out = torch.empty(end - start, dtype=dtype)
+        for tile in self._tiles.get(id(master), []):
+            low, high = max(start, tile.start), min(end, tile.end)
+            if low >= high:
+                continue
+            offset = next((o for k, o, _ in tile.layout if k == key), None)
+            if offset is None:
+                raise RayZeroValueError(f"internal: optimizer state {key!r} is not in swap file {tile.file.path}")
+            slot, _ = self._read(tile)
+            try:
+                out[low - start:high - start].copy_(tile.view(slot, offset, dtype)[low - tile.start:high - tile.start])
+            finally:
+                self._free.put(slot)
+        return out
+
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "nvme_bytes": self.bytes_on_disk, "io_layer": self.io_layer,
                 "swap_dir": self.directory}
@@ -372,3 +404,15 @@ class NvmeOffload(HostOffload):
         self._io.shutdown(wait=True)
         shutil.rmtree(self.directory, ignore_errors=True)
         super().close()  # parameter swap files, if any
+
+
+class _NvmePiece(LazyPiece):
+    """One optimizer-state piece of a checkpoint, read from the swap files when written."""
+
+    def __init__(self, backend: NvmeOffload, master: torch.Tensor, key: str, dtype: torch.dtype,
+                 start: int, end: int) -> None:
+        super().__init__(end - start, dtype)
+        self._read = lambda: backend.read_range(master, key, dtype, start, end)
+
+    def materialize(self) -> torch.Tensor:
+        return self._read()

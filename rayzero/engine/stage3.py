@@ -199,7 +199,7 @@ class Stage3Strategy(ZeroStrategy):
                 if key in state:
                     value = state[key]
                     spec = ShardSpec(f"optim/{key}/{entry.name}", tuple(entry.shape), value.dtype, start, end)
-                    out.append(ShardedTensor(spec, value.detach()[window]))
+                    out.append(ShardedTensor(spec, self.offload.checkpoint_piece(master, key, value, window)))
         return out
 
     def load_state_shards(self, read: Callable[[ShardSpec], torch.Tensor]) -> None:
