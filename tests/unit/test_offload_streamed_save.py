@@ -16,7 +16,7 @@ SCRIPT = r"""
 import json, resource, sys, torch, rayzero
 root = sys.argv[1]
 torch.manual_seed(0)
-model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(16)])
+model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(32)])
 config = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0,
           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
           "zero_optimization": {"stage": 2, "sub_group_size": 1 << 20, "reduce_bucket_size": 1 << 22,
@@ -39,8 +39,9 @@ def test_nvme_save_grows_memory_by_far_less_than_the_state(tmp_path) -> None:
     run = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     out = json.loads(run.stdout.strip().splitlines()[-1])
-    assert out["state"] >= 128 << 20
-    # holding the state in memory (resident) grew the peak by more than the state itself
+    assert out["state"] >= 256 << 20
+    # holding the state in memory (resident) grew the peak by more than the state itself; streamed,
+    # the growth is the writer's fixed staging (2 x 16 MiB, and as much for the upload) plus one piece
     assert out["growth"] < 0.4 * out["state"], out
     from safetensors import safe_open  # the state is in the checkpoint, read back independently
 
