@@ -1,6 +1,6 @@
 """Offload benchmarks (issue 9), side by side in one run, printed as JSON:
 
-    python bench/offload.py [--quick] [--sections cpu_step,swap,step,rss] [--json out.json]
+    python bench/offload.py [--quick] [--sections cpu_step,swap,step,overlap,rss] [--json out.json]
 
 - `cpu_step`: the optimizer step on the CPU — rayzero's (the CPU backend stepping torch's fused AdamW,
   as the engine builds it), DeepSpeed's `DeepSpeedCPUAdam` (JIT-built once, ~1 min), torch fused,
@@ -11,6 +11,9 @@
   `dd iflag/oflag=direct` on the same filesystem, read and write GB/s.
 - `step`: step time of one model at stages 1-3 with offload none / cpu / nvme, rayzero against
   DeepSpeed's same config (2 gloo ranks; DeepSpeed has no NVMe offload below stage 3).
+- `overlap`: CPU offload at stages 1-2 with the optimizer step overlapped with backward (bucket by
+  bucket, [Note: step overlapped with backward]) against the same step after backward
+  (RAYZERO_OFFLOAD_OVERLAP_STEP=0) and DeepSpeed's CPU offload; the share of the CPU step hidden.
 - `rss`: peak process RSS of one rank with NVMe optimizer offload against CPU offload and none; the
   saving as a fraction of the optimizer-state bytes.
 Every figure is the median of `--rounds` rounds with min and max beside it.
@@ -157,7 +160,8 @@ def _step_worker(rank: int, job: dict[str, Any], port: int, out: str) -> None:
     import collections
 
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+                      MASTER_PORT=str(port), LOCAL_WORLD_SIZE="2",
+                      RAYZERO_OFFLOAD_OVERLAP_STEP="0" if job.get("after_backward") else "1")
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo")
     torch.manual_seed(0)
@@ -167,6 +171,8 @@ def _step_worker(rank: int, job: dict[str, Any], port: int, out: str) -> None:
         layers += [torch.nn.Linear(width, width), torch.nn.ReLU()]
     model = torch.nn.Sequential(*layers)
     config = _config(job["stage"], job["offload"], f"{job['nvme']}/{job['system']}", width)
+    if job.get("bucket"):  # the same reduce bucket for both systems: one per layer
+        config["zero_optimization"]["reduce_bucket_size"] = job["bucket"]
     if job["system"] == "deepspeed":
         import deepspeed
         import deepspeed.ops
@@ -199,9 +205,70 @@ def _step_worker(rank: int, job: dict[str, Any], port: int, out: str) -> None:
     torch.distributed.destroy_process_group()
 
 
-def bench_step(width: int, warmup: int, steps: int, scratch: str, timeout_s: float) -> list[dict[str, Any]]:
+def _run_step_job(job: dict[str, Any], scratch: str, timeout_s: float) -> dict[str, Any]:
+    """Run `_step_worker` on 2 gloo ranks in fresh processes; rank 0's row or an error."""
     import socket
 
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    out = os.path.join(scratch, f"{job['system']}-{job['stage']}-{job['offload']}-{time.monotonic_ns()}.json")
+    code = ("import sys, json; sys.path.insert(0, %r); import offload as b; "
+            "b._step_worker(int(sys.argv[1]), json.loads(sys.argv[2]), int(sys.argv[3]), sys.argv[4])"
+            % str(Path(__file__).parent))
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(r), json.dumps(job), str(port), out],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    try:
+        errors = [p.communicate(timeout=timeout_s)[1] for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        errors = ["timed out"]
+    if os.path.exists(out):
+        return json.loads(Path(out).read_text())
+    return {"error": (errors[0] or "no result").strip().splitlines()[-1][:300]}
+
+
+def bench_overlap(width: int, warmup: int, steps: int, scratch: str, rounds: int) -> list[dict[str, Any]]:
+    """CPU offload at stages 1-2: the step overlapped with backward against the same step after
+    backward and DeepSpeed's CPU offload, rounds interleaved; the share of the CPU step hidden.
+    reduce_bucket_size is one layer for every system (with DeepSpeed's default of 5e8 elements a
+    model this small is one bucket, which completes only when backward does: nothing to overlap)."""
+    rows = []
+    for stage in (1, 2):
+        variants = {"rayzero_overlapped": ("rayzero", False), "rayzero_after_backward": ("rayzero", True),
+                    "deepspeed": ("deepspeed", False)}
+        per: dict[str, list[dict[str, Any]]] = {name: [] for name in variants}
+        for _ in range(rounds):
+            for name, (system, after) in variants.items():
+                job = {"system": system, "stage": stage, "offload": "cpu", "width": width, "warmup": warmup,
+                       "steps": steps, "nvme": os.path.join(scratch, "nvme"), "after_backward": after,
+                       "bucket": width * width}
+                per[name].append(_run_step_job(job, scratch, 600))
+        row: dict[str, Any] = {"stage": stage, "offload": "cpu", "width": width}
+        for name, results in per.items():
+            ok = [r for r in results if "seconds" in r]
+            if not ok:
+                row[name] = {"error": results[0].get("error")}
+                continue
+            row[name] = {"step_seconds": _spread([r["seconds"]["median"] for r in ok])}
+            if name.startswith("rayzero"):
+                row[name]["cpu_step_seconds"] = _spread([r["breakdown"].get("cpu_step", 0.0) for r in ok])
+                exposed = [r["breakdown"]["cpu_step_exposed"] for r in ok if "cpu_step_exposed" in r["breakdown"]]
+                if exposed:
+                    row[name]["cpu_step_exposed_seconds"] = _spread(exposed)
+                    row[name]["hidden_share"] = 1 - statistics.median(exposed) / statistics.median(
+                        [r["breakdown"]["cpu_step"] for r in ok])
+        medians = {n: row[n]["step_seconds"]["median"] for n in variants if "step_seconds" in row[n]}
+        if {"rayzero_overlapped", "rayzero_after_backward"} <= medians.keys():
+            row["ratio_overlapped_vs_after_backward"] = medians["rayzero_overlapped"] / medians["rayzero_after_backward"]
+        if {"rayzero_overlapped", "deepspeed"} <= medians.keys():
+            row["ratio_overlapped_vs_deepspeed"] = medians["rayzero_overlapped"] / medians["deepspeed"]
+        rows.append(row)
+    return rows
+
+
+def bench_step(width: int, warmup: int, steps: int, scratch: str, timeout_s: float) -> list[dict[str, Any]]:
     rows = []
     for stage in (1, 2, 3):
         for offload in ("none", "cpu", "nvme"):
@@ -211,28 +278,9 @@ def bench_step(width: int, warmup: int, steps: int, scratch: str, timeout_s: flo
                     row["error"] = "DeepSpeed 0.19.8 offers NVMe optimizer offload at stage 3 only"
                     rows.append(row)
                     continue
-                with socket.socket() as sock:
-                    sock.bind(("127.0.0.1", 0))
-                    port = sock.getsockname()[1]
-                out = os.path.join(scratch, f"{system}-{stage}-{offload}.json")
                 job = {"system": system, "stage": stage, "offload": offload, "width": width, "warmup": warmup,
                        "steps": steps, "nvme": os.path.join(scratch, "nvme")}
-                code = ("import sys, json; sys.path.insert(0, %r); import offload as b; "
-                        "b._step_worker(int(sys.argv[1]), json.loads(sys.argv[2]), int(sys.argv[3]), sys.argv[4])"
-                        % str(Path(__file__).parent))
-                procs = [subprocess.Popen([sys.executable, "-c", code, str(r), json.dumps(job), str(port), out],
-                                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-                         for r in range(2)]
-                try:
-                    errors = [p.communicate(timeout=timeout_s)[1] for p in procs]
-                except subprocess.TimeoutExpired:
-                    for p in procs:
-                        p.kill()
-                    errors = ["timed out"]
-                if os.path.exists(out):
-                    row.update(json.loads(Path(out).read_text()))
-                else:
-                    row["error"] = (errors[0] or "no result").strip().splitlines()[-1][:300]
+                row.update(_run_step_job(job, scratch, timeout_s))
                 rows.append(row)
     index = {(r["system"], r["stage"], r["offload"]): r for r in rows}
     for (system, stage, offload), row in index.items():
@@ -289,7 +337,7 @@ def bench_rss(side: int, scratch: str, rounds: int) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--sections", default="cpu_step,swap,step,rss")
+    parser.add_argument("--sections", default="cpu_step,swap,step,overlap,rss")
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--scratch", default=None, help="directory on the disk to test (default: a temp dir)")
@@ -307,6 +355,9 @@ def main() -> None:
         if "step" in sections:
             result["step"] = bench_step(256 if args.quick else 1024, 2 if args.quick else 3,
                                         5 if args.quick else 10, scratch, 600)
+        if "overlap" in sections:
+            result["overlap"] = bench_overlap(512 if args.quick else 1024, 2 if args.quick else 3,
+                                              5 if args.quick else 10, scratch, rounds)
         if "rss" in sections:
             result["rss"] = bench_rss(6144 if args.quick else 8192, scratch, max(1, rounds // 2))
     finally:

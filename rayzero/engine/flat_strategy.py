@@ -105,6 +105,7 @@ class BucketedStrategy(ZeroStrategy):
         self._inflight: list[tuple[object, Finish]] = []
         self._boundary = False
         self._stepper = None  # [Note: step overlapped with backward]
+        self._backward_end = 0.0  # when the boundary backward returned (what the step did not hide)
         self._hooks = [
             param.register_post_accumulate_grad_hook(self._make_hook(bucket, slot_index))
             for bucket in self.buckets for slot_index, param in enumerate(bucket.params)]
@@ -251,11 +252,10 @@ class BucketedStrategy(ZeroStrategy):
             for bucket in self.buckets:  # unused gradients count as zero ([Note: gradient hooks])
                 bucket.remaining = 0
             self._launch_complete_buckets()
+        self._backward_end = time.perf_counter()
 
     def finish_gradients(self) -> None:
-        start = time.perf_counter()
         self._drain()
-        self._exposed_step = time.perf_counter() - start
         for bucket in self.buckets:
             bucket.master.grad = bucket.master_grad
 
@@ -270,9 +270,9 @@ class BucketedStrategy(ZeroStrategy):
         return self._stepper is not None
 
     def optimizer_step(self) -> None:
-        stepped = self._stepper.take() if self._stepper is not None else (0, 0.0)
+        stepped = self._stepper.take(self._backward_end) if self._stepper is not None else (0, 0.0, 0.0)
         if stepped[0] == len(self.buckets):
-            self.offload.record_overlapped_step(stepped[1], self._exposed_step)
+            self.offload.record_overlapped_step(stepped[1], stepped[2])
         elif stepped[0] == 0:
             self.offload.step(self.optimizer)
         else:

@@ -19,6 +19,7 @@ compare both). Decided in engine/api.py; flat_strategy submits buckets; offload_
 from __future__ import annotations
 
 import os
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -54,7 +55,7 @@ class BackgroundStepper:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rayzero-cpu-step",
                                         initializer=self._init_thread)
         self.stepped = 0  # buckets stepped since the strategy last consumed them
-        self.step_seconds = 0.0
+        self._spans: list[tuple[float, float]] = []  # perf_counter (start, end) of each bucket's step
 
     def _init_thread(self) -> None:
         if self._threads > 0:
@@ -68,7 +69,9 @@ class BackgroundStepper:
                 work.wait()
             finish()
             master.grad = master_grad
-            self.step_seconds += self._step_subset(optimizer, [master])
+            start = time.perf_counter()
+            self._step_subset(optimizer, [master])
+            self._spans.append((start, time.perf_counter()))
             self.stepped += 1
         return _Pending(self._pool.submit(run)), _nothing
 
@@ -79,10 +82,13 @@ class BackgroundStepper:
                 "engine.step(): with CPU offload the optimizer already stepped during the first "
                 "backward; call engine.step() after each boundary backward")
 
-    def take(self) -> tuple[int, float]:
-        """(buckets stepped, seconds spent stepping) since the last call; resets both."""
-        out = (self.stepped, self.step_seconds)
-        self.stepped, self.step_seconds = 0, 0.0
+    def take(self, backward_end: float) -> tuple[int, float, float]:
+        """(buckets stepped, seconds spent stepping, seconds of it after `backward_end` — the part
+        backward did not hide) since the last call; resets."""
+        total = sum(end - start for start, end in self._spans)
+        exposed = sum(max(0.0, end - max(start, backward_end)) for start, end in self._spans)
+        out = (self.stepped, total, exposed)
+        self.stepped, self._spans = 0, []
         return out
 
     def close(self) -> None:
