@@ -335,6 +335,9 @@ class ZeroEngine:
         state_home = "device" if offload.optimizer_home == "device" else "host"
         where[state_home] += stats.get("master_weights", 0) + stats.get("master_grads", 0)
         where[state_home] += max(stats.get("optimizer_state", 0) - nvme, 0)
+        kept = offload.device_resident_bytes(self.strategy.optimizer)  # [Note: partial offload]
+        where[state_home] -= kept
+        where["device"] += kept
         where["nvme"] += nvme
         shards_home = offload.param_home if self.strategy.stage == 3 else "device"
         where[shards_home] += stats.get("params", 0)

@@ -51,8 +51,19 @@ class OffloadBackend(abc.ABC):
         """Where master weights and optimizer state live (the optimizer is built over tensors here)."""
 
     @abc.abstractmethod
-    def allocate(self, kind: StateKind, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A zeroed 1-D tensor of `numel` elements for `kind`, wherever this backend keeps it."""
+    def allocate(self, kind: StateKind, numel: int, dtype: torch.dtype, offloaded: bool = True) -> torch.Tensor:
+        """A zeroed 1-D tensor of `numel` elements for `kind`, wherever this backend keeps it;
+        `offloaded=False`: on the compute device even so (a stage-3 sub-group that partial offload,
+        `ratio`, keeps there: [Note: partial offload])."""
+
+    def sub_groups_offloaded(self, count: int) -> list[bool]:
+        """Stage 3: which of `count` optimizer sub-groups (in order) live off the device."""
+        return [self.optimizer_home != "device"] * count
+
+    def device_resident_bytes(self, optimizer: torch.optim.Optimizer) -> int:
+        """Bytes of masters, their gradients and optimizer state that partial offload keeps on the
+        compute device although the optimizer is offloaded (memory_stats' placement)."""
+        return 0
 
     @abc.abstractmethod
     def step(self, optimizer: torch.optim.Optimizer) -> None:
@@ -124,7 +135,7 @@ class NoOffload(OffloadBackend):
     def device(self) -> torch.device:
         return self._device
 
-    def allocate(self, kind: StateKind, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    def allocate(self, kind: StateKind, numel: int, dtype: torch.dtype, offloaded: bool = True) -> torch.Tensor:
         return torch.zeros(numel, dtype=dtype, device=self._device)
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:

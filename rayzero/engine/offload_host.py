@@ -16,6 +16,13 @@ What lives where, per mode (DeepSpeed's keys; the stage classes only ever call `
   none               compute device
   cpu / nvme         host memory (nvme: see the warning in HostOffload.__init__)
 
+[Note: partial offload]
+`offload_optimizer.ratio` < 1 at stage 3 (DeepSpeed's Twin-Flow): of the optimizer's sub-groups
+(`sub_group_size`), the first int((1 - ratio) * count) keep their masters, gradients and optimizer
+state on the compute device and step there; the rest are offloaded as above. One torch optimizer
+holds both kinds: its fused kernels group tensors by device. With one sub-group (the default
+sub_group_size of 1e9 on most models) everything is offloaded, exactly as in DeepSpeed.
+
 Reduced gradients reach MASTER_GRAD with `.copy_()` as each bucket's reduction finishes (stages 0-2:
 flat_strategy's finish callbacks; stage 3: stage3_grads), so device-to-host copies happen during
 backward, not after it. Updated masters go back in the strategy's `_publish` (a host-to-device copy,
@@ -57,10 +64,9 @@ class HostOffload(OffloadBackend):
         if zero.offload_param_device == "nvme":
             self._arena = _param_arena(param_cfg)
             self._own_scratch()
-        if optimizer_cfg is not None and optimizer_cfg.ratio < 1.0:
-            warnings.warn(
-                f"zero_optimization.offload_optimizer.ratio={optimizer_cfg.ratio}: the whole optimizer step "
-                "runs on the host (partial offload is not implemented); the math is the same", stacklevel=3)
+        # [Note: partial offload]: the config keeps ratio < 1 only at stage 3 with device "cpu"
+        self.ratio = float(optimizer_cfg.ratio) if optimizer_cfg is not None else 1.0
+        self._on_device: list[torch.Tensor] = []  # masters (and their grads) that ratio keeps on the device
         self._timings: dict[str, float] = {}
         self.step_threads = step_thread_budget() if self.optimizer_home != "device" else 0
 
@@ -68,7 +74,11 @@ class HostOffload(OffloadBackend):
     def device(self) -> torch.device:
         return torch.device("cpu") if self.optimizer_home != "device" else self.compute_device
 
-    def allocate(self, kind: StateKind, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    def allocate(self, kind: StateKind, numel: int, dtype: torch.dtype, offloaded: bool = True) -> torch.Tensor:
+        if not offloaded and kind is not StateKind.PARAM_SHARD:
+            tensor = torch.zeros(numel, dtype=dtype, device=self.compute_device)
+            self._on_device.append(tensor)
+            return tensor
         if kind is StateKind.PARAM_SHARD:
             if self._arena is not None:
                 return self._arena.allocate(numel, dtype)
@@ -78,6 +88,24 @@ class HostOffload(OffloadBackend):
         if self.optimizer_home == "device":
             return torch.zeros(numel, dtype=dtype, device=self.compute_device)
         return torch.zeros(numel, dtype=dtype, device="cpu", pin_memory=self._pin_state)
+
+    def sub_groups_offloaded(self, count: int) -> list[bool]:
+        """[Note: partial offload]: DeepSpeed's Twin-Flow split — sub-group i is offloaded when
+        i >= int((1 - ratio) * count), so the first ones (in parameter order) stay on the device
+        and their step runs there (stage3.py `_create_fp32_partitions` in DeepSpeed 0.19.8)."""
+        if self.optimizer_home == "device":
+            return [False] * count
+        first_offloaded = int((1 - self.ratio) * count)
+        return [i >= first_offloaded for i in range(count)]
+
+    def device_resident_bytes(self, optimizer: torch.optim.Optimizer) -> int:
+        total = 0
+        for tensor in self._on_device:
+            total += tensor.numel() * tensor.element_size()
+            for value in optimizer.state.get(tensor, {}).values():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    total += value.numel() * value.element_size()
+        return total
 
     def may_alias(self, compute_device: torch.device | str) -> bool:
         # Aliasing would put the stage-3 shard where the master is; with offload_param the shard

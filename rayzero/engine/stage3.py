@@ -64,12 +64,17 @@ class Stage3Strategy(ZeroStrategy):
             master_grads: dict[int, torch.Tensor] = {}
             self.groups: list[tuple[list[torch.nn.Parameter], torch.Tensor, torch.Tensor]] = []
             optimizer_groups = []
-            for group in ctx.param_groups:
+            split = [_sub_groups(group["params"], pieces, int(ctx.zero_config.sub_group_size))
+                     for group in ctx.param_groups]
+            # [Note: partial offload] in offload_host.py: which sub-groups leave the device
+            offloaded = iter(self.offload.sub_groups_offloaded(sum(len(s) for s in split)))
+            for group, sub_groups in zip(ctx.param_groups, split):
                 group_masters = []
-                for sub_group in _sub_groups(group["params"], pieces, int(ctx.zero_config.sub_group_size)):
+                for sub_group in sub_groups:
                     total = sum(pieces[id(p)][2].numel() for p in sub_group)
-                    master = self.offload.allocate(StateKind.MASTER, total, torch.float32)
-                    master_grad = self.offload.allocate(StateKind.MASTER_GRAD, total, torch.float32)
+                    off = next(offloaded)
+                    master = self.offload.allocate(StateKind.MASTER, total, torch.float32, off)
+                    master_grad = self.offload.allocate(StateKind.MASTER_GRAD, total, torch.float32, off)
                     offset = 0
                     for param in sub_group:
                         width = pieces[id(param)][2].numel()

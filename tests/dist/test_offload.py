@@ -30,6 +30,7 @@ MODES = [
     ("s2-cpu", 2, "adamw", (("offload_optimizer", CPU),)),
     ("s2-cpu-sgd", 2, "sgd", (("offload_optimizer", CPU), ("overlap_comm", True))),
     ("s3-cpu", 3, "adamw", (("offload_optimizer", CPU), ("sub_group_size", 300))),
+    ("s3-cpu-ratio", 3, "adamw", (("offload_optimizer", {**CPU, "ratio": 0.5}), ("sub_group_size", 300))),
     ("s3-cpu-params", 3, "sgd", (("offload_optimizer", CPU), ("offload_param", CPU))),
     ("s1-nvme-pipelined", 1, "adamw", (("offload_optimizer", _nvme(pipeline_read=True, pipeline_write=True)),)),
     ("s2-nvme", 2, "sgd", (("offload_optimizer", _nvme()),)),
@@ -126,6 +127,17 @@ def test_cpu_offload_keeps_state_in_host_memory() -> None:
     assert probe["state_devices"] == ["cpu"] and probe["swap_dir"] is None
     assert probe["placement"]["host_bytes"] >= probe["state_bytes"] > 0
     assert probe["placement"]["nvme_bytes"] == 0
+
+
+def test_partial_offload_keeps_the_first_sub_groups_on_the_device() -> None:
+    """[Note: partial offload]: ratio 0.5 keeps about half of the sub-groups' masters, gradients and
+    optimizer state on the device; the same run with ratio 1 keeps none there."""
+    names = [m[0] for m in MODES]
+    full, half = results()[names.index("s3-cpu")][0].extra, results()[names.index("s3-cpu-ratio")][0].extra
+    moved = half["placement"]["device_bytes"] - full["placement"]["device_bytes"]
+    assert moved > 0 and full["placement"]["host_bytes"] - half["placement"]["host_bytes"] == moved
+    offloaded = full["placement"]["host_bytes"]
+    assert 0.25 * offloaded < moved < 0.75 * offloaded, (moved, offloaded)
 
 
 # ---- checkpoints move between offload modes and world sizes --------------------------------------
