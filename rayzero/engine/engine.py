@@ -262,6 +262,8 @@ class ZeroEngine:
         if every and self.comm.rank == 0 and (self.global_steps + 1) % every == 0:
             logger.info(progress_line(self.global_steps + 1, self.skipped_steps, self.optimizer))
         timings = self.timers.take() if self.timers.enabled else None
+        if timings is not None:  # the offloaded step's parts (issue 9): d2h, cpu_step, h2d, nvme read/write
+            timings.update({f"offload_{name}": seconds * 1000.0 for name, seconds in self.offload_breakdown().items()})
         if timings is not None and self.comm.rank == 0:
             logger.info("rank 0 step %d time (ms) | %s", self.global_steps + 1,
                         " | ".join(f"{name}: {value:.2f}" for name, value in timings.items()))

@@ -106,6 +106,7 @@ class BucketedStrategy(ZeroStrategy):
         self._boundary = False
         self._stepper = None  # [Note: step overlapped with backward]
         self._backward_end = 0.0  # when the boundary backward returned (what the step did not hide)
+        self._d2h = 0.0  # seconds in finish callbacks since the last step (offload breakdown)
         self._hooks = [
             param.register_post_accumulate_grad_hook(self._make_hook(bucket, slot_index))
             for bucket in self.buckets for slot_index, param in enumerate(bucket.params)]
@@ -210,18 +211,25 @@ class BucketedStrategy(ZeroStrategy):
             work, finish = self._reduce_bucket(bucket, async_op=overlap)
             if self._stepper is not None and self._boundary:
                 self._inflight.append(self._stepper.submit(
-                    self.optimizer, bucket.master, bucket.master_grad, work, finish))
+                    self.optimizer, bucket.master, bucket.master_grad, work, lambda f=finish: self._timed_finish(f)))
             elif overlap:
                 self._inflight.append((work, finish))
             else:
-                finish()
+                self._timed_finish(finish)
 
     def _drain(self) -> None:
         for work, finish in self._inflight:
             if work is not None:
                 work.wait()
-            finish()
+            self._timed_finish(finish)
         self._inflight.clear()
+
+    def _timed_finish(self, finish: Finish) -> None:
+        """Run a bucket's finish callback (the reduced shard into its master gradient: the
+        device-to-host copy under CPU offload), adding its time to this step's `d2h`."""
+        start = time.perf_counter()
+        finish()
+        self._d2h += time.perf_counter() - start
 
     def before_backward(self, is_boundary: bool) -> None:
         self._drain()
@@ -278,7 +286,10 @@ class BucketedStrategy(ZeroStrategy):
         else:
             raise RayZeroRuntimeError(f"internal: {stepped[0]} of {len(self.buckets)} buckets stepped during "
                                       "backward")
+        start = time.perf_counter()
         self._publish()
+        self.offload.record_transfers(self._d2h, time.perf_counter() - start)
+        self._d2h = 0.0
 
     def zero_grad(self) -> None:
         """Stages 0-1: `.grad = None`, so the first backward of the next window hands over fresh

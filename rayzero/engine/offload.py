@@ -105,6 +105,12 @@ class OffloadBackend(abc.ABC):
         None where the step must run after backward ([Note: step overlapped with backward])."""
         return None
 
+    def record_transfers(self, d2h: float, h2d: float) -> None:
+        """Seconds the last step spent putting reduced gradients into the offloaded master
+        gradients (`d2h`: the device-to-host copies) and bringing updated masters back to the
+        parameters (`h2d_publish`: host-to-device copies and the all-gather that follows them), as
+        the strategy measured them (for `breakdown`)."""
+
     def record_overlapped_step(self, seconds: float, exposed: float) -> None:
         """Timings of a step that ran during backward (for `breakdown`)."""
 

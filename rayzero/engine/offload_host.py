@@ -143,6 +143,10 @@ class HostOffload(OffloadBackend):
     def record_overlapped_step(self, seconds: float, exposed: float) -> None:
         self._timings = {"cpu_step": seconds, "cpu_step_exposed": exposed}
 
+    def record_transfers(self, d2h: float, h2d: float) -> None:
+        if self.optimizer_home != "device":
+            self._timings.update(d2h=d2h, h2d_publish=h2d)
+
     def breakdown(self) -> dict[str, float]:
         return dict(self._timings)
 

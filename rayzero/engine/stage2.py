@@ -46,7 +46,7 @@ class Stage2Strategy(BucketedStrategy):
             work, finish = self._inflight.pop(0)
             if work is not None:
                 work.wait()
-            finish()
+            self._timed_finish(finish)
         buffer = self._staging[self._staging_turn][:numel]
         self._staging_turn = (self._staging_turn + 1) % self._STAGING_RING
         buffer.zero_()

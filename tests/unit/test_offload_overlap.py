@@ -14,14 +14,14 @@ from rayzero.config.errors import RayZeroRuntimeError
 pytestmark = pytest.mark.unit
 
 
-def _engine(stage: int, offload: str, clipping: float = 0.0, gas: int = 2):
+def _engine(stage: int, offload: str, clipping: float = 0.0, gas: int = 2, **extra):
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(6)])
     config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": gas,
               "gradient_clipping": clipping,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
               "zero_optimization": {"stage": stage, "reduce_bucket_size": 1500,
-                                    "offload_optimizer": {"device": offload}}}
+                                    "offload_optimizer": {"device": offload}}, **extra}
     return rayzero.initialize(model=model, config=config)[0], model
 
 
@@ -41,7 +41,7 @@ def test_overlapped_step_is_bitwise_the_step_after_backward(stage: int, monkeypa
     engine, model = _engine(stage, "cpu")
     assert len(engine.strategy.buckets) > 2, "several buckets, so some step while backward runs"
     overlapped = _train(engine, model)
-    assert set(engine.offload_breakdown()) == {"cpu_step", "cpu_step_exposed"}
+    assert set(engine.offload_breakdown()) == {"cpu_step", "cpu_step_exposed", "d2h", "h2d_publish"}
     monkeypatch.setenv("RAYZERO_OFFLOAD_OVERLAP_STEP", "0")
     after = _train(*_engine(stage, "cpu"))
     plain = _train(*_engine(stage, "none"))
@@ -51,7 +51,16 @@ def test_overlapped_step_is_bitwise_the_step_after_backward(stage: int, monkeypa
 def test_clipping_keeps_the_step_after_backward() -> None:
     engine, model = _engine(2, "cpu", clipping=1.0)
     _train(engine, model, steps=1)
-    assert set(engine.offload_breakdown()) == {"cpu_step"}
+    assert set(engine.offload_breakdown()) == {"cpu_step", "d2h", "h2d_publish"}
+
+
+def test_wall_clock_breakdown_logs_the_offloaded_step_parts(caplog) -> None:
+    engine, model = _engine(1, "cpu", wall_clock_breakdown=True)
+    with caplog.at_level("INFO", logger="rayzero.engine.engine"):
+        _train(engine, model, steps=2)
+    lines = [r.getMessage() for r in caplog.records if "time (ms)" in r.getMessage()]
+    assert lines and all(f"offload_{part}:" in lines[-1] for part in ("cpu_step", "cpu_step_exposed", "d2h",
+                                                                    "h2d_publish")), lines
 
 
 def test_second_boundary_backward_before_step_is_refused() -> None:
