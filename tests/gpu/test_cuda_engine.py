@@ -27,6 +27,12 @@ _NVME = __import__("tempfile").mkdtemp(prefix="rayzero-gpu-nvme-")
 # Offload (issue 9): masters and optimizer state in pinned host memory / NVMe, the step on the CPU.
 CASES += [H.Case(stage=s, gas=2, optimizer="sgd" if s == 1 else "adamw",
                  zero=(("offload_optimizer", {"device": "cpu", "pin_memory": True}),)) for s in (1, 2, 3)]
+# stage 2 SGD has no clipping: its CPU step runs bucket by bucket during backward; ratio 0.5 at
+# stage 3 keeps half of the sub-groups on the GPU ([Note: partial offload]).
+CASES += [H.Case(stage=2, gas=2, optimizer="sgd",
+                 zero=(("offload_optimizer", {"device": "cpu", "pin_memory": True}), ("reduce_bucket_size", 100))),
+          H.Case(stage=3, gas=2, zero=(("offload_optimizer", {"device": "cpu", "pin_memory": True, "ratio": 0.5}),
+                                       ("sub_group_size", 300)))]
 CASES += [H.Case(stage=3, gas=2, zero=(("offload_optimizer", {"device": "nvme", "nvme_path": _NVME,
                                                               "pipeline_read": True, "pipeline_write": True}),
                                        ("offload_param", {"device": "cpu", "pin_memory": True}),
@@ -108,4 +114,54 @@ def test_cpu_offload_pins_host_state_and_keeps_compute_on_the_gpu() -> None:
     assert all(p.device.type == "cuda" for p in model.parameters())
     stats = engine.memory_stats()
     assert stats["host_bytes"] > 0 and stats["device_bytes"] > 0
+    engine.close()
+
+
+def _offload_engine(zero: dict, clipping: float = 0.0):
+    import rayzero
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(6)])
+    config = {"train_micro_batch_size_per_gpu": 8, "gradient_clipping": clipping,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": zero}
+    return rayzero.initialize(model=model, config=config)[0], model
+
+
+def test_cpu_step_overlaps_backward_on_cuda_bitwise(monkeypatch) -> None:
+    """[Note: step overlapped with backward] with NCCL and pinned host state: the same weights as the
+    step after backward, bit for bit, and part of the CPU step hidden behind backward."""
+    zero = {"stage": 2, "reduce_bucket_size": 256 * 256, "offload_optimizer": {"device": "cpu", "pin_memory": True}}
+    finals = []
+    for overlap in ("1", "0"):
+        monkeypatch.setenv("RAYZERO_OFFLOAD_OVERLAP_STEP", overlap)
+        engine, model = _offload_engine(zero)
+        generator = torch.Generator(device="cuda").manual_seed(1)
+        for _ in range(5):
+            engine.backward(engine(torch.randn(8, 256, device="cuda", generator=generator)).pow(2).mean())
+            engine.step()
+        breakdown = engine.offload_breakdown()
+        if overlap == "1":
+            assert breakdown["cpu_step_exposed"] < breakdown["cpu_step"], breakdown
+        else:
+            assert "cpu_step_exposed" not in breakdown
+        finals.append(torch.cat([p.detach().flatten().cpu() for p in model.parameters()]))
+        engine.close()
+    assert torch.equal(finals[0], finals[1])
+
+
+def test_partial_offload_keeps_the_first_sub_groups_on_the_gpu() -> None:
+    zero = {"stage": 3, "sub_group_size": 256 * 256 + 256,
+            "offload_optimizer": {"device": "cpu", "pin_memory": True, "ratio": 0.5}}
+    engine, _ = _offload_engine(zero, clipping=1.0)
+    engine.backward(engine(torch.randn(8, 256, device="cuda")).pow(2).mean())
+    engine.step()
+    masters = [p for group in engine.optimizer.param_groups for p in group["params"]]
+    devices = [m.device.type for m in masters]
+    kept = int((1 - 0.5) * len(masters))  # DeepSpeed's split: the first int((1 - ratio) * n) stay
+    assert len(masters) >= 4 and devices == ["cuda"] * kept + ["cpu"] * (len(masters) - kept), devices
+    for master in masters:
+        state = engine.optimizer.state[master]
+        assert state["exp_avg"].device == master.device
+        if master.device.type == "cpu":
+            assert master.is_pinned()
     engine.close()
