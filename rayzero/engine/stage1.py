@@ -48,8 +48,11 @@ def publish_partitioned(strategy: BucketedStrategy) -> None:
     for bucket in strategy.buckets:
         start, end = bucket.master_range
         own = bucket.param_buffer[start:end]
+        # From pinned host memory the copy is asynchronous, ordered before the all-gather on the same
+        # stream. The host master is next written by the next step, which first needs that step's
+        # gradients copied to the host synchronously on this stream, so after this copy has run.
         if not strategy.aliased:
-            own.copy_(bucket.master)
+            own.copy_(bucket.master, non_blocking=own.device.type == "cuda" and bucket.master.is_pinned())
         works.append(strategy.comm.all_gather(bucket.param_buffer, own, async_op=True))
     for work in works:
         if work is not None:
