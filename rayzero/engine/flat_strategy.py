@@ -104,7 +104,11 @@ class BucketedStrategy(ZeroStrategy):
         self._next_bucket = 0
         self._inflight: list[tuple[object, Finish]] = []
         self._boundary = False
-        self._stepper = None  # [Note: step overlapped with backward]
+        # [Note: step overlapped with backward]: with an offloaded optimizer a background thread
+        # finishes each bucket (the device-to-host copy) as its reduction completes, and also steps
+        # it at the boundary when the math allows (enable_step_overlap)
+        self._stepper = self.offload.background_stepper()
+        self._step_early = False
         self._backward_end = 0.0  # when the boundary backward returned (what the step did not hide)
         self._d2h = 0.0  # seconds in finish callbacks since the last step (offload breakdown)
         self._hooks = [
@@ -209,9 +213,10 @@ class BucketedStrategy(ZeroStrategy):
             self._next_bucket += 1
             overlap = self.policy.overlap_comm or self.always_overlaps
             work, finish = self._reduce_bucket(bucket, async_op=overlap)
-            if self._stepper is not None and self._boundary:
+            if self._stepper is not None:
                 self._inflight.append(self._stepper.submit(
-                    self.optimizer, bucket.master, bucket.master_grad, work, lambda f=finish: self._timed_finish(f)))
+                    self.optimizer, bucket.master, bucket.master_grad, work, lambda f=finish: self._timed_finish(f),
+                    step=self._step_early and self._boundary))
             elif overlap:
                 self._inflight.append((work, finish))
             else:
@@ -274,8 +279,8 @@ class BucketedStrategy(ZeroStrategy):
     def enable_step_overlap(self) -> bool:
         """Step each bucket on the host while backward goes on, when the backend can
         ([Note: step overlapped with backward]; api.py decides the math allows it)."""
-        self._stepper = self.offload.background_stepper()
-        return self._stepper is not None
+        self._step_early = self._stepper is not None and self._stepper.can_step
+        return self._step_early
 
     def optimizer_step(self) -> None:
         stepped = self._stepper.take(self._backward_end) if self._stepper is not None else (0, 0.0, 0.0)

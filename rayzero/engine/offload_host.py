@@ -119,10 +119,11 @@ class HostOffload(OffloadBackend):
         self._timings = {"cpu_step": time.perf_counter() - start}
 
     def background_stepper(self):
-        if self.optimizer_home != "host":
+        if self.optimizer_home == "device":
             return None
         from rayzero.engine.offload_overlap import BackgroundStepper
-        return BackgroundStepper(self.step_subset, self.step_threads)
+        # NVMe steps tile by tile after backward (offload_nvme.py): its thread only copies
+        return BackgroundStepper(self.step_subset if self.optimizer_home == "host" else None, self.step_threads)
 
     def step_subset(self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> float:
         """Step only `params` (one bucket's masters): the other parameters are hidden from the

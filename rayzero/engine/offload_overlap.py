@@ -10,10 +10,11 @@ buckets and publishes the weights. The math is unchanged, bit for bit: Adam, Ada
 elementwise per parameter with a per-parameter step count, so stepping bucket by bucket gives the
 same result as one step over all of them.
 
-It applies only where nothing global must be known before any element is updated: no gradient
-clipping (the norm needs every gradient) and no fp16 (an overflow anywhere skips the whole step),
-and torch's Adam, AdamW or SGD (an arbitrary optimizer may couple its parameters). Otherwise the
-step runs after backward as before. `RAYZERO_OFFLOAD_OVERLAP_STEP=0` turns it off (benchmarks
+The step applies only where nothing global must be known before any element is updated: no
+gradient clipping (the norm needs every gradient) and no fp16 (an overflow anywhere skips the whole
+step), and torch's Adam, AdamW or SGD (an arbitrary optimizer may couple its parameters). Otherwise
+the step runs after backward, but the thread still finishes each bucket as its reduction completes,
+so the device-to-host copies of reduced gradients run during backward in every case. `RAYZERO_OFFLOAD_OVERLAP_STEP=0` turns it off (benchmarks
 compare both). Decided in engine/api.py; flat_strategy submits buckets; offload_host steps them.
 """
 from __future__ import annotations
@@ -50,7 +51,9 @@ class BackgroundStepper:
     """One thread that finishes each submitted bucket's reduction and steps its master."""
 
     def __init__(self, step_subset, threads: int) -> None:
-        self._step_subset = step_subset  # (optimizer, [master]) -> seconds
+        """`step_subset`: how to step one bucket's master (None: this thread only finishes buckets)."""
+        self._step_subset = step_subset  # (optimizer, [master]) -> seconds; None: finish only
+        self.can_step = step_subset is not None
         self._threads = threads
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rayzero-cpu-step",
                                         initializer=self._init_thread)
@@ -62,12 +65,15 @@ class BackgroundStepper:
             torch.set_num_threads(self._threads)  # this thread's OpenMP team only
 
     def submit(self, optimizer: torch.optim.Optimizer, master: torch.Tensor, master_grad: torch.Tensor,
-               work, finish) -> tuple[_Pending, object]:
-        """Queue: wait for `work`, run `finish` (the reduced shard into `master_grad`), then step."""
+               work, finish, step: bool) -> tuple[_Pending, object]:
+        """Queue: wait for `work`, run `finish` (the reduced shard into `master_grad`), then, with
+        `step`, step this bucket's master."""
         def run() -> None:
             if work is not None:
                 work.wait()
             finish()
+            if not step:
+                return
             master.grad = master_grad
             start = time.perf_counter()
             self._step_subset(optimizer, [master])
