@@ -9,7 +9,8 @@ same filesystem, so no native aio library is needed (libaio needs a compiled ext
 disabled in many containers). The `aio` section maps onto it as DeepSpeed's async_io uses it:
 `block_size` bytes per request, `queue_depth` requests in flight per thread, `intra_op_parallelism`
 (or its legacy name `thread_count`) threads — so threads × queue_depth requests in flight —
-and `single_submit` keeps one request in flight per thread. Buffers are anonymous
+and `single_submit` — or `overlap_events: false`, which in DeepSpeed waits for each submission to
+complete before the next — keeps one request in flight per thread. Buffers are anonymous
 mmaps (page aligned, as O_DIRECT needs) wrapped as tensors, so reads land where the optimizer
 computes: no bounce copy. Where O_DIRECT is refused (tmpfs, some FUSE mounts) the files are opened
 buffered and `layer` says so.
@@ -61,13 +62,15 @@ class IOKnobs:
     queue_depth: int = 8
     threads: int = 1
     single_submit: bool = False
+    overlap_events: bool = True
 
     @classmethod
     def from_config(cls, aio) -> IOKnobs:
         if aio is None:
             return cls()
         return cls(block_size=int(aio.block_size), queue_depth=int(aio.queue_depth),
-                   threads=max(1, int(aio.intra_op_parallelism)), single_submit=bool(aio.single_submit))
+                   threads=max(1, int(aio.intra_op_parallelism)), single_submit=bool(aio.single_submit),
+                   overlap_events=bool(aio.overlap_events))
 
     @property
     def request_bytes(self) -> int:
@@ -76,7 +79,7 @@ class IOKnobs:
     @property
     def in_flight(self) -> int:
         """Requests in flight at once: the I/O pool's size."""
-        return self.threads * (1 if self.single_submit else self.queue_depth)
+        return self.threads * (1 if self.single_submit or not self.overlap_events else self.queue_depth)
 
 
 class SwapFile:

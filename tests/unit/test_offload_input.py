@@ -82,3 +82,20 @@ def test_cpu_step_threads_are_shared_by_the_ranks_of_a_host(monkeypatch) -> None
     assert torch.get_num_threads() == 2
     with cpu_threads(3):  # a cap, not a raise
         assert torch.get_num_threads() == 2
+
+
+@pytest.mark.parametrize("aio, in_flight", [
+    ({}, 8),  # DeepSpeed's defaults: one thread, queue_depth 8
+    ({"queue_depth": 4, "intra_op_parallelism": 2}, 8),
+    ({"queue_depth": 4, "thread_count": 3}, 12),  # the legacy name of intra_op_parallelism
+    ({"queue_depth": 4, "intra_op_parallelism": 2, "single_submit": True}, 2),
+    ({"queue_depth": 4, "intra_op_parallelism": 2, "overlap_events": False}, 2),
+])
+def test_aio_knobs_set_the_requests_in_flight(aio: dict, in_flight: int) -> None:
+    """[Note: swap I/O layer]: threads x queue_depth requests at once; single_submit or
+    overlap_events=false wait for each request before the next, one per thread."""
+    from rayzero.config import load_config
+    from rayzero.engine.swap_io import IOKnobs
+
+    config = load_config({**BASE, "aio": aio})
+    assert IOKnobs.from_config(config.aio).in_flight == in_flight
