@@ -1,4 +1,4 @@
-"""The CPU optimizer step overlapped with backward (ZeRO-Offload, stages 1-2).
+"""The CPU optimizer step overlapped with backward (ZeRO-Offload, stages 1-3).
 
 [Note: step overlapped with backward]
 With `offload_optimizer.device: cpu`, each bucket's masters, gradients and optimizer state are the
@@ -8,14 +8,18 @@ reduction is issued, a background thread waits for it, copies the reduced shard 
 thread goes on with backward for the earlier layers. `engine.step()` then only waits for the last
 buckets and publishes the weights. The math is unchanged, bit for bit: Adam, AdamW and SGD are
 elementwise per parameter with a per-parameter step count, so stepping bucket by bucket gives the
-same result as one step over all of them.
+same result as one step over all of them. Stage 3 does the same per optimizer sub-group
+(`sub_group_size`): a sub-group steps once the last of its gradient shards was added (stage3.py,
+through the reducer's `on_added`); with one sub-group (the default size on most models) that is
+the end of backward, so only smaller sub-groups hide the step.
 
 The step applies only where nothing global must be known before any element is updated: no
 gradient clipping (the norm needs every gradient) and no fp16 (an overflow anywhere skips the whole
 step), and torch's Adam, AdamW or SGD (an arbitrary optimizer may couple its parameters). Otherwise
 the step runs after backward, but the thread still finishes each bucket as its reduction completes,
 so the device-to-host copies of reduced gradients run during backward in every case. `RAYZERO_OFFLOAD_OVERLAP_STEP=0` turns it off (benchmarks
-compare both). Decided in engine/api.py; flat_strategy submits buckets; offload_host steps them.
+compare both). Decided in engine/api.py; flat_strategy (buckets) and stage3 (sub-groups) submit;
+offload_host steps them.
 """
 from __future__ import annotations
 

@@ -14,12 +14,13 @@ tensors keep the fused kernels efficient; sub-groups are the tiles an offloaded 
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
 
 from rayzero.checkpoint.types import ShardedTensor, ShardSpec
-from rayzero.config.errors import RayZeroValueError
+from rayzero.config.errors import RayZeroRuntimeError, RayZeroValueError
 from rayzero.engine.offload import StateKind
 from rayzero.engine.optim_state import elementwise_state_keys, ensure_optimizer_state
 from rayzero.engine.partition import split_evenly
@@ -107,6 +108,13 @@ class Stage3Strategy(ZeroStrategy):
         self.coordinator = Stage3Coordinator(ctx.module, self.partitions, self.knobs, self.reducer.add,
                                              external_parameters(ctx.module))
         self._trainable_entries = [e for entries, _, _ in self.groups for e in entries]
+        # [Note: step overlapped with backward]: a sub-group steps once its last shard arrived
+        self._stepper = self.offload.background_stepper()
+        self._step_early = self._boundary = False
+        self._group_of = {id(e): index for index, (entries, _, _) in enumerate(self.groups) for e in entries}
+        self._waiting: list[int] = []
+        self._pending: list = []
+        self._backward_end = 0.0
 
     def _fp32_piece(self, param: torch.nn.Parameter) -> tuple[torch.Tensor, torch.Size]:
         """This rank's padded fp32 piece of `param`, adopting a `rayzero.zero.Init` partition."""
@@ -134,9 +142,40 @@ class Stage3Strategy(ZeroStrategy):
 
     def before_backward(self, is_boundary: bool) -> None:
         self.reducer.seen.clear()
+        if self._step_early:
+            self._wait_steps()
+            self._stepper.check_consumed()
+            self._boundary = is_boundary
+            self._waiting = [len(entries) for entries, _, _ in self.groups] if is_boundary else []
+
+    def enable_step_overlap(self) -> bool:
+        self._step_early = self._stepper is not None and self._stepper.can_step
+        if self._step_early:
+            self.reducer.on_added = self._shards_added
+        return self._step_early
+
+    def _shards_added(self, keys: list[int]) -> None:
+        """At the boundary: submit each sub-group whose every gradient shard is now in place."""
+        if not self._boundary:
+            return
+        for key in keys:
+            index = self._group_of.get(key)
+            if index is None:
+                continue
+            self._waiting[index] -= 1
+            if self._waiting[index] == 0:
+                _, master, master_grad = self.groups[index]
+                self._pending.append(self._stepper.submit(self.optimizer, master, master_grad, None,
+                                                          lambda: None, step=True)[0])
+
+    def _wait_steps(self) -> None:
+        pending, self._pending = self._pending, []
+        for future in pending:
+            future.wait()
 
     def after_backward(self) -> None:
         self.reducer.finish()
+        self._backward_end = time.perf_counter()
         self.coordinator.end_backward()
         if not self.policy.ignore_unused_parameters:
             unused = [e.name for e in self._trainable_entries if id(e) not in self.reducer.seen]
@@ -148,6 +187,7 @@ class Stage3Strategy(ZeroStrategy):
 
     def finish_gradients(self) -> None:
         self.reducer.finish()
+        self._wait_steps()
         for _, master, master_grad in self.groups:
             master.grad = master_grad
 
@@ -155,7 +195,14 @@ class Stage3Strategy(ZeroStrategy):
         return [master_grad for _, _, master_grad in self.groups]
 
     def optimizer_step(self) -> None:
-        self.offload.step(self.optimizer)
+        stepped = self._stepper.take(self._backward_end) if self._stepper is not None else (0, 0.0, 0.0)
+        if stepped[0] == len(self.groups):
+            self.offload.record_overlapped_step(stepped[1], stepped[2])
+        elif stepped[0] == 0:
+            self.offload.step(self.optimizer)
+        else:
+            raise RayZeroRuntimeError(f"internal: {stepped[0]} of {len(self.groups)} sub-groups stepped during "
+                                      "backward")
         self._publish()
 
     def _publish(self) -> None:
@@ -272,6 +319,11 @@ class Stage3Strategy(ZeroStrategy):
 
     def close(self) -> None:
         self.reducer.finish()
+        if self._stepper is not None:
+            self._wait_steps()
+            self._stepper.close()
+            self._stepper = None
+            self._step_early = False
         self.coordinator.close()
         self.partitions.close()
 

@@ -81,6 +81,8 @@ class GradientReducer:
         # Entries that received a gradient since the last `clear` (unused-parameter check).
         self.seen: set[int] = _SeenThisBackward(self._open_round)
         self.bucket_bytes_peak = 0
+        # Called with the keys whose shards were just added ([Note: step overlapped with backward]).
+        self.on_added = None
 
     def _set_plan(self, ordered_keys: list[int]) -> None:
         self.plan = self._plan(ordered_keys)
@@ -194,9 +196,13 @@ class GradientReducer:
         for key in keys:
             target = self.master_grads[key]
             width = target.numel()
-            # master gradients may live off the compute device (offload backend): move, then add
-            target.add_(shards[offset:offset + width].to(target.device, non_blocking=True))
+            # Master gradients may live off the compute device (offload backend): move, then add. A
+            # blocking copy: a non-blocking one to the host lands in pinned memory *later*, and
+            # add_ on the host would read it before it arrived.
+            target.add_(shards[offset:offset + width].to(target.device))
             offset += width
+        if self.on_added is not None:
+            self.on_added(keys)
 
     def finish(self) -> None:
         self.flush()
