@@ -31,6 +31,8 @@ CASES += [H.Case(stage=s, gas=2, optimizer="sgd" if s == 1 else "adamw",
 # stage 3 keeps half of the sub-groups on the GPU ([Note: partial offload]).
 CASES += [H.Case(stage=2, gas=2, optimizer="sgd",
                  zero=(("offload_optimizer", {"device": "cpu", "pin_memory": True}), ("reduce_bucket_size", 100))),
+          H.Case(stage=3, gas=2, optimizer="sgd",
+                 zero=(("offload_optimizer", {"device": "cpu", "pin_memory": True}), ("sub_group_size", 300))),
           H.Case(stage=3, gas=2, zero=(("offload_optimizer", {"device": "cpu", "pin_memory": True, "ratio": 0.5}),
                                        ("sub_group_size", 300)))]
 CASES += [H.Case(stage=3, gas=2, zero=(("offload_optimizer", {"device": "nvme", "nvme_path": _NVME,
