@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any, Mapping, Union
 
@@ -57,12 +58,46 @@ def load_config(
     if problems:
         raise ConfigError(problems, name)
     notes[:] = list(dict.fromkeys(notes))  # each note once, in order
+    shown = _shown_by_driver()
     for note in notes:
+        if note in shown:  # [Note: config notes once]
+            continue
+        _LOGGED.add(note)
+        if NOTES_SHOWN_ENV in os.environ:
+            shown.add(note)
         # resolutions are information; everything else (ignored, deprecated, unimplemented) warns
         level = logging.INFO if note.startswith(("auto:", "derived:", "filled:", "rounded:")) else logging.WARNING
         logger.log(level, note)
     config._notes = notes
     return config
+
+
+# [Note: config notes once]
+# The driver validates a config and logs its notes; under rayzero.fit every worker loads it again
+# (twice: the loop's checks and rayzero.initialize), which would print each note 1 + 2·N times.
+# The driver hands the notes it logged to the workers ($RAYZERO_CONFIG_NOTES_SHOWN, set by
+# driver/fit.py); a worker logs only notes not in that set, each once. Elsewhere (a script,
+# torchrun, tests) every load logs its notes, as before. `config.notes` always lists them all.
+NOTES_SHOWN_ENV = "RAYZERO_CONFIG_NOTES_SHOWN"
+_LOGGED: set[str] = set()
+"""Every note this process logged (what the driver hands to its workers)."""
+_SHOWN: dict[str, set[str]] = {}  # the env value -> notes shown (the driver's, then this worker's)
+
+
+def _shown_by_driver() -> set[str]:
+    """Read when a config loads, not at import: a Ray worker imports rayzero before its run's
+    environment is set."""
+    value = os.environ.get(NOTES_SHOWN_ENV)
+    if value is None:
+        return set()
+    if value not in _SHOWN:
+        _SHOWN[value] = set(json.loads(value))
+    return _SHOWN[value]
+
+
+def logged_notes() -> list[str]:
+    """The notes this process has logged so far (driver side of [Note: config notes once])."""
+    return sorted(_LOGGED)
 
 
 def _read(source: Source, name: str) -> dict[str, Any]:

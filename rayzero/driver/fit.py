@@ -15,6 +15,7 @@ from typing import Any
 import pyarrow.fs as pafs
 
 from rayzero.config.errors import RayZeroValueError
+from rayzero.config.loader import NOTES_SHOWN_ENV, logged_notes
 from rayzero.controller import registry
 from rayzero.controller.configs import FailureConfig, RunConfig, ScalingConfig
 from rayzero.controller.controller import Controller, ControllerActor, ControllerSettings, ControllerUpdate
@@ -156,6 +157,7 @@ def fit(
     }
     if trainer:
         run_env["RAYZERO_TRAINER"] = json.dumps(dict(trainer))  # HF trainer arguments for "auto"s
+    run_env[NOTES_SHOWN_ENV] = json.dumps(logged_notes())  # [Note: config notes once]
     datasets = dict(datasets or {})
     locations = [checkpoint_dir] + ([validated["checkpoint"]["durable_uri"]]
                                     if (validated.get("checkpoint") or {}).get("durable_uri") else [])
