@@ -44,8 +44,9 @@ class OffloadOptimizerConfig(ConfigModel):
     """Where optimizer state lives and the optimizer step runs: `none`, `cpu`, or `nvme`."""
     nvme_path: Optional[str] = None
     """Directory on a fast local NVMe drive for optimizer swap files; required when device is `nvme`."""
-    buffer_count: Int = Field(4, ge=0)
-    """Number of staging buffers for optimizer-state swapping (at least 4 for Adam: param, grad, 2 moments)."""
+    buffer_count: Int = Field(4, ge=0, json_schema_extra={UNIMPLEMENTED: True})
+    """DeepSpeed: staging buffers for optimizer-state swapping. Recognised, not used: rayzero's NVMe
+    step holds at most three tile buffers, each with every state tensor of its tile."""
     pin_memory: Bool = False
     """Pin the CPU copies (page-locked) for faster host-device copies; ignored without an accelerator."""
     pipeline_read: Bool = False
