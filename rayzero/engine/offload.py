@@ -105,6 +105,10 @@ class OffloadBackend(abc.ABC):
         None where the step must run after backward ([Note: step overlapped with backward])."""
         return None
 
+    def after_publish(self) -> None:
+        """Stage 3, after updated shards were written: where shards live on NVMe, page out what
+        `max_in_cpu` does not keep ([Note: NVMe parameter shards])."""
+
     def record_transfers(self, d2h: float, h2d: float) -> None:
         """Seconds the last step spent putting reduced gradients into the offloaded master
         gradients (`d2h`: the device-to-host copies) and bringing updated masters back to the

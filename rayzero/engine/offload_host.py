@@ -63,6 +63,7 @@ class HostOffload(OffloadBackend):
         self._arena = None
         if zero.offload_param_device == "nvme":
             self._arena = _param_arena(param_cfg)
+            self._max_in_cpu = int(param_cfg.max_in_cpu)  # elements
             self._own_scratch()
         # [Note: partial offload]: the config keeps ratio < 1 only at stage 3 with device "cpu"
         self.ratio = float(optimizer_cfg.ratio) if optimizer_cfg is not None else 1.0
@@ -144,6 +145,10 @@ class HostOffload(OffloadBackend):
     def record_overlapped_step(self, seconds: float, exposed: float) -> None:
         self._timings = {"cpu_step": seconds, "cpu_step_exposed": exposed}
 
+    def after_publish(self) -> None:
+        if self._arena is not None:
+            self._arena.page_out(self._max_in_cpu)
+
     def record_transfers(self, d2h: float, h2d: float) -> None:
         if self.optimizer_home != "device":
             self._timings.update(d2h=d2h, h2d_publish=h2d)
@@ -205,7 +210,8 @@ def _param_arena(param_cfg: Any):
     arena = ParamArena(scratch_directory(param_cfg.nvme_path, "zero_optimization.offload_param.nvme_path",
                                          "params"))
     warnings.warn(
-        "zero_optimization.offload_param.device=\"nvme\": parameter shards live in memory-mapped swap files "
-        "(the page cache is the in-memory tier); buffer_count, buffer_size and max_in_cpu are not used",
+        "zero_optimization.offload_param.device=\"nvme\": parameter shards live in memory-mapped swap files, paged out "
+        "after each step beyond max_in_cpu elements; buffer_count and buffer_size are not used (no O_DIRECT "
+        "staging buffers)",
         stacklevel=4)
     return arena

@@ -204,6 +204,7 @@ class Stage3Strategy(ZeroStrategy):
             raise RayZeroRuntimeError(f"internal: {stepped[0]} of {len(self.groups)} sub-groups stepped during "
                                       "backward")
         self._publish()
+        self.offload.after_publish()
 
     def _publish(self) -> None:
         """Updated masters -> compute-dtype shards; persistent parameters are re-gathered."""

@@ -8,6 +8,20 @@ import harness as H
 import torch
 
 
+def _mappings() -> list[tuple[int, int, str]]:
+    out = []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            parts = line.split()
+            low, high = (int(x, 16) for x in parts[0].split("-"))
+            out.append((low, high, parts[5] if len(parts) > 5 else ""))
+    return out
+
+
+def _mapped_file(address: int) -> str:
+    return next((path for low, high, path in _mappings() if low <= address < high), "")
+
+
 def where_state_lives(engine) -> dict:
     """Read from the optimizer and the filesystem, not from the engine's own accounting."""
     backend = engine.strategy.offload
@@ -20,8 +34,8 @@ def where_state_lives(engine) -> dict:
     shards = [e.shard for e in getattr(getattr(engine.strategy, "partitions", None), "entries", [])]
     return {
         "param_swap_dir": param_dir,
-        # the file each shard's storage maps (torch.from_file), read from the tensors themselves
-        "param_shard_files": sorted({s.untyped_storage().filename or "" for s in shards}) if param_dir else [],
+        # the file mapped at each shard's address, read from the kernel's own table of mappings
+        "param_shard_files": sorted({_mapped_file(s.data_ptr()) for s in shards}) if param_dir else [],
         "param_shard_bytes": sum(s.numel() * s.element_size() for s in shards),
         "param_swap_file_bytes": sum(os.path.getsize(os.path.join(param_dir, f)) for f in os.listdir(param_dir))
         if param_dir else 0,

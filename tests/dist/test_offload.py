@@ -39,7 +39,7 @@ MODES = [
     ("s3-nvme-read-ahead", 3, "adamw", (("offload_optimizer", _nvme(pipeline_read=True)),
                                         ("sub_group_size", 300))),
     ("s3-nvme-params", 3, "adamw", (("offload_optimizer", _nvme(pipeline_write=True)),
-                                    ("offload_param", {"device": "nvme", "nvme_path": NVME}),
+                                    ("offload_param", {"device": "nvme", "nvme_path": NVME, "max_in_cpu": 0}),
                                     ("sub_group_size", 500), ("stage3_param_persistence_threshold", 0))),
 ]
 STEPS, GAS = 10, 2
