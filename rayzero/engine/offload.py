@@ -105,6 +105,9 @@ class OffloadBackend(abc.ABC):
         None where the step must run after backward ([Note: step overlapped with backward])."""
         return None
 
+    def before_forward(self) -> None:
+        """Stage 3, at every forward: start reading offloaded shards back ([Note: NVMe parameter shards])."""
+
     def after_publish(self) -> None:
         """Stage 3, after updated shards were written: where shards live on NVMe, page out what
         `max_in_cpu` does not keep ([Note: NVMe parameter shards])."""

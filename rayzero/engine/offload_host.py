@@ -145,6 +145,10 @@ class HostOffload(OffloadBackend):
     def record_overlapped_step(self, seconds: float, exposed: float) -> None:
         self._timings = {"cpu_step": seconds, "cpu_step_exposed": exposed}
 
+    def before_forward(self) -> None:
+        if self._arena is not None:
+            self._arena.read_ahead()
+
     def after_publish(self) -> None:
         if self._arena is not None:
             self._arena.page_out(self._max_in_cpu)

@@ -9,7 +9,9 @@ writes it back after the step updates it. `max_in_cpu` bounds what stays in memo
 after each step's publish, the shards past the first `max_in_cpu` elements (in allocation order:
 the model's first parameters stay) are paged out (`madvise(MADV_PAGEOUT)`: written back and
 dropped; MADV_DONTNEED where the kernel lacks it), so their bytes really are on the disk until the
-next gather reads them back. What this does not do is bound memory *during* forward and backward
+next forward: its first step asks the kernel to read them all back in the background
+(`MADV_WILLNEED`, `read_ahead`), so the gathers along the module order mostly find them in memory.
+What this does not do is bound memory *during* forward and backward
 (a shard read for a gather stays until the step) nor stage through `buffer_count` × `buffer_size`
 O_DIRECT buffers (a warning says so). Shards are carved from arenas of `ARENA_BYTES`, page aligned
 (fewer files and mappings than one per parameter). The files are scratch of this process, removed
@@ -38,6 +40,7 @@ class ParamArena:
         self._maps: list[mmap.mmap] = []
         self._pieces: list[tuple[mmap.mmap, int, int, int]] = []  # (map, start, bytes, elements), in order
         self._used = 0
+        self._paged_out = False
         self.files: list[str] = []
         self.bytes = 0
 
@@ -67,6 +70,15 @@ class ParamArena:
         out.zero_()
         return out
 
+    def read_ahead(self) -> None:
+        """Ask the kernel to read every paged-out shard back in the background (MADV_WILLNEED),
+        in allocation order, while the forward pass works through the first layers."""
+        if not self._paged_out:
+            return
+        for mapped, start, nbytes, _ in self._pieces:
+            mapped.madvise(mmap.MADV_WILLNEED, start, (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN)
+        self._paged_out = False
+
     def page_out(self, keep_elements: int) -> int:
         """Keep the first `keep_elements` shard elements in memory, page the rest out to their
         files ([Note: NVMe parameter shards]); returns the bytes advised out."""
@@ -82,4 +94,5 @@ class ParamArena:
                 mapped.flush(start, length)
                 mapped.madvise(mmap.MADV_DONTNEED, start, length)
             advised += nbytes
+        self._paged_out = self._paged_out or advised > 0
         return advised

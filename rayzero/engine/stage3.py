@@ -138,6 +138,7 @@ class Stage3Strategy(ZeroStrategy):
 
     # ---- step protocol ----------------------------------------------------------------------
     def before_forward(self) -> None:
+        self.offload.before_forward()
         self.coordinator.begin_micro_step()
 
     def before_backward(self, is_boundary: bool) -> None:
