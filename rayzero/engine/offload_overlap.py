@@ -62,6 +62,8 @@ class BackgroundStepper:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rayzero-cpu-step",
                                         initializer=self._init_thread)
         self.stepped = 0  # buckets stepped since the strategy last consumed them
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._hyper: list[dict] | None = None  # the groups' hyperparameters the early steps used
         self._spans: list[tuple[float, float]] = []  # perf_counter (start, end) of each bucket's step
 
     def _init_thread(self) -> None:
@@ -72,6 +74,8 @@ class BackgroundStepper:
                work, finish, step: bool) -> tuple[_Pending, object]:
         """Queue: wait for `work`, run `finish` (the reduced shard into `master_grad`), then, with
         `step`, step this bucket's master."""
+        if step and self._hyper is None:
+            self._optimizer, self._hyper = optimizer, _hyperparameters(optimizer)
         def run() -> None:
             if work is not None:
                 work.wait()
@@ -92,9 +96,26 @@ class BackgroundStepper:
                 "engine.step(): with CPU offload the optimizer already stepped during the first "
                 "backward; call engine.step() after each boundary backward")
 
+    def _check_hyperparameters(self) -> None:
+        """The early steps used the hyperparameters set before backward; a change made after it
+        (between engine.backward and engine.step) would apply one step late: refuse it."""
+        used, self._hyper = self._hyper, None
+        if used is None or self._optimizer is None:
+            return
+        for index, (before, now) in enumerate(zip(used, _hyperparameters(self._optimizer))):
+            changed = [key for key in now if key not in before or not _same(before[key], now[key])]
+            if changed:
+                raise RayZeroRuntimeError(
+                    f"optimizer param group {index}: {', '.join(changed)} changed between engine.backward() and "
+                    "engine.step(); with CPU offload the step already ran during backward with the old value "
+                    "([Note: step overlapped with backward]). Set hyperparameters before the boundary backward "
+                    "(e.g. at the top of the iteration, or through the lr scheduler), or set "
+                    "RAYZERO_OFFLOAD_OVERLAP_STEP=0 to step after backward")
+
     def take(self, backward_end: float) -> tuple[int, float, float]:
         """(buckets stepped, seconds spent stepping, seconds of it after `backward_end` — the part
         backward did not hide) since the last call; resets."""
+        self._check_hyperparameters()
         total = sum(end - start for start, end in self._spans)
         exposed = sum(max(0.0, end - max(start, backward_end)) for start, end in self._spans)
         out = (self.stepped, total, exposed)
@@ -107,3 +128,14 @@ class BackgroundStepper:
 
 def _nothing() -> None:
     return None
+
+
+def _hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict]:
+    return [{key: value.clone() if isinstance(value, torch.Tensor) else value
+             for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    return a == b

@@ -73,3 +73,25 @@ def test_second_boundary_backward_before_step_is_refused() -> None:
     with pytest.raises(RayZeroRuntimeError, match=r"before engine.step\(\)"):
         engine.backward(engine(x).pow(2).mean())
     engine.close()
+
+
+def test_a_learning_rate_set_after_backward_is_refused_not_applied_late() -> None:
+    """The early step used the old lr; applying the new one a step late would change the math."""
+    engine, _ = _engine(1, "cpu", gas=1)
+    engine.backward(engine(torch.randn(4, 32)).pow(2).mean())
+    for group in engine.optimizer.param_groups:
+        group["lr"] = 0.5
+    with pytest.raises(RayZeroRuntimeError, match=r"param group 0: lr changed between engine.backward\(\)"):
+        engine.step()
+    engine.close()
+
+
+def test_a_learning_rate_set_before_backward_is_used() -> None:
+    engine, model = _engine(1, "cpu", gas=1)
+    before = [p.detach().clone() for p in model.parameters()]
+    for group in engine.optimizer.param_groups:
+        group["lr"] = 0.0  # the top of the iteration, as nanoGPT-style loops set it
+    engine.backward(engine(torch.randn(4, 32)).pow(2).mean())
+    engine.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())), "lr 0 and no weight decay: no change"
+    engine.close()
