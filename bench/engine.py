@@ -16,7 +16,6 @@ import json
 import os
 import pathlib
 import platform
-import socket
 import statistics
 import sys
 import tempfile
@@ -29,6 +28,7 @@ if str(REPOSITORY) not in sys.path:  # `python bench/engine.py` puts bench/, not
 
 from bench import report
 from bench.engine_systems import deepspeed_config
+from rayzero.ports import free_port as _free_port
 
 STAGES = (0, 1, 2, 3)
 # Each DeepSpeed stage right before the same rayzero stage: compared systems run close together in
@@ -69,12 +69,6 @@ def plan(args: argparse.Namespace) -> list[dict[str, Any]]:
             jobs.append({**common, "systems": group, "world_size": world_size, "round": 0,
                          "warmup": 1, "steps": 2})
     return jobs
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 # Ranks start from a fork server that has imported torch once (~1.5 s of CPU per process saved, times

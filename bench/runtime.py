@@ -13,12 +13,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from rayzero.ports import free_port
 
 
 def _rate(reports: list[dict]) -> dict[str, float]:
@@ -44,9 +45,7 @@ def torchrun_worker(steps: int, out: str, started_at: float) -> None:
 
 
 def run_torchrun(steps: int, workers: int) -> dict:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         out = f"{tmp}/reports.json"
         started = time.time()

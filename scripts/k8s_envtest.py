@@ -18,7 +18,6 @@ import pathlib
 import secrets
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -26,6 +25,8 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+
+from rayzero.ports import free_port
 
 SCRIPTS = pathlib.Path(__file__).resolve().parent
 CACHE = pathlib.Path(os.environ.get("RAYZERO_CACHE", pathlib.Path.home() / ".cache" / "rayzero"))
@@ -37,12 +38,6 @@ def ensure_binaries() -> None:
     """Build and cache the apiserver (and install etcd) unless already there: ~5 min once."""
     if not (APISERVER.exists() and shutil.which("etcd") and shutil.which("openssl")):
         subprocess.run(["bash", str(BUILD_SCRIPT)], check=True)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class EnvTest:

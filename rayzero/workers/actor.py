@@ -12,13 +12,13 @@ import inspect
 import logging
 import os
 import signal
-import socket
 import threading
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from rayzero.ports import free_port
 from rayzero.workers import session as session_module
 from rayzero.workers.boundary import (
     CHECKPOINT_TIER_ENV,
@@ -115,9 +115,7 @@ class TrainWorker:
 
     def free_port(self) -> int:
         """A TCP port free on this node, for MASTER_PORT when this worker is rank 0."""
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind(("", 0))
-            return int(sock.getsockname()[1])
+        return free_port(host="")
 
     def setup(
         self,

@@ -15,7 +15,6 @@ import datetime
 import math
 import multiprocessing
 import os
-import socket
 import tempfile
 import traceback
 from collections.abc import Callable
@@ -25,15 +24,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from rayzero.ports import free_port
+
 VOCAB, HIDDEN, FFN, SEQ = 37, 13, 29, 5
 LR, WEIGHT_DECAY, CLIP = 1e-2, 0.01, 1.0
 SGD_LR, SGD_MOMENTUM = 0.05, 0.9
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def gloo_init(rank: int, world_size: int) -> None:

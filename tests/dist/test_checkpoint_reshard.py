@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import warnings
 import zlib
 
@@ -20,6 +19,7 @@ from rayzero.checkpoint.checkpointer import Checkpointer
 from rayzero.checkpoint.manifest import committed_tags, read_latest
 from rayzero.checkpoint.options import CheckpointOptions
 from rayzero.checkpoint.types import ShardedTensor, ShardSpec
+from rayzero.ports import free_port
 
 # name -> (shape, dtype, partitioned?)
 TENSORS = {
@@ -56,12 +56,6 @@ def specs_for(rank: int, world: int, stage_partitions: bool = True) -> list[Shar
 def shards_for(rank: int, world: int, step: int) -> list[ShardedTensor]:
     return [ShardedTensor(spec, full_tensor(spec.name, step).reshape(-1)[spec.flat_start:spec.flat_end].clone())
             for spec in specs_for(rank, world)]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _entry(rank: int, world: int, port: int, body, args) -> None:

@@ -6,10 +6,11 @@ rayzero.init_distributed() creates is left at exit ([see _leave_process_group]).
 """
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import textwrap
+
+from rayzero.ports import free_port as _free_port
 
 SCRIPT = textwrap.dedent("""
     import torch
@@ -25,12 +26,6 @@ SCRIPT = textwrap.dedent("""
         dist.all_gather_into_tensor(gathered, tensor)
     # no destroy_process_group(): the common shape of a training script
 """)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_a_torchrun_script_that_does_not_destroy_the_group_exits_cleanly(tmp_path) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import sys
 
 import pytest
@@ -18,13 +17,9 @@ import pytest
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster
 
+from rayzero.ports import free_port as _free_port
+
 GLOBAL_BATCH = 12
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @ray.remote(num_cpus=0)

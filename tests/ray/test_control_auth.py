@@ -7,13 +7,14 @@ import json
 import os
 import secrets
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 import textwrap
 import urllib.error
 import urllib.request
+
+from rayzero.ports import free_port as _free_port
 
 HEAD = textwrap.dedent(
     """
@@ -27,12 +28,6 @@ HEAD = textwrap.dedent(
     ray.shutdown()
     """
 )
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _get(url: str, token: str | None) -> int:

@@ -9,7 +9,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -18,6 +17,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from rayzero.ports import free_ports as _free_ports
 
 BIN = Path(sys.executable).parent
 
@@ -56,16 +57,6 @@ TRAIN_FILE = textwrap.dedent(
     """
 )
 
-
-def _free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
 
 
 def _our_leftovers(marker: str) -> list[int]:
