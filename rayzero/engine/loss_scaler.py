@@ -195,19 +195,19 @@ def build_loss_scaler(fp16_config: Any | None) -> LossScaler:
     ``fp16_config`` is the config model's ``fp16`` section (or None / disabled for bf16 and fp32,
     which get a static scale of 1.0: nothing to scale). Attribute names are DeepSpeed's keys.
     """
-    if fp16_config is None or not getattr(fp16_config, "enabled", False):
+    if fp16_config is None or not fp16_config.enabled:
         return StaticLossScaler(1.0)
-    loss_scale = float(getattr(fp16_config, "loss_scale", 0.0))
+    # Every key is read from the config model: its defaults (DeepSpeed's) live in rayzero.config.
+    loss_scale = float(fp16_config.loss_scale)
     if loss_scale > 0:
         return StaticLossScaler(loss_scale)
     _require(loss_scale == 0, "loss_scale", loss_scale, "use 0 for dynamic scaling or a positive scale")
-    power = getattr(fp16_config, "initial_scale_power", DEFAULT_INITIAL_SCALE_POWER)
     return DynamicLossScaler(
-        init_scale=2.0 ** power,
-        scale_window=getattr(fp16_config, "loss_scale_window", DEFAULT_LOSS_SCALE_WINDOW),
-        min_scale=float(getattr(fp16_config, "min_loss_scale", DEFAULT_MIN_LOSS_SCALE)),
-        hysteresis=getattr(fp16_config, "hysteresis", DEFAULT_HYSTERESIS),
-        consecutive_hysteresis=bool(getattr(fp16_config, "consecutive_hysteresis", False)),
+        init_scale=2.0 ** fp16_config.initial_scale_power,
+        scale_window=int(fp16_config.loss_scale_window),
+        min_scale=float(fp16_config.min_loss_scale),
+        hysteresis=int(fp16_config.hysteresis),
+        consecutive_hysteresis=bool(fp16_config.consecutive_hysteresis),
     )
 
 

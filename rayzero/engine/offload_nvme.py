@@ -169,7 +169,7 @@ class NvmeOffload(HostOffload):
         key = "zero_optimization.offload_optimizer.nvme_path"
         self.directory = scratch_directory(options.nvme_path, key, f"rank{rank}")
         self._key = key
-        self.knobs = IOKnobs.from_config(getattr(cfg, "aio", None))
+        self.knobs = IOKnobs.from_config(cfg.aio)
         self.pipeline_read = bool(options.pipeline_read)
         self.pipeline_write = bool(options.pipeline_write)
         self._io = ThreadPoolExecutor(self.knobs.in_flight, thread_name_prefix="rayzero-swap-io")

@@ -3,11 +3,15 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from rayzero.config.errors import RayZeroValueError
+
+if TYPE_CHECKING:
+    from rayzero.config.model import RayZeroConfig
+    from rayzero.config.zero import ZeroConfig
 
 
 class Precision(enum.Enum):
@@ -33,14 +37,14 @@ class MixedPrecisionPolicy:
     """Master weights and optimizer state: fp32 always, as in DeepSpeed."""
 
     @classmethod
-    def from_config(cls, cfg: Any) -> MixedPrecisionPolicy:
-        fp16 = bool(getattr(getattr(cfg, "fp16", None), "enabled", False))
-        bf16 = bool(getattr(getattr(cfg, "bf16", None), "enabled", False))
+    def from_config(cls, cfg: RayZeroConfig) -> MixedPrecisionPolicy:
+        # Defaults live in rayzero.config only: every key read here exists on a loaded config.
+        fp16, bf16 = bool(cfg.fp16.enabled), bool(cfg.bf16.enabled)
         if fp16 and bf16:
             raise RayZeroValueError("fp16.enabled and bf16.enabled are both true: enable at most one of them")
         precision = Precision.FP16 if fp16 else Precision.BF16 if bf16 else Precision.FP32
         param_dtype = _DTYPES[precision.value]
-        comm = getattr(cfg, "communication_data_type", None)
+        comm = cfg.communication_data_type
         if comm is not None and not isinstance(comm, str):
             comm = getattr(comm, "value", str(comm))
         if comm is None:
@@ -63,14 +67,12 @@ class ReducePolicy:
     ignore_unused_parameters: bool
 
     @classmethod
-    def from_config(cls, zero: Any) -> ReducePolicy:
-        bucket = getattr(zero, "reduce_bucket_size", 500_000_000)
+    def from_config(cls, zero: ZeroConfig) -> ReducePolicy:
+        bucket = zero.reduce_bucket_size
         if not isinstance(bucket, int):
             raise RayZeroValueError(  # noqa: TRY004 - a config value, reported like every config error
                 f"zero_optimization.reduce_bucket_size={bucket!r} was not resolved to an element count: "
                 "pass hidden_size to load_config or set a number")
-        overlap = getattr(zero, "overlap_comm", None)
-        return cls(int(bucket), bool(overlap) if overlap is not None else False,
-                   bool(getattr(zero, "contiguous_gradients", True)),
-                   bool(getattr(zero, "reduce_scatter", True)),
-                   bool(getattr(zero, "ignore_unused_parameters", True)))
+        # overlap_comm is resolved by the config (None -> stage == 3, as DeepSpeed)
+        return cls(int(bucket), bool(zero.overlap_comm), bool(zero.contiguous_gradients),
+                   bool(zero.reduce_scatter), bool(zero.ignore_unused_parameters))

@@ -148,3 +148,13 @@ def test_matches_deepspeed_on_random_overflow_patterns(monkeypatch):
             theirs.update_scale(overflow)
             ours.update_scale(overflow)
             assert (ours.cur_scale, ours.cur_hysteresis) == (theirs.cur_scale, theirs.cur_hysteresis)
+
+
+def test_the_config_defaults_are_deepspeeds():
+    """Only rayzero.config holds defaults; DeepSpeed 0.19.8's fp16 defaults, written out here."""
+    from rayzero.config import load_config
+
+    config = load_config({"train_micro_batch_size_per_gpu": 1, "fp16": {"enabled": True}})
+    dynamic = build_loss_scaler(config.fp16)
+    assert (dynamic.loss_scale, dynamic.scale_window, dynamic.hysteresis, dynamic.min_scale) == (2.0 ** 16, 1000, 2, 1.0)
+    assert not dynamic.consecutive_hysteresis
