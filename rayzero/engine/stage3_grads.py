@@ -156,6 +156,15 @@ class GradientReducer:
         world = self.comm.world_size
         widths = [self.master_grads[key].numel() for key in keys]
         shard_total = sum(widths)
+        only = arrived.get(keys[0]) if len(keys) == 1 else None
+        if only is not None and only[1].numel() == world * shard_total and only[1].dtype == self.reduce_dtype \
+                and only[1].is_contiguous():
+            # One parameter whose gradient is already rank-major (no padding): send it as it is,
+            # instead of a zeroed copy of the same size (one full gradient less at the peak).
+            send = only[1].reshape(-1)
+            del arrived
+            self._issue(send, shard_total, keys, device)
+            return
         send = torch.zeros(world * shard_total, dtype=self.reduce_dtype, device=device)
         rows = send.view(world, shard_total)
         offset = 0
@@ -171,6 +180,10 @@ class GradientReducer:
             # else: not used on this rank in this backward -> its rows stay zero
             offset += width
         del arrived
+        self._issue(send, shard_total, keys, device)
+
+    def _issue(self, send: torch.Tensor, shard_total: int, keys: list[int], device: torch.device) -> None:
+        """Reduce-scatter the rank-major `send` into this rank's shards (kept in flight until `wait`)."""
         self.bucket_bytes_peak = max(self.bucket_bytes_peak, send.numel() * send.element_size())
         received = torch.empty(shard_total, dtype=self.reduce_dtype, device=device)
         self.wait()  # at most one bucket in flight besides the one being filled

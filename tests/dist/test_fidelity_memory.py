@@ -1,20 +1,20 @@
 """Stage 3 saves peak process memory, not only model-state bytes (issue 12 item 4), tried as a new
 user would: ≈50M parameters, 2 ranks, AdamW, "auto" bucket sizes (from the hidden size), the model
-built partitioned with rayzero.zero.Init. Peak RSS above each rank's start, each stage in fresh
-processes (the peak only grows), glibc told to return freed large blocks (a fixed mmap threshold)
-so the peak is what was live.
+built partitioned with rayzero.zero.Init. The peak is the kernel's high-water mark (VmHWM), reset
+to the current RSS (`/proc/self/clear_refs`) once the rank's imports are done and read before
+`engine.close()` (which hands full weights back), each stage in fresh processes, glibc told to
+return freed large blocks (a fixed mmap threshold) so the peak is what was live.
 
-Measured (MiB above start, per rank): stage 0 ≈ 1065; stage 3 with stage3_max_reuse_distance 0
-≈ 588 (0.55×) in a standalone script, ≈ 697 (0.65×) under pytest (the heap layout differs); with
-DeepSpeed's default reuse distance 1e9 ≈ 740 (0.69×): a reuse distance larger than the model keeps
-every parameter gathered from its forward use to its backward use, as DeepSpeed's does. The bounds
-below are regression guards with headroom (the issue measured stage 3 above stage 0); the issue's
-0.6× is met standalone, not yet here.
+Measured (MiB above that start, the larger rank, 2026-11-23): stage 0 ≈ 891; stage 3 with
+stage3_max_reuse_distance 0 ≈ 578 (0.65×); with DeepSpeed's default reuse distance 1e9 ≈ 738
+(0.83×): a reuse distance larger than the model keeps every parameter gathered from its forward
+use to its backward use, as DeepSpeed's does. The issue's 0.6× is not met; about 75 MiB per rank
+that is neither a tensor nor freed appears while the strategy builds (stage 0 too), and a backward
+holds two full gradients and two gathered layers at once. The bounds below are regression guards.
 """
 from __future__ import annotations
 
 import os
-import resource
 
 import pytest
 import torch
@@ -39,10 +39,20 @@ class Tower(torch.nn.Module):
         return x.square().mean()
 
 
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith(field + ":"))
+
+
 def _peak_mib(rank: int, world: int, payload: dict) -> float:
     import rayzero
 
-    start = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # The peak is measured from here: "5" to clear_refs resets the kernel's high-water mark (VmHWM)
+    # to the current RSS, so an import-time spike before this point cannot hide the training peak
+    # (ru_maxrss counts the whole process life).
+    with open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")
+    start = _status_kib("VmRSS")
     config = {"train_micro_batch_size_per_gpu": 8, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
               "zero_optimization": {"stage": payload["stage"], "reduce_bucket_size": "auto",
                                     "stage3_prefetch_bucket_size": "auto",
@@ -58,8 +68,9 @@ def _peak_mib(rank: int, world: int, payload: dict) -> float:
         x = torch.randn(8, HIDDEN, generator=torch.Generator().manual_seed(step * 10 + rank))
         engine.backward(engine(x))
         engine.step()
+    peak = (_status_kib("VmHWM") - start) / 1024  # training's peak: close() hands full weights back
     engine.close()
-    return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - start) / 1024
+    return peak
 
 
 def _peak(stage: int, **zero: object) -> float:
@@ -80,4 +91,4 @@ def test_stage3_peak_memory_is_well_below_stage0():
     kept = _peak(3)  # DeepSpeed's default reuse distance (1e9) > the model
     print(f"peak MiB above start: stage 0 {stage0:.0f}, stage 3 {released:.0f} (reuse 0), {kept:.0f} (reuse 1e9)")
     assert released <= 0.7 * stage0, f"stage 3 {released:.0f} MiB vs stage 0 {stage0:.0f} MiB"
-    assert kept < 0.8 * stage0, f"stage 3 with default reuse {kept:.0f} MiB vs stage 0 {stage0:.0f} MiB"
+    assert kept < 0.9 * stage0, f"stage 3 with default reuse {kept:.0f} MiB vs stage 0 {stage0:.0f} MiB"
