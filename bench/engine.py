@@ -33,7 +33,7 @@ from rayzero.ports import free_port as _free_port
 STAGES = (0, 1, 2, 3)
 # Each DeepSpeed stage right before the same rayzero stage: compared systems run close together in
 # time, so load from elsewhere on a shared machine drifts less between them.
-SPEED_SYSTEMS = ["ddp", "fsdp2"] + [f"{family}-stage{s}" for s in STAGES for family in ("deepspeed", "rayzero")]
+SPEED_SYSTEMS = ["ddp", "ddp-default", "fsdp2"] + [f"{family}-stage{s}" for s in STAGES for family in ("deepspeed", "rayzero")]
 MODELS = ("gpt", "mlp")
 
 
@@ -49,6 +49,7 @@ def plan(args: argparse.Namespace) -> list[dict[str, Any]]:
     models = [m for m in MODELS if not args.models or m in args.models]
     common = {
         "quick": args.quick,
+        "optimizer_impl": args.optimizer_impl,
         "models": models,
         "collective_timeout_s": 30 if args.quick else 120,
     }
@@ -165,6 +166,8 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=None, help="measured steps per row")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps before measuring")
     parser.add_argument("--repeats", type=int, default=None, help="interleaved rounds of the speed rows")
+    parser.add_argument("--optimizer-impl", choices=["fused", "for-loop"], default="fused",
+                        help="the torch Adam kernel every system runs (one implementation for all)")
     parser.add_argument("--memory-world-sizes", type=lambda s: [int(x) for x in s.split(",")],
                         default=[1, 2, 4], help="world sizes of the memory rows (default 1,2,4)")
     parser.add_argument("--budget-s", type=float, default=None,

@@ -1,7 +1,10 @@
 """What runs inside each spawned rank of bench/engine.py: one system, every model, timed the same way.
 
 Every system gets the same model (bench/models.py, fixed seed), the same per-rank batches, the same
-optimizer (torch Adam, lr 1e-3, no weight decay, no clipping) and the same timing loop: a barrier, then
+optimizer — one torch Adam object (lr 1e-3, no weight decay, no clipping) built the same way for
+every system and handed to DeepSpeed and rayzero as their client optimizer, so the same kernel runs
+everywhere (`optimizer_impl`: torch's fused CPU kernel, or its default for-loop) — and the same
+timing loop: a barrier, then
 forward + backward + optimizer step under one clock; per step the slowest rank's time counts, and the
 median over the measured steps is reported. Batches are built before timing, so data generation is not
 in the figure.
@@ -69,8 +72,21 @@ def deepspeed_config(stage: int, micro_batch: int) -> dict[str, Any]:
     }
 
 
-def _torch_adam(parameters) -> torch.optim.Optimizer:
-    return torch.optim.Adam(parameters, lr=LEARNING_RATE, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+OPTIMIZER_IMPLS = {"fused": {"fused": True}, "for-loop": {"fused": False, "foreach": False}}
+"""torch Adam implementations the bench can give every system (`--optimizer-impl`)."""
+
+# DeepSpeed's default reduce bucket (5e8 elements), which rayzero shares: DDP's like-for-like bucket cap.
+REDUCE_BUCKET_ELEMENTS = 500_000_000
+
+
+def _torch_adam(parameters, impl: str) -> torch.optim.Optimizer:
+    return torch.optim.Adam(parameters, lr=LEARNING_RATE, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                            **OPTIMIZER_IMPLS[impl])
+
+
+def _without_optimizer(config: dict[str, Any]) -> dict[str, Any]:
+    """The config for an engine given the client optimizer: everything but the optimizer section."""
+    return {key: value for key, value in config.items() if key != "optimizer"}
 
 
 def _tensor_bytes(tensor: torch.Tensor | None) -> int:
@@ -121,14 +137,24 @@ def _torch_run(model: torch.nn.Module, optimizer: torch.optim.Optimizer, counted
                 lambda inputs, targets: train(inputs, targets, True))
 
 
-def _build_ddp(model: torch.nn.Module, world_size: int, stage: int, micro_batch: int) -> _Run:
+def _build_ddp(model: torch.nn.Module, world_size: int, stage: int, micro_batch: int, impl: str) -> _Run:
+    """Like for like with rayzero's stage 0: DDP's bucket cap set to the same bytes as the reduce
+    bucket (fp32), its 1 MiB first bucket as it comes (stage 0 has one of the same size)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    wrapped = DistributedDataParallel(model, bucket_cap_mb=REDUCE_BUCKET_ELEMENTS * 4 / 2**20)
+    return _torch_run(wrapped, _torch_adam(wrapped.parameters(), impl), model)
+
+
+def _build_ddp_default(model: torch.nn.Module, world_size: int, stage: int, micro_batch: int, impl: str) -> _Run:
+    """DDP as it comes (25 MiB buckets), reported beside the like-for-like row."""
     from torch.nn.parallel import DistributedDataParallel
 
     wrapped = DistributedDataParallel(model)
-    return _torch_run(wrapped, _torch_adam(wrapped.parameters()), model)
+    return _torch_run(wrapped, _torch_adam(wrapped.parameters(), impl), model)
 
 
-def _build_fsdp2(model: torch.nn.Module, world_size: int, stage: int, micro_batch: int) -> _Run:
+def _build_fsdp2(model: torch.nn.Module, world_size: int, stage: int, micro_batch: int, impl: str) -> _Run:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -136,10 +162,10 @@ def _build_fsdp2(model: torch.nn.Module, world_size: int, stage: int, micro_batc
     for unit in models.sharding_units(model):
         fully_shard(unit, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    return _torch_run(model, _torch_adam(model.parameters()), model)
+    return _torch_run(model, _torch_adam(model.parameters(), impl), model)
 
 
-def _build_deepspeed(model: torch.nn.Module, world_size: int, stage: int, micro_batch: int) -> _Run:
+def _build_deepspeed(model: torch.nn.Module, world_size: int, stage: int, micro_batch: int, impl: str) -> _Run:
     import collections
 
     import deepspeed
@@ -153,7 +179,8 @@ def _build_deepspeed(model: torch.nn.Module, world_size: int, stage: int, micro_
     deepspeed.ops.__dict__.setdefault("__compatible_ops__", collections.defaultdict(bool))
 
     engine, _, _, _ = deepspeed.initialize(
-        model=model, model_parameters=model.parameters(), config=deepspeed_config(stage, micro_batch)
+        model=model, optimizer=_torch_adam(model.parameters(), impl),
+        config=_without_optimizer(deepspeed_config(stage, micro_batch)),
     )
 
     def step(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -165,10 +192,11 @@ def _build_deepspeed(model: torch.nn.Module, world_size: int, stage: int, micro_
     return _Run(step, lambda inputs, targets: (step(inputs, targets), {})[1])
 
 
-def _build_rayzero(model: torch.nn.Module, world_size: int, stage: int, micro_batch: int) -> _Run:
+def _build_rayzero(model: torch.nn.Module, world_size: int, stage: int, micro_batch: int, impl: str) -> _Run:
     import rayzero
 
-    engine, _, _, _ = rayzero.initialize(model=model, config=deepspeed_config(stage, micro_batch))
+    engine, _, _, _ = rayzero.initialize(model=model, optimizer=_torch_adam(model.parameters(), impl),
+                                         config=_without_optimizer(deepspeed_config(stage, micro_batch)))
 
     def step(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         loss = engine(inputs, targets)
@@ -196,7 +224,8 @@ def _build_rayzero(model: torch.nn.Module, world_size: int, stage: int, micro_ba
     return _Run(step, probe)
 
 
-BUILDERS = {"ddp": _build_ddp, "fsdp2": _build_fsdp2, "deepspeed": _build_deepspeed, "rayzero": _build_rayzero}
+BUILDERS = {"ddp": _build_ddp, "ddp-default": _build_ddp_default, "fsdp2": _build_fsdp2,
+            "deepspeed": _build_deepspeed, "rayzero": _build_rayzero}
 
 
 def _plain(value: Any) -> Any:
@@ -297,7 +326,8 @@ def _run_one(system: str, model_name: str, job: dict[str, Any], rank: int) -> di
     started = time.perf_counter()
     failed = 0
     try:
-        run = BUILDERS[family](model, world_size, int(stage_text or 0), _micro_batch(model_name, job["quick"]))
+        run = BUILDERS[family](model, world_size, int(stage_text or 0), _micro_batch(model_name, job["quick"]),
+                               job.get("optimizer_impl", "fused"))
         row["setup_s"] = round(time.perf_counter() - started, 3)
         row.update(_measure(run, model_name, job["quick"], rank, job["warmup"], job["steps"]))
         row.update(run.probe(*models.batch(model_name, job["quick"], job["warmup"] + job["steps"], rank)))

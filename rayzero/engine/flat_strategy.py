@@ -88,7 +88,8 @@ class BucketedStrategy(ZeroStrategy):
         optimizer_groups = []
         for group_index, group in enumerate(ctx.param_groups):
             ordered = list(reversed(group["params"]))  # backward order, see [Note: bucket partitioning]
-            layout = plan_buckets([p.numel() for p in ordered], ctx.reduce.reduce_bucket_size, world)
+            layout = plan_buckets([p.numel() for p in ordered], ctx.reduce.reduce_bucket_size, world,
+                                  self._first_bucket_elements(ordered, group_index))
             masters = []
             for bucket_layout in layout.buckets:
                 bucket = self._build_bucket(group_index, bucket_layout, ordered)
@@ -116,6 +117,10 @@ class BucketedStrategy(ZeroStrategy):
             for bucket in self.buckets for slot_index, param in enumerate(bucket.params)]
 
     # ---- construction -----------------------------------------------------------------------
+    def _first_bucket_elements(self, ordered: list, group_index: int) -> int | None:
+        """A smaller first bucket, so communication starts early in backward (stage 0: DDP's)."""
+        return None
+
     def _build_bucket(self, group: int, layout: BucketLayout, ordered: list) -> Bucket:
         dtype = self.precision.param_dtype
         param_buffer = torch.zeros(layout.padded_numel, dtype=dtype, device=self.device)

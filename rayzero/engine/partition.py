@@ -126,12 +126,14 @@ class GroupLayout:
         return sum(bucket.padded_numel for bucket in self.buckets)
 
 
-def plan_buckets(numels: list[int], bucket_size: int, world_size: int) -> GroupLayout:
+def plan_buckets(numels: list[int], bucket_size: int, world_size: int,
+                 first_bucket_size: int | None = None) -> GroupLayout:
     """Group parameters (given in the order they should be reduced) into buckets.
 
-    A bucket closes when adding the next parameter would exceed `bucket_size` elements; a parameter
-    larger than `bucket_size` gets a bucket of its own. Zero-element parameters are skipped: they
-    have nothing to reduce and would make an empty collective.
+    A bucket closes when adding the next parameter would exceed `bucket_size` elements (the first
+    bucket: `first_bucket_size`, when smaller); a parameter larger than that gets a bucket of its
+    own. Zero-element parameters are skipped: they have nothing to reduce and would make an empty
+    collective.
     """
     if bucket_size < 1:
         raise RayZeroValueError(
@@ -142,7 +144,8 @@ def plan_buckets(numels: list[int], bucket_size: int, world_size: int) -> GroupL
     for index, numel in enumerate(numels):
         if numel == 0:
             continue
-        if current and filled + numel > bucket_size:
+        limit = min(bucket_size, first_bucket_size) if first_bucket_size and not buckets else bucket_size
+        if current and filled + numel > limit:
             buckets.append(BucketLayout(tuple(current), world_size))
             current, filled = [], 0
         current.append(ParamSlot(index, numel, filled))

@@ -19,6 +19,16 @@ class Stage0Strategy(BucketedStrategy):
     gradients_partitioned = False  # every rank holds the same full gradients: no norm all-reduce
     always_overlaps = True
 
+    FIRST_BUCKET_BYTES = 1 << 20
+    """DDP's first bucket (`torch.distributed._DEFAULT_FIRST_BUCKET_BYTES`): the gradients backward
+    produces first go on the wire while it computes the rest, instead of waiting for a whole
+    `reduce_bucket_size` bucket (DeepSpeed's default 5e8 elements is one bucket for most models)."""
+
+    def _first_bucket_elements(self, ordered: list, group_index: int) -> int | None:
+        if group_index != 0 or not ordered:  # later groups' first gradients come late anyway
+            return None
+        return max(1, self.FIRST_BUCKET_BYTES // ordered[0].element_size())
+
     def _init_gradient_storage(self, bucket: Bucket) -> None:
         self._attach_full_gradient_buffer(bucket)
         numel = bucket.layout.numel
