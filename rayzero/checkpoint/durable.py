@@ -114,9 +114,13 @@ class DurableStore:
         infos = self.filesystem.get_file_info(pafs.FileSelector(self._path(tag), allow_not_found=True))
         return {info.base_name: info.size for info in infos if info.type == pafs.FileType.File}
 
-    def apply_retention(self, keep_last: int) -> None:
+    def apply_retention(self, keep_last: int, owned: Callable[[Manifest], bool] | None = None) -> None:
+        """Delete committed checkpoints past the newest `keep_last`, only those `owned` allows
+        ([Note: retention owns only its own] in manifest.py)."""
         if keep_last <= 0:
             return
         for manifest in self.committed()[keep_last:]:
+            if owned is not None and not owned(manifest):
+                continue
             self.filesystem.delete_file(self._path(manifest.tag, MANIFEST))
             self.filesystem.delete_dir(self._path(manifest.tag))

@@ -14,6 +14,7 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
+from rayzero.checkpoint.manifest import RUN_SESSION_ENV
 from rayzero.config.errors import RayZeroValueError
 from rayzero.controller import registry
 from rayzero.controller.configs import FailureConfig, RunConfig, ScalingConfig
@@ -153,6 +154,9 @@ def fit(
         "RAYZERO_CHECKPOINT_DIR": checkpoint_dir,
         # the engine's own bound for groups it creates (e.g. the checkpoint writer's)
         "RAYZERO_COLLECTIVE_TIMEOUT_S": str(failure.process_group_timeout_s),
+        # one per fit call, every attempt: retention rotates only this call's checkpoints, never
+        # those of the earlier run a same-name rerun resumes ([Note: retention owns only its own])
+        RUN_SESSION_ENV: f"{name}-{secrets.token_hex(6)}",
     }
     if trainer:
         run_env["RAYZERO_TRAINER"] = json.dumps(dict(trainer))  # HF trainer arguments for "auto"s
