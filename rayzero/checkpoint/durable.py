@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 import pyarrow.fs as pafs
 
 from rayzero.checkpoint.manifest import LATEST, MANIFEST, Manifest
+from rayzero.checkpoint.storage import filesystem_from_uri
 from rayzero.config.errors import RayZeroValueError
 
 _CHUNK = 16 << 20
@@ -54,7 +55,7 @@ def run_in_threads(tasks: list[Callable[[], None]], threads: int, name: str) -> 
 class DurableStore:
     def __init__(self, uri: str, threads: int = 8) -> None:
         try:
-            self.filesystem, self.root = pafs.FileSystem.from_uri(uri)
+            self.filesystem, self.root = filesystem_from_uri(uri)
         except Exception as error:  # pyarrow raises ArrowInvalid / OSError subclasses
             raise RayZeroValueError(f"checkpoint.durable_uri = {uri!r} is not a usable pyarrow.fs URI ({error}); "
                              "use file:///abs/path, s3://bucket/prefix, gs://bucket/prefix or hdfs://...") from error

@@ -15,6 +15,7 @@ from typing import Any
 import pyarrow.fs as pafs
 
 from rayzero.checkpoint.manifest import RUN_SESSION_ENV
+from rayzero.checkpoint.storage import filesystem_from_uri
 from rayzero.config.errors import RayZeroValueError
 from rayzero.controller import registry
 from rayzero.controller.configs import FailureConfig, RunConfig, ScalingConfig
@@ -68,7 +69,7 @@ def _run_locations(run: RunConfig) -> tuple[str, str, str]:
     if "://" not in root:  # a plain path is a local directory
         root = Path(root).resolve().as_uri()
     run_uri = f"{root.rstrip('/')}/{name}"
-    filesystem, path = pafs.FileSystem.from_uri(run_uri)
+    filesystem, path = filesystem_from_uri(run_uri)
     filesystem.create_dir(path, recursive=True)
     checkpoint_dir = f"{path}/checkpoints" if run_uri.startswith("file://") else f"{run_uri}/checkpoints"
     return name, run_uri, checkpoint_dir
@@ -85,7 +86,7 @@ def resolve_resume_from(location: str | None, explicit: bool) -> str | None:
     if not location:
         return None
     uri = location if "://" in location else Path(location).resolve().as_uri()
-    filesystem, path = pafs.FileSystem.from_uri(uri)
+    filesystem, path = filesystem_from_uri(uri)
 
     def exists(relative: str) -> bool:
         target = f"{path.rstrip('/')}/{relative}" if relative else path
@@ -312,7 +313,7 @@ def _resume_same_name(name: str, run_uri: str, checkpoint_dir: str, node_local: 
     """A rerun with the same name and storage goes on from the run's newest committed checkpoint
     (Ray Train v2's contract), found through the checkpoint layer's manifests."""
     if node_local:  # the checkpoints are on the nodes' disks: each rank looks at its own
-        filesystem, path = pafs.FileSystem.from_uri(run_uri)
+        filesystem, path = filesystem_from_uri(run_uri)
         if filesystem.get_file_info(f"{path}/metrics.parquet").type == pafs.FileType.NotFound:
             return None
         print(f"[rayzero] run {name} exists: resuming from the newest checkpoint on the nodes' disks", flush=True)
