@@ -27,7 +27,7 @@ from rayzero.controller.actor import ControllerActor  # re-exported: fit and the
 from rayzero.controller.checkpoints import CheckpointTracker
 from rayzero.controller.elastic import BatchPlan
 from rayzero.controller.errors import TrainingFailedError, first_to_blame, training_failed
-from rayzero.controller.health import HangPolicy, find_hang
+from rayzero.controller.health import HangPolicy, Straggler, StragglerPolicy, find_hang, slow_ranks
 from rayzero.controller.planned import PlannedStops
 from rayzero.controller.requests import ControlRequest, RequestKind
 from rayzero.controller.state import Fail, Failure, FailureKind, FailurePolicy, Retry, RunState
@@ -64,6 +64,9 @@ class ControllerUpdate:
     failures: int = 0
     """Restarts charged to the retry budget."""
     world_size: int = 0
+    attempt: int = 0
+    stragglers: list[Straggler] = field(default_factory=list)
+    """Every straggler reported so far in the run ([Note: stragglers] in health.py)."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,7 @@ class ControllerSettings:
     """How the controller watches and resizes a run (from FailureConfig and ScalingConfig)."""
 
     hang: HangPolicy = field(default_factory=HangPolicy)
+    stragglers: StragglerPolicy = field(default_factory=StragglerPolicy)
     heartbeat_interval_s: float = 1.0
     """Seconds between heartbeat rounds (hang detection and request progress)."""
     grow_interval_s: float = 5.0
@@ -110,6 +114,8 @@ class Controller(PlannedStops):
         self.heartbeats: dict[int, Heartbeat | None] = {}  # newest per rank, for status()
         self.message = ""  # the newest event, for status()
         self.last_rank0_report: Report | None = None  # for status(): step, loss, time
+        self.stragglers: list[Straggler] = []  # reported, in order ([Note: stragglers])
+        self._slow_rounds: dict[int, int] = {}  # rank -> consecutive heartbeat rounds it was slow
         self._factory = group_factory
         self._loop = train_loop
         self._loop_config = loop_config
@@ -188,7 +194,7 @@ class Controller(PlannedStops):
         self.timings.update({f"attempt{self.attempt}_{k}" if self.attempt else k: v for k, v in timings.items()})
         self.world_size = self._target_workers
         self._silent_since = {rank: self._clock() for rank in range(self.world_size)}
-        self.heartbeats = {}
+        self.heartbeats, self._slow_rounds = {}, {}
         self._group.launch(self._loop, self._loop_config)
         self.state = RunState.RUNNING
         self._next_grow_check = self._clock() + self._settings.grow_interval_s
@@ -273,6 +279,7 @@ class Controller(PlannedStops):
                 self.heartbeats[rank] = beat
                 self.checkpoints.note_heartbeat(beat.committed)
         self._progress_awaiting()
+        self._watch_stragglers()
         if self.state is RunState.RUNNING and self._planned is None:
             self._check_drain()
         silent = {rank: now - since for rank, since in self._silent_since.items()}
@@ -287,6 +294,18 @@ class Controller(PlannedStops):
         self._event(f"hang detected: {hang.reason}")
         self._on_failure(Failure(FailureKind.HANG, message, hang.culprit, stacks.get(hang.culprit, "")))
         return False
+
+    def _watch_stragglers(self) -> None:
+        """Report a rank slow in `rounds` heartbeat rounds in a row, once per streak ([Note: stragglers])."""
+        policy = self._settings.stragglers
+        slow = slow_ranks({rank: self.heartbeats.get(rank) for rank in range(self.world_size)}, policy)
+        self._slow_rounds = {rank: self._slow_rounds.get(rank, 0) + 1 for rank in slow}
+        for rank, (own, median, step_time) in sorted(slow.items()):
+            beat = self.heartbeats.get(rank)
+            if self._slow_rounds[rank] == policy.rounds and beat is not None:
+                found = Straggler(rank, beat.node_id, self.attempt, own, median, step_time)
+                self.stragglers.append(found)
+                self._event(found.describe())
 
     def _check_drain(self) -> None:
         """Ray's node drain notice (a preemption with a deadline) on a node a rank runs on: checkpoint
@@ -374,6 +393,7 @@ class Controller(PlannedStops):
         """Hand the driver everything new since the last call."""
         with self._lock:
             update = ControllerUpdate(self.state, self._outbox, self.error, dict(self.timings), self._events,
-                                      self.stopped, self.checkpoints.latest, self.failures, self.world_size)
+                                      self.stopped, self.checkpoints.latest, self.failures, self.world_size,
+                                      self.attempt, list(self.stragglers))
             self._outbox, self._events = [], []
         return update

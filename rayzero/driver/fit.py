@@ -22,7 +22,7 @@ from rayzero.controller.configs import FailureConfig, RunConfig, ScalingConfig
 from rayzero.controller.controller import Controller, ControllerActor, ControllerSettings, ControllerUpdate
 from rayzero.controller.elastic import BatchPlan, plan_batches
 from rayzero.controller.errors import TrainingFailedError
-from rayzero.controller.health import HangPolicy
+from rayzero.controller.health import HangPolicy, Straggler
 from rayzero.controller.state import FailurePolicy, RunState
 from rayzero.controller.worker_group import RayWorkerGroup, draining_nodes, free_worker_slots
 from rayzero.driver.cluster import check_fits, connect
@@ -57,6 +57,8 @@ class Result:
     """Restarts charged to `FailureConfig.max_failures` (crash, hang, node loss)."""
     checkpoint_step: int | None = None
     """Step of the newest committed checkpoint the controller found (None when there is none)."""
+    stragglers: list[Straggler] = field(default_factory=list)
+    """Ranks found persistently slower than the others, each once per streak ([Note: stragglers])."""
 
 
 
@@ -258,6 +260,7 @@ def fit(
         stopped=stopped,
         failures=final.failures if final is not None else 0,
         checkpoint_step=record.step if record is not None else None,
+        stragglers=list(final.stragglers) if final is not None else [],
     )
 
 
@@ -350,6 +353,8 @@ def _stream(
                     controller.kill.remote(f"{signals.name} received twice on the driver")
                 update: ControllerUpdate = ray.get(controller.poll.remote(1.0), timeout=60)
                 progress.failures = update.failures
+                progress.stragglers = sorted({found.rank for found in update.stragglers
+                                              if found.attempt == update.attempt})
                 for line in update.events:
                     print(f"[rayzero] {line}", flush=True)
                 for item in update.reports:

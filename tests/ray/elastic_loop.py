@@ -71,6 +71,8 @@ def train(loop_config: dict) -> None:
         if hang_here and context.attempt == 0:
             time.sleep(3600)  # a hung rank: the others block in the next collective
         time.sleep(loop_config.get("sleep", 0.0))
+        if context.rank == loop_config.get("slow_rank"):  # a straggler: slow outside the engine every step
+            time.sleep(loop_config["slow_s"])
     weights = torch.cat([p.detach().flatten() for p in model.parameters()]).tolist()
     rayzero.report({"final": weights, "final_step": engine.global_steps})
 
