@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: venv demo test test-unit test-dist test-ray test-k8s lint docs-check crd-check k8s-envtest bench clean
+.PHONY: venv s3-venv demo test test-unit test-dist test-ray test-k8s lint docs-check crd-check k8s-envtest bench clean
 
 venv: $(STAMP)
 
@@ -19,6 +19,17 @@ $(STAMP): pyproject.toml
 	# DeepSpeed is the oracle of the fidelity, loss-scaler, scheduler and import tests; no ops built.
 	DS_BUILD_OPS=0 $(BIN)/pip install -q -e ".[dev,k8s,monitor,hf,plot,bench]"
 	touch $(STAMP)
+
+# moto's S3 server for tests/ray/test_faults_s3.py, in a venv of its own: moto's botocore needs
+# python-dateutil<3 and the kubernetes client in .venv needs >=3. The test starts its moto_server on
+# 127.0.0.1 (a free port) and skips, saying so, when this venv is missing.
+S3_VENV := .venv-s3
+s3-venv: $(S3_VENV)/.installed
+
+$(S3_VENV)/.installed:
+	$(PYTHON) -m venv $(S3_VENV)
+	$(S3_VENV)/bin/pip install -q "moto[server]>=5.1,<6"
+	touch $@
 
 demo: $(STAMP)
 	$(BIN)/rayzero demo
@@ -38,7 +49,7 @@ crd-check: $(STAMP)
 k8s-envtest:
 	bash scripts/k8s_envtest_build.sh
 
-test: $(STAMP) k8s-envtest
+test: $(STAMP) k8s-envtest s3-venv
 	$(MAKE) lint docs-check crd-check
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
@@ -48,7 +59,7 @@ test-unit: $(STAMP)
 test-dist: $(STAMP)
 	$(BIN)/python -m pytest -m dist $(PYTEST_ARGS)
 
-test-ray: $(STAMP)
+test-ray: $(STAMP) s3-venv
 	$(BIN)/python -m pytest -m ray $(PYTEST_ARGS)
 
 test-k8s: $(STAMP) k8s-envtest
@@ -59,4 +70,4 @@ bench: $(STAMP)
 	$(BIN)/python bench/engine.py --quick --json bench/engine-quick.json
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(S3_VENV) build *.egg-info

@@ -1,7 +1,7 @@
 """Time to recover, per fault kind, on a local Ray: rayzero's controller, and Ray Train v2 on the same
 faults where it runs here. Prints JSON.
 
-    python bench/recovery.py [--kinds kill,hang,sigterm,resize] [--ray-train] [--json out.json]
+    python bench/recovery.py [--kinds kill,hang,sigterm,resize,node] [--ray-train] [--rounds 3] [--json out.json]
 
 Each case trains a small model on 2 CPU workers (one loop, written once below, saving every
 `--save-every` steps as a loop normally does) and injects one fault mid-run:
@@ -10,18 +10,23 @@ Each case trains a small model on 2 CPU workers (one loop, written once below, s
   hang     rank 1 sleeps forever after a step (rayzero: FailureConfig.hang_timeout_s=--hang-timeout)
   sigterm  SIGTERM to rank 1's process (a preempted pod / spot node)
   resize   rayzero only: a planned resize 2 -> 1 through the control seam (`scale`)
+  node     the node under rank 1 removed (`ray.cluster_utils.Cluster`: a head with no CPU and three
+           1-CPU nodes, so a spare node is there for both systems; checkpoints on shared storage)
 
 Measured per case: `detect_s` from the fault to the controller's decision (rayzero: its state leaves
 RUNNING, read through `status()`), `first_step_s` from the fault to the first step completed after
 it, and `steps_lost` (newest step reached before the fault minus the step training resumed from).
-Ray Train's decision is not observable from outside; only its first step after is.
+Ray Train's decision is not observable from outside; only its first step after is. With `--rounds N`
+every case runs N times (interleaved) and `summary` gives the median, min and max per system and kind.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
+import statistics
 import sys
 import tempfile
 import threading
@@ -32,9 +37,15 @@ STEPS = 400  # the loop runs until the case stops it; this bounds a case that ne
 
 
 
-def _inject(kind: str, pids: Path, hang_flag: Path) -> bool:
-    """The fault `kind` on rank 1 (kill, sigterm, hang); False for a kind that is not a fault."""
-    if kind in ("kill", "sigterm"):
+_CLUSTER = None  # the ray.cluster_utils.Cluster of a `node` case
+
+
+def _inject(kind: str, pids: Path, hang_flag: Path, node_id: str | None = None) -> bool:
+    """The fault `kind` on rank 1 (kill, sigterm, hang, node); False for a kind that is not a fault."""
+    if kind == "node":
+        lost = next(node for node in _CLUSTER.worker_nodes if node.node_id == node_id)
+        _CLUSTER.remove_node(lost)
+    elif kind in ("kill", "sigterm"):
         os.kill(int((pids / "rank1.attempt0").read_text()), signal.SIGKILL if kind == "kill" else signal.SIGTERM)
     elif kind == "hang":
         hang_flag.write_text("1")
@@ -105,7 +116,8 @@ def rayzero_case(kind: str, args: argparse.Namespace, root: Path) -> dict:
             box["result"] = rayzero.fit(
                 rayzero_loop, config={"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1,
                                       "optimizer": {"type": "SGD", "params": {"lr": 0.01}}},
-                scaling=rayzero.ScalingConfig(num_workers=(1, 2) if kind == "resize" else 2),
+                scaling=rayzero.ScalingConfig(num_workers=(1, 2) if kind == "resize" else 2,
+                                              placement_strategy="SPREAD" if kind == "node" else "PACK"),
                 run=rayzero.RunConfig(name=name, storage=(root / "runs").as_uri(), progress_interval_s=60),
                 failure=rayzero.FailureConfig(max_failures=2, backoff_s=0, hang_timeout_s=args.hang_timeout),
                 train_loop_config=loop_config)
@@ -119,8 +131,9 @@ def rayzero_case(kind: str, args: argparse.Namespace, root: Path) -> dict:
     while ray.get(controller.status.remote()).step < args.warmup_steps:
         time.sleep(0.05)
     before = ray.get(controller.status.remote())
+    rank1_node = next((r.node_id for r in before.ranks if r.rank == 1), None)
     fault_at = time.time()
-    if not _inject(kind, pids, hang_flag) and kind == "resize":
+    if not _inject(kind, pids, hang_flag, rank1_node) and kind == "resize":
         ray.get(controller.scale.remote(1))
     decided_at = None
     while decided_at is None and time.time() - fault_at < 300:
@@ -185,6 +198,8 @@ def ray_train_case(kind: str, args: argparse.Namespace, root: Path) -> dict:
         started_at = step
         attempt = len(list(Path(config["pids"]).glob(f"rank{context.get_world_rank()}.*")))
         Path(config["pids"], f"rank{context.get_world_rank()}.attempt{attempt}").write_text(str(os.getpid()))
+        Path(config["pids"], f"node{context.get_world_rank()}.attempt{attempt}").write_text(
+            ray.get_runtime_context().get_node_id())
         while step < STEPS:
             index = torch.randint(0, 512, (8,), generator=torch.Generator().manual_seed(step * 7 + context.get_world_rank()))
             optimizer.zero_grad()
@@ -206,7 +221,8 @@ def ray_train_case(kind: str, args: argparse.Namespace, root: Path) -> dict:
     trainer = TorchTrainer(
         loop, train_loop_config={"pids": str(pids), "times": str(times), "save_every": args.save_every,
                                  "sleep": args.sleep, "hang": str(hang_flag) if kind == "hang" else None},
-        scaling_config=ray.train.ScalingConfig(num_workers=2),
+        scaling_config=ray.train.ScalingConfig(num_workers=2,
+                                               placement_strategy="SPREAD" if kind == "node" else "PACK"),
         run_config=ray.train.RunConfig(name=f"rt-{kind}", storage_path=str(root / "ray-train"),
                                        failure_config=ray.train.FailureConfig(max_failures=2)))
     box: dict = {}
@@ -217,7 +233,8 @@ def ray_train_case(kind: str, args: argparse.Namespace, root: Path) -> dict:
         time.sleep(0.05)
     fault_at = time.time()
     reached = max(int(p.name.split(".")[1]) for p in times.glob("0.*"))
-    _inject(kind, pids, hang_flag)
+    node_file = pids / "node1.attempt0"
+    _inject(kind, pids, hang_flag, node_file.read_text() if node_file.exists() else None)
     deadline = time.time() + args.ray_train_wait_s
     while not list(times.glob("1.*")) and time.time() < deadline:
         time.sleep(0.05)
@@ -241,10 +258,58 @@ def _try(function):
         return error
 
 
+@contextlib.contextmanager
+def _ray_for(kind: str):
+    """A local Ray, or for `node` a Cluster: a head without CPUs (driver, controllers) and 3 1-CPU nodes."""
+    global _CLUSTER
+    import ray
+
+    if kind != "node":
+        ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR")
+        try:
+            yield
+        finally:
+            ray.shutdown()
+        return
+    from ray.cluster_utils import Cluster
+
+    _CLUSTER = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    try:
+        for _ in range(3):
+            _CLUSTER.add_node(num_cpus=1)
+        _CLUSTER.wait_for_nodes()
+        ray.init(address=_CLUSTER.address, logging_level="ERROR")
+        yield
+    finally:
+        ray.shutdown()
+        _CLUSTER.shutdown()
+        _CLUSTER = None
+
+
+def summarize(results: list[dict]) -> list[dict]:
+    """Median, min and max of each figure per (system, kind) over the rounds."""
+    summary = []
+    for system, kind in sorted({(r["system"], r["kind"]) for r in results}):
+        rows = [r for r in results if (r["system"], r["kind"]) == (system, kind)]
+        entry: dict = {"system": system, "kind": kind, "rounds": len(rows)}
+        for key in ("detect_s", "first_step_s", "steps_lost"):
+            values = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
+            if values:
+                entry[key] = {"median": round(statistics.median(values), 3), "min": min(values), "max": max(values)}
+        failed = [r.get("note") or r.get("error") for r in rows if r.get("first_step_s") is None]
+        if failed:
+            entry["no_recovery"] = f"{len(failed)} of {len(rows)}: {failed[0]}"
+        summary.append(entry)
+    return summary
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kinds", default="kill,hang,sigterm,resize")
-    parser.add_argument("--ray-train", action="store_true", help="also measure Ray Train v2 on kill/hang/sigterm")
+    parser.add_argument("--kinds", default="kill,hang,sigterm,resize,node")
+    parser.add_argument("--ray-train", action="store_true", help="also measure Ray Train v2 on every kind but resize")
+    parser.add_argument("--rounds", type=int, default=1, help="runs of every case, interleaved")
+    parser.add_argument("--ray-train-hang-rounds", type=int, default=1,
+                        help="Ray Train's hang case waits --ray-train-wait-s for nothing each round")
     parser.add_argument("--save-every", type=int, default=10)
     parser.add_argument("--sleep", type=float, default=0.05, help="seconds between steps (stands for compute)")
     parser.add_argument("--warmup-steps", type=int, default=15)
@@ -254,25 +319,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
 
-    import ray
-
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     results = []
-    with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
-        ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR")
-        for kind in args.kinds.split(","):
-            results.append(rayzero_case(kind, args, root))
-            print(json.dumps(results[-1]), file=sys.stderr, flush=True)
-        ray.shutdown()
-        if args.ray_train:
-            for kind in [k for k in args.kinds.split(",") if k != "resize"]:
-                ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR")
-                results.append(ray_train_case(kind, args, root))
-                print(json.dumps(results[-1]), file=sys.stderr, flush=True)
-                if ray.is_initialized():
-                    ray.shutdown()
-    out = {"benchmark": "recovery", "machine": f"{os.cpu_count()} CPUs, local Ray, 2 workers", "results": results}
+    kinds = args.kinds.split(",")
+    for round_index in range(args.rounds):
+        for kind in kinds:
+            cases = [("rayzero", rayzero_case)]
+            if args.ray_train and kind != "resize" and (kind != "hang" or round_index < args.ray_train_hang_rounds):
+                cases.append(("ray-train-v2", ray_train_case))
+            for system, case in cases:
+                with tempfile.TemporaryDirectory() as tmp, _ray_for(kind):
+                    result = dict(case(kind, args, Path(tmp)), round=round_index)
+                results.append(result)
+                print(json.dumps(result), file=sys.stderr, flush=True)
+    out = {"benchmark": "recovery", "machine": f"{os.cpu_count()} CPUs, local Ray, 2 workers",
+           "args": {k: v for k, v in vars(args).items() if k != "json"},
+           "summary": summarize(results), "results": results}
     text = json.dumps(out, indent=1)
     print(text)
     if args.json:

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 import pyarrow.fs as pafs
 
 from rayzero.checkpoint.manifest import LATEST, MANIFEST, Manifest
+from rayzero.checkpoint.storage import filesystem_from_uri
 from rayzero.config.errors import RayZeroValueError
 
 _CHUNK = 16 << 20
@@ -54,7 +55,7 @@ def run_in_threads(tasks: list[Callable[[], None]], threads: int, name: str) -> 
 class DurableStore:
     def __init__(self, uri: str, threads: int = 8) -> None:
         try:
-            self.filesystem, self.root = pafs.FileSystem.from_uri(uri)
+            self.filesystem, self.root = filesystem_from_uri(uri)
         except Exception as error:  # pyarrow raises ArrowInvalid / OSError subclasses
             raise RayZeroValueError(f"checkpoint.durable_uri = {uri!r} is not a usable pyarrow.fs URI ({error}); "
                              "use file:///abs/path, s3://bucket/prefix, gs://bucket/prefix or hdfs://...") from error
@@ -114,9 +115,13 @@ class DurableStore:
         infos = self.filesystem.get_file_info(pafs.FileSelector(self._path(tag), allow_not_found=True))
         return {info.base_name: info.size for info in infos if info.type == pafs.FileType.File}
 
-    def apply_retention(self, keep_last: int) -> None:
+    def apply_retention(self, keep_last: int, owned: Callable[[Manifest], bool] | None = None) -> None:
+        """Delete committed checkpoints past the newest `keep_last`, only those `owned` allows
+        ([Note: retention owns only its own] in manifest.py)."""
         if keep_last <= 0:
             return
         for manifest in self.committed()[keep_last:]:
+            if owned is not None and not owned(manifest):
+                continue
             self.filesystem.delete_file(self._path(manifest.tag, MANIFEST))
             self.filesystem.delete_dir(self._path(manifest.tag))

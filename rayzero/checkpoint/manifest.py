@@ -15,6 +15,16 @@ worst a tag directory without a manifest, which listing ignores and the next sav
 deletes. With node-local storage every node holds its own copy of the tag directory (its ranks'
 files plus the replicas it keeps for peers) and its own manifest; the checkpoint is complete when
 the union of the nodes' copies, or the durable copy, holds every file the manifest names.
+
+[Note: retention owns only its own]
+`keep_last` deletes old checkpoints, but only ones the running job wrote: a same-name rerun of a
+run (Ray Train's contract: it resumes where the earlier run stopped) must never delete the earlier
+run's checkpoints, which may be the only copy of weeks of work and were kept by a setting of that
+run. Each manifest records the run session that wrote it (`rayzero.fit` sets RAYZERO_RUN_SESSION
+once per call, the same for every attempt of that call, so restarts after a failure still rotate
+their own checkpoints); retention deletes a committed checkpoint past `keep_last` only when it is
+of the saver's own session, or — outside a session — one this process committed itself. Older
+checkpoints still count towards `keep_last`, so a rerun keeps its newest `keep_last` minus theirs.
 """
 from __future__ import annotations
 
@@ -22,6 +32,7 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -30,6 +41,8 @@ from rayzero.config.errors import RayZeroValueError
 FORMAT = "rayzero-checkpoint/1"
 MANIFEST = "manifest.json"
 LATEST = "latest"
+RUN_SESSION_ENV = "RAYZERO_RUN_SESSION"
+"""Set by `rayzero.fit` once per call: the `Manifest.run_session` of what it writes."""
 
 
 def shard_file_name(rank: int) -> str:
@@ -86,6 +99,9 @@ class Manifest:
     client_state: dict[str, Any] = field(default_factory=dict)
     created_unix: float = field(default_factory=time.time)
     format: str = FORMAT
+    run_session: str = ""
+    """The run session that wrote it (one `rayzero.fit` call, RAYZERO_RUN_SESSION; "" outside one):
+    retention deletes only checkpoints of its own session ([Note: retention owns only its own])."""
 
     def to_json(self) -> str:
         body = asdict(self)
@@ -178,11 +194,17 @@ def committed_tags(root: str) -> list[tuple[int, str]]:
     return [(step, tag) for step, _, tag in found]
 
 
-def apply_retention(root: str, keep_last: int, keep: set[str] = frozenset()) -> list[str]:
+def apply_retention(root: str, keep_last: int, keep: set[str] = frozenset(),
+                    owned: Callable[[Manifest], bool] | None = None) -> list[str]:
     """Delete all but the newest `keep_last` committed tags and every uncommitted tag directory
-    except those in `keep` (a save in flight). Returns the deleted tags."""
+    except those in `keep` (a save in flight). Returns the deleted tags.
+
+    `owned` (default: every checkpoint) says which committed checkpoints this saver may delete; the
+    others count towards `keep_last` but are never deleted ([Note: retention owns only its own])."""
     committed = [tag for _, tag in committed_tags(root)]
     doomed = committed[keep_last:] if keep_last > 0 else []
+    if owned is not None:
+        doomed = [tag for tag in doomed if (manifest := read_manifest(os.path.join(root, tag))) and owned(manifest)]
     for entry in os.scandir(root) if os.path.isdir(root) else []:
         uncommitted = entry.is_dir() and entry.name not in committed and entry.name not in keep
         if uncommitted and any(name.endswith((".safetensors", ".tmp")) for name in os.listdir(entry.path)):

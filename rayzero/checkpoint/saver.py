@@ -44,6 +44,7 @@ from rayzero.checkpoint.direct_io import aligned_empty
 from rayzero.checkpoint.durable import DurableStore
 from rayzero.checkpoint.manifest import (
     MANIFEST,
+    RUN_SESSION_ENV,
     FileEntry,
     Manifest,
     apply_retention,
@@ -126,6 +127,8 @@ class CheckpointSaver:
         self._snapshot_ready: threading.Event | None = None  # set when the save in flight has its copy
         self._copy_after: Any = None  # CUDA event: the background copy starts after it
         self._job_timings = SaveTimings()
+        self._session = os.environ.get(RUN_SESSION_ENV, "")  # [Note: retention owns only its own]
+        self._committed_here: set[str] = set()  # tags this process committed (deletable outside a session)
         if options.node_local and options.replicas and len(self.topology.ordered_locations) < 2 and comm.rank == 0:
             log.warning("checkpoint.use_node_local_storage with replicas=%d but the job runs on one node: "
                         "no peer replicas can be kept, losing this node loses its checkpoints unless a "
@@ -249,12 +252,18 @@ class CheckpointSaver:
         if not until_commit:
             self._finish(job)
 
+    def _owns(self, manifest: Manifest) -> bool:
+        """May retention delete this checkpoint? ([Note: retention owns only its own] in manifest.py)"""
+        if self._session:
+            return manifest.run_session == self._session
+        return manifest.tag in self._committed_here
+
     def _finish(self, job: _SaveJob) -> None:
         """After the commit: retention, then the durable copy (its manifest once every rank uploaded)."""
         comm, options, topology = self.comm, self.options, self.topology
         try:
             if comm.rank == topology.leader(topology.locations[comm.rank]):
-                apply_retention(job.root, options.keep_last, keep={job.tag})
+                apply_retention(job.root, options.keep_last, keep={job.tag}, owned=self._owns)
             if job.durable is not None:
                 phase = time.perf_counter()
                 written = shard_file_name(comm.rank)
@@ -262,7 +271,7 @@ class CheckpointSaver:
                 comm.barrier()
                 if comm.rank == 0:
                     job.durable.commit(job.manifest)
-                    job.durable.apply_retention(options.keep_last)
+                    job.durable.apply_retention(options.keep_last, owned=self._owns)
                 comm.barrier()  # so wait() on any rank means: durably committed
                 job.timings.upload = time.perf_counter() - phase
             self.timings = job.timings
@@ -309,7 +318,7 @@ class CheckpointSaver:
             config_digest=job.config_digest, files=files, tensors=tensors,
             rank_states=[{"rank": rank, "node": comm.node_ids[rank], "rng": state}
                          for rank, (_, state) in enumerate(gathered)],
-            extra_state=job.extra_state, client_state=job.client_state)
+            extra_state=job.extra_state, client_state=job.client_state, run_session=self._session)
         phase = time.perf_counter()
         comm.barrier()  # every shard and replica is on disk everywhere: now commit
         if leader:
@@ -319,3 +328,4 @@ class CheckpointSaver:
         job.timings.commit = time.perf_counter() - phase
         job.timings.total = time.perf_counter() - job.started
         job.manifest = manifest
+        self._committed_here.add(job.tag)

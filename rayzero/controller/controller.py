@@ -1,7 +1,8 @@
 """The controller: an explicit state machine over one worker group per attempt.
 
-`Controller.step()` moves it one transition; `ControllerActor` runs steps in a background thread
-inside a Ray actor and lets the driver long-poll the reports and the state. See
+`Controller.step()` moves it one transition; `ControllerActor` (actor.py) runs steps in a background
+thread inside a Ray actor and lets the driver long-poll the reports and the state. Requests (stop,
+resize, checkpoint now) are handled in planned.py, checkpoint discovery in checkpoints.py. See
 [Note: decisions as data] in `state.py` for how failures become actions, [Note: agreed step
 boundary] in rayzero/workers/boundary.py for planned stops and resizes, and [Note: the control
 seam] in `status.py` for the requests the control plane makes.
@@ -22,17 +23,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rayzero.config.errors import RayZeroRuntimeError
-from rayzero.controller import registry
-from rayzero.controller.control_server import ControlServer
+from rayzero.controller.actor import ControllerActor  # re-exported: fit and the tests import it from here
+from rayzero.controller.checkpoints import CheckpointTracker
 from rayzero.controller.elastic import BatchPlan
 from rayzero.controller.errors import TrainingFailedError, first_to_blame, training_failed
-from rayzero.controller.health import HangPolicy, find_hang
+from rayzero.controller.health import HangPolicy, Straggler, StragglerPolicy, find_hang, slow_ranks
+from rayzero.controller.planned import PlannedStops
 from rayzero.controller.requests import ControlRequest, RequestKind
 from rayzero.controller.state import Fail, Failure, FailureKind, FailurePolicy, Retry, RunState
-from rayzero.controller.status import CheckpointRecord, RunStatus
+from rayzero.controller.status import CheckpointRecord
 from rayzero.controller.worker_group import WorkerGroup, setup_failure
-from rayzero.workers.boundary import NODE_LOCAL_RESUME, BoundaryRequest, Heartbeat
+from rayzero.workers.boundary import Heartbeat
 from rayzero.workers.session import Report
+
+__all__ = ["Controller", "ControllerActor", "ControllerSettings", "ControllerUpdate"]
 
 logger = logging.getLogger("rayzero.controller")
 
@@ -60,6 +64,9 @@ class ControllerUpdate:
     failures: int = 0
     """Restarts charged to the retry budget."""
     world_size: int = 0
+    attempt: int = 0
+    stragglers: list[Straggler] = field(default_factory=list)
+    """Every straggler reported so far in the run ([Note: stragglers] in health.py)."""
 
 
 @dataclass(frozen=True)
@@ -67,6 +74,7 @@ class ControllerSettings:
     """How the controller watches and resizes a run (from FailureConfig and ScalingConfig)."""
 
     hang: HangPolicy = field(default_factory=HangPolicy)
+    stragglers: StragglerPolicy = field(default_factory=StragglerPolicy)
     heartbeat_interval_s: float = 1.0
     """Seconds between heartbeat rounds (hang detection and request progress)."""
     grow_interval_s: float = 5.0
@@ -79,7 +87,7 @@ class ControllerSettings:
     """Checkpoints live on the workers' disks: learn them from heartbeats ([Note: node-local runs])."""
 
 
-class Controller:
+class Controller(PlannedStops):
     """Drives one run through its states; owns nothing Ray-specific but the group it is given."""
 
     def __init__(
@@ -105,8 +113,9 @@ class Controller:
         self.world_size = 0  # workers in the current group (0 while none runs)
         self.heartbeats: dict[int, Heartbeat | None] = {}  # newest per rank, for status()
         self.message = ""  # the newest event, for status()
-        self.reported_checkpoints: list[str] = []  # locations loops attached to reports
         self.last_rank0_report: Report | None = None  # for status(): step, loss, time
+        self.stragglers: list[Straggler] = []  # reported, in order ([Note: stragglers])
+        self._slow_rounds: dict[int, int] = {}  # rank -> consecutive heartbeat rounds it was slow
         self._factory = group_factory
         self._loop = train_loop
         self._loop_config = loop_config
@@ -131,9 +140,8 @@ class Controller:
         self._next_heartbeat = 0.0
         self._next_grow_check = 0.0
         self._silent_since: dict[int, float] = {}  # rank -> clock of its last heartbeat answer
-        self._latest: CheckpointRecord | None = None
+        self.checkpoints = CheckpointTracker(settings.checkpoint_locations, settings.node_local)
         self._size_cap: int | None = None  # an explicit scale(n) caps growing back at n
-        self._node_local: CheckpointRecord | None = None  # newest a rank's heartbeat found on its disk
 
     # ---- the state machine -----------------------------------------------------------------
     def step(self) -> RunState:
@@ -186,7 +194,7 @@ class Controller:
         self.timings.update({f"attempt{self.attempt}_{k}" if self.attempt else k: v for k, v in timings.items()})
         self.world_size = self._target_workers
         self._silent_since = {rank: self._clock() for rank in range(self.world_size)}
-        self.heartbeats = {}
+        self.heartbeats, self._slow_rounds = {}, {}
         self._group.launch(self._loop, self._loop_config)
         self.state = RunState.RUNNING
         self._next_grow_check = self._clock() + self._settings.grow_interval_s
@@ -201,8 +209,8 @@ class Controller:
         for item in polled.reports:
             if item.rank == 0:
                 self.last_rank0_report = item
-            if item.checkpoint and item.checkpoint not in self.reported_checkpoints:
-                self.reported_checkpoints.append(item.checkpoint)
+            if item.checkpoint:
+                self.checkpoints.note_reported(item.checkpoint)
         if polled.failures:
             self._on_failure(first_to_blame(polled.failures))
             return
@@ -234,12 +242,12 @@ class Controller:
         if self.state is RunState.RESIZING and stopped and planned is not None:
             self._planned = None
             self.attempt += 1
-            self._resume_from = self._newest_location() or self._resume_from
+            self._resume_from = self.checkpoints.resume_location() or self._resume_from
             planned.resolve(None)
             self._new_group(planned.workers)
             return
         self.stopped = stopped
-        latest = self._refresh_latest()  # what the run leaves behind, for Result and status()
+        latest = self.checkpoints.refresh()  # what the run leaves behind, for Result and status()
         self.state = RunState.FINISHED
         if planned is not None:
             self._planned = None
@@ -252,8 +260,8 @@ class Controller:
         self._group.shutdown()
         self._resolve_awaiting(None)
         self.attempt += 1
-        self._resume_from = self._newest_location() or self._resume_from
-        step = self._latest.step if self._latest is not None else None
+        self._resume_from = self.checkpoints.resume_location() or self._resume_from
+        step = self.checkpoints.latest.step if self.checkpoints.latest is not None else None
         self._event(f"rank(s) {ranks or '?'} preempted (SIGTERM): checkpoint committed at step {step}; regrouping")
         workers = self._plan.choose(self._capacity())
         self._new_group(workers if workers is not None else self._smallest())
@@ -269,11 +277,9 @@ class Controller:
             if beat is not None:
                 self._silent_since[rank] = now
                 self.heartbeats[rank] = beat
-                if self._settings.node_local and beat.committed is not None and (
-                        self._node_local is None or beat.committed[0] > self._node_local.step):
-                    self._node_local = CheckpointRecord("node_local", beat.committed[1], beat.committed[0], time.time())
-                    self._latest = self._node_local
+                self.checkpoints.note_heartbeat(beat.committed)
         self._progress_awaiting()
+        self._watch_stragglers()
         if self.state is RunState.RUNNING and self._planned is None:
             self._check_drain()
         silent = {rank: now - since for rank, since in self._silent_since.items()}
@@ -288,6 +294,18 @@ class Controller:
         self._event(f"hang detected: {hang.reason}")
         self._on_failure(Failure(FailureKind.HANG, message, hang.culprit, stacks.get(hang.culprit, "")))
         return False
+
+    def _watch_stragglers(self) -> None:
+        """Report a rank slow in `rounds` heartbeat rounds in a row, once per streak ([Note: stragglers])."""
+        policy = self._settings.stragglers
+        slow = slow_ranks({rank: self.heartbeats.get(rank) for rank in range(self.world_size)}, policy)
+        self._slow_rounds = {rank: self._slow_rounds.get(rank, 0) + 1 for rank in slow}
+        for rank, (own, median, step_time) in sorted(slow.items()):
+            beat = self.heartbeats.get(rank)
+            if self._slow_rounds[rank] == policy.rounds and beat is not None:
+                found = Straggler(rank, beat.node_id, self.attempt, own, median, step_time)
+                self.stragglers.append(found)
+                self._event(found.describe())
 
     def _check_drain(self) -> None:
         """Ray's node drain notice (a preemption with a deadline) on a node a rank runs on: checkpoint
@@ -325,7 +343,7 @@ class Controller:
         if self._group is not None:
             self._group.shutdown()
         self.attempt += 1
-        self._resume_from = self._newest_location() or self._resume_from
+        self._resume_from = self.checkpoints.resume_location() or self._resume_from
         workers = self._plan.choose(self._capacity())  # as many as fit now, not the old count
         self._new_group(workers if workers is not None else self._smallest())
 
@@ -353,135 +371,9 @@ class Controller:
         self.error = training_failed(failure)
         self.state = RunState.ERRORED
 
-    # ---- requests ([Note: the control seam]) -----------------------------------------------
-    def submit(self, request: ControlRequest) -> ControlRequest:
-        """Record a request for the step loop (any thread); wait on it with `request.wait`."""
-        if request.kind is RequestKind.SCALE:
-            self._plan.check(request.workers)
-        with self._lock:
-            self._requests.append(request)
-        return request
-
-    def _take_requests(self) -> None:
-        with self._lock:
-            requests, self._requests = self._requests, []
-        for request in requests:
-            if request.kind is RequestKind.KILL:
-                self._event(f"killed: {request.reason}")
-                self._end_errored(Failure(FailureKind.LOOP_ERROR, f"the run was killed: {request.reason}"))
-                request.resolve(None)
-            elif self.state.is_terminal:
-                self._settle(request)
-            elif request.kind is RequestKind.CHECKPOINT:
-                if self.state is not RunState.RUNNING or self._group is None:
-                    request.reject(RayZeroRuntimeError(f"cannot checkpoint now: the run is {self.state.value}, "
-                                                       "not running; try again once it runs"))
-                    continue
-                self._group.request_boundary(request.request_id, BoundaryRequest.CHECKPOINT)
-                self._awaiting.append(request)
-            elif request.kind is RequestKind.SCALE and request.workers == self.world_size:
-                self._size_cap = request.workers
-                request.resolve(None)
-            else:
-                self._begin_planned(request)
-
-    def _begin_planned(self, request: ControlRequest) -> None:
-        """A stop or resize: ask for the boundary checkpoint (and a stop) at the agreed step."""
-        if self._planned is not None:  # a stop overrides a resize in flight; otherwise the first wins
-            if request.kind is RequestKind.STOP and self._planned.kind is RequestKind.SCALE:
-                self._planned.resolve(None)
-            else:
-                request.resolve(None)
-                return
-        self._planned = request
-        if request.kind is RequestKind.SCALE and request.reason != "grow":
-            self._size_cap = request.workers  # asked for: do not grow back past it
-        if self.state is not RunState.RUNNING or self._group is None:
-            # Nothing runs (scheduling, restarting): a stop ends the run now; a resize waits its turn.
-            if request.kind is RequestKind.STOP:
-                if self._group is not None:
-                    self._group.shutdown()
-                self._planned = None
-                self.stopped, self.state = True, RunState.FINISHED
-                request.resolve(self._refresh_latest())
-            else:
-                self._planned = None
-                self._target_workers = request.workers
-                request.resolve(None)
-            return
-        self._group.request_boundary(request.request_id, BoundaryRequest.STOP)
-        self._planned_deadline = self._clock() + self._settings.stop_timeout_s
-        self.state = RunState.DRAINING if request.kind is RequestKind.STOP else RunState.RESIZING
-        self._event(f"{self.state.value}: checkpoint at the next step boundary every rank reaches"
-                    + (f", then regroup with {request.workers} worker(s)" if request.kind is RequestKind.SCALE else ""))
-
-    def _progress_awaiting(self) -> None:
-        """Resolve checkpoint requests every rank has carried out (committed before they say so)."""
-        live = [self.heartbeats.get(rank) for rank in range(self.world_size)]
-        for request in list(self._awaiting):
-            handled = [beat.handled for beat in live if beat is not None and beat.handled is not None]
-            if len(handled) == len(live) and all(h.request_id >= request.request_id for h in handled):
-                self._awaiting.remove(request)
-                request.resolve(self._record_of(handled[0].location, handled[0].step))
-
-    def _resolve_awaiting(self, error: BaseException | None) -> None:
-        for request in self._awaiting:
-            request.reject(error or RayZeroRuntimeError("the run ended before the checkpoint was taken"))
-        self._awaiting = []
-
-    def _settle(self, request: ControlRequest) -> None:
-        if request.kind is RequestKind.STOP:
-            request.resolve(self._refresh_latest())
-        elif request.kind is RequestKind.CHECKPOINT:
-            request.reject(RayZeroRuntimeError(f"cannot checkpoint: the run already ended ({self.state.value})"))
-        else:
-            request.resolve(None)
-
-    def _settle_requests(self) -> None:
-        self._resolve_awaiting(None)
-        if self._planned is not None:
-            self._settle(self._planned)
-            self._planned = None
-        with self._lock:
-            requests, self._requests = self._requests, []
-        for request in requests:
-            self._settle(request)
-
-    # ---- checkpoints ([Note: checkpoints from the checkpoint layer]) -----------------------
-    def _locations(self) -> list[str]:
-        return list(self._settings.checkpoint_locations) + [
-            location.rstrip("/").rsplit("/", 1)[0] if location.rstrip("/").rsplit("/", 1)[-1].startswith("global_step")
-            else location for location in self.reported_checkpoints]
-
-    def _refresh_latest(self) -> CheckpointRecord | None:
-        found = registry.newest(self._locations())
-        if found is not None:
-            self._latest = found.record
-        return self._latest
-
-    def _newest_location(self) -> str | None:
-        found = registry.newest(self._locations())
-        if self._settings.node_local:
-            # Each new rank resumes from its own node's directory; the loader there takes the newest
-            # checkpoint complete over the survivors' copies, peer replicas and the durable copy —
-            # including one committed after the last heartbeat ([Note: node-local runs]).
-            if self._node_local is not None and (found is None or self._node_local.step >= found.record.step):
-                self._latest = self._node_local
-            return NODE_LOCAL_RESUME
-        if found is None:
-            return None
-        self._latest = found.record
-        return found.root
-
-    def _record_of(self, location: str, step: int) -> CheckpointRecord:
-        for item in registry.committed_in(location):
-            self._latest = item.record
-            return item.record
-        return CheckpointRecord("durable", location, step, time.time())
-
     @property
     def latest_checkpoint(self) -> CheckpointRecord | None:
-        return self._latest
+        return self.checkpoints.latest
 
     @property
     def plan(self) -> BatchPlan:
@@ -501,96 +393,7 @@ class Controller:
         """Hand the driver everything new since the last call."""
         with self._lock:
             update = ControllerUpdate(self.state, self._outbox, self.error, dict(self.timings), self._events,
-                                      self.stopped, self._latest, self.failures, self.world_size)
+                                      self.stopped, self.checkpoints.latest, self.failures, self.world_size,
+                                      self.attempt, list(self.stragglers))
             self._outbox, self._events = [], []
         return update
-
-
-class ControllerActor:
-    """The controller as a Ray actor (threaded): `start()` runs steps in a thread, `poll()` streams,
-    and the `ControlTarget` methods ([Note: the control seam]) take requests from the control plane."""
-
-    def __init__(self, controller_factory: Callable[[], Controller], run_name: str = "",
-                 run_directory: str | None = None) -> None:
-        self._controller = controller_factory()
-        self._started_at = time.time()
-        self._thread: threading.Thread | None = None
-        self._changed = threading.Event()  # set after each step, wakes a waiting poll
-        self._run_name, self._run_directory = run_name, run_directory  # where control.json goes
-        self._calls_in_flight = 0  # control calls not yet answered (the driver waits before killing us)
-        self._calls_lock = threading.Lock()
-        self._answered_at = 0.0
-
-    def start(self) -> None:
-        import ray
-
-        # The control service (rayzero.v1.Control) serves this actor ([Note: the control seam]).
-        self._control = ControlServer(self, self._run_name, self._run_directory,
-                                      host=ray.util.get_node_ip_address()).start()
-        self._thread = threading.Thread(target=self._loop, name="rayzero-controller", daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        controller = self._controller
-        while not controller.state.is_terminal:
-            try:
-                controller.step()
-            except Exception as error:  # noqa: BLE001 - a controller bug must still end the run with a reason
-                import traceback
-
-                controller.error = TrainingFailedError(
-                    f"the rayzero controller failed: {type(error).__name__}: {error}",
-                    None,
-                    traceback.format_exc(),
-                )
-                controller.state = RunState.ERRORED
-            self._changed.set()
-        self._control.close()  # control.json goes first; a Stop waiting for this end still gets its answer
-
-    def poll(self, timeout_s: float) -> ControllerUpdate:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            update = self._controller.take_update()
-            if update.state.is_terminal and self._thread is not None:
-                self._thread.join(5.0)  # the control service is closed before the driver kills this actor
-            if update.reports or update.events or update.state.is_terminal or time.monotonic() >= deadline:
-                return update
-            self._changed.wait(max(0.0, deadline - time.monotonic()))
-            self._changed.clear()
-
-    def quiesce(self, timeout_s: float) -> None:
-        """Wait (bounded) until no control call is being answered: the driver calls this before it
-        kills the actor, so a `stop()` that ended the run still gets its reply."""
-        deadline = time.monotonic() + timeout_s
-        # in flight, or answered a moment ago (Ray still sending the reply)
-        while (self._calls_in_flight or time.monotonic() - self._answered_at < 0.2) and time.monotonic() < deadline:
-            time.sleep(0.02)
-
-    def _answer(self, request: ControlRequest, timeout_s: float) -> Any:
-        with self._calls_lock:
-            self._calls_in_flight += 1
-        try:
-            return self._controller.submit(request).wait(timeout_s)
-        finally:
-            with self._calls_lock:
-                self._calls_in_flight -= 1
-                self._answered_at = time.monotonic()
-
-    # ---- ControlTarget ----------------------------------------------------------------------
-    def status(self) -> RunStatus:
-        from rayzero.controller.status_view import run_status
-
-        return run_status(self._controller, self._run_name, self._started_at)
-
-    def checkpoint_now(self, timeout_s: float) -> CheckpointRecord:
-        return self._answer(ControlRequest(RequestKind.CHECKPOINT), timeout_s)
-
-    def stop(self, timeout_s: float) -> CheckpointRecord | None:
-        return self._answer(ControlRequest(RequestKind.STOP, reason="stop requested"), timeout_s)
-
-    def scale(self, workers: int) -> None:
-        request = self._controller.submit(ControlRequest(RequestKind.SCALE, workers=workers, reason="scale"))
-        del request  # accepted; carried out through a planned resize (status() shows it)
-
-    def kill(self, reason: str) -> None:
-        self._answer(ControlRequest(RequestKind.KILL, reason=reason), 30.0)

@@ -13,6 +13,7 @@ answer its heartbeat at all for the same limit is hung too (its process is wedge
 """
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 
 from rayzero.workers.boundary import Heartbeat
@@ -77,3 +78,61 @@ def find_hang(beats: dict[int, Heartbeat | None], silent_for: dict[int, float], 
               f"FailureConfig.hang_timeout_s, at least {policy.multiple:g}x the median step time); "
               f"seconds without progress per rank: " + ", ".join(f"{r}: {a:.0f}" for r, a in sorted(ages.items())))
     return Hang(culprit, ages, reason)
+
+
+# [Note: stragglers]
+# In synchronous data parallelism every rank steps at the pace of the slowest, so step intervals are
+# the same on all ranks and cannot name a straggler. What differs is where the time goes: the slow
+# rank spends it in its own work (data loading, the loop outside the engine: `Heartbeat.loop_time_s`,
+# a median over its recent steps), the others spend it waiting in the next collective. A rank is a
+# straggler when its loop time is at least `factor` (1.5) times the median over the ranks and the
+# excess is a real share of the step (`min_share` of the median step time, so microseconds against
+# microseconds are not reported), in `rounds` consecutive heartbeat rounds. Reported, not acted on:
+# the run goes on (the driver prints it; `Result.stragglers`). Compute slower on one device (a
+# throttled GPU) shows as time inside the engine and is not measured here.
+
+
+@dataclass(frozen=True)
+class StragglerPolicy:
+    factor: float = 1.5
+    """A rank whose loop time is at least this many times the median is slow."""
+    min_share: float = 0.1
+    """... and the excess is at least this share of the median step time."""
+    rounds: int = 3
+    """... in this many consecutive heartbeat rounds (persistently, not one slow batch)."""
+
+
+@dataclass(frozen=True)
+class Straggler:
+    """A rank persistently slower than the others ([Note: stragglers])."""
+
+    rank: int
+    node_id: str
+    attempt: int
+    loop_time_s: float
+    """Its median time per step outside the engine."""
+    median_loop_time_s: float
+    """The median of that over every rank."""
+    step_time_s: float
+    """The median step time (every rank waits for the straggler)."""
+
+    def describe(self) -> str:
+        ratio = self.loop_time_s / self.median_loop_time_s if self.median_loop_time_s > 0 else float("inf")
+        return (f"straggler: rank {self.rank} (node {self.node_id[:12]}) spends {self.loop_time_s:.3f}s per step "
+                f"outside the engine, {ratio:.1f}x the median {self.median_loop_time_s:.3f}s of the ranks; "
+                f"every rank waits for it (step time {self.step_time_s:.3f}s)")
+
+
+def slow_ranks(beats: dict[int, Heartbeat | None], policy: StragglerPolicy) -> dict[int, tuple[float, float, float]]:
+    """Ranks slow in this heartbeat round: rank -> (its loop time, median loop time, median step time).
+    A pure function of one round; the controller asks for `policy.rounds` rounds in a row."""
+    timed = {rank: beat for rank, beat in beats.items()
+             if beat is not None and beat.loop_time_s is not None and not beat.finished}
+    steps = [beat.step_time_s for beat in timed.values() if beat.step_time_s]
+    if len(timed) < 2 or not steps:
+        return {}
+    median_loop = statistics.median(beat.loop_time_s or 0.0 for beat in timed.values())
+    step_time = statistics.median(steps)
+    return {rank: (beat.loop_time_s or 0.0, median_loop, step_time) for rank, beat in timed.items()
+            if (beat.loop_time_s or 0.0) >= policy.factor * median_loop
+            and (beat.loop_time_s or 0.0) - median_loop >= policy.min_share * step_time}

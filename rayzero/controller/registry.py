@@ -19,6 +19,7 @@ from pathlib import Path
 import pyarrow.fs as pafs
 
 from rayzero.checkpoint.manifest import MANIFEST, Manifest
+from rayzero.checkpoint.storage import filesystem_from_uri
 from rayzero.controller.status import CheckpointRecord
 
 logger = logging.getLogger("rayzero.controller")
@@ -26,7 +27,7 @@ logger = logging.getLogger("rayzero.controller")
 
 def _filesystem(location: str) -> tuple[pafs.FileSystem, str]:
     uri = location if "://" in location else Path(location).resolve().as_uri()
-    return pafs.FileSystem.from_uri(uri)
+    return filesystem_from_uri(uri)
 
 
 def _read_manifest(filesystem: pafs.FileSystem, path: str) -> Manifest | None:

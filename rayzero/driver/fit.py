@@ -14,6 +14,8 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
+from rayzero.checkpoint.manifest import RUN_SESSION_ENV
+from rayzero.checkpoint.storage import filesystem_from_uri
 from rayzero.config.errors import RayZeroValueError
 from rayzero.config.loader import NOTES_SHOWN_ENV, logged_notes
 from rayzero.controller import registry
@@ -21,7 +23,7 @@ from rayzero.controller.configs import FailureConfig, RunConfig, ScalingConfig
 from rayzero.controller.controller import Controller, ControllerActor, ControllerSettings, ControllerUpdate
 from rayzero.controller.elastic import BatchPlan, plan_batches
 from rayzero.controller.errors import TrainingFailedError
-from rayzero.controller.health import HangPolicy
+from rayzero.controller.health import HangPolicy, Straggler
 from rayzero.controller.state import FailurePolicy, RunState
 from rayzero.controller.worker_group import RayWorkerGroup, draining_nodes, free_worker_slots
 from rayzero.driver.cluster import check_fits, connect
@@ -56,6 +58,8 @@ class Result:
     """Restarts charged to `FailureConfig.max_failures` (crash, hang, node loss)."""
     checkpoint_step: int | None = None
     """Step of the newest committed checkpoint the controller found (None when there is none)."""
+    stragglers: list[Straggler] = field(default_factory=list)
+    """Ranks found persistently slower than the others, each once per streak ([Note: stragglers])."""
 
 
 
@@ -68,7 +72,7 @@ def _run_locations(run: RunConfig) -> tuple[str, str, str]:
     if "://" not in root:  # a plain path is a local directory
         root = Path(root).resolve().as_uri()
     run_uri = f"{root.rstrip('/')}/{name}"
-    filesystem, path = pafs.FileSystem.from_uri(run_uri)
+    filesystem, path = filesystem_from_uri(run_uri)
     filesystem.create_dir(path, recursive=True)
     checkpoint_dir = f"{path}/checkpoints" if run_uri.startswith("file://") else f"{run_uri}/checkpoints"
     return name, run_uri, checkpoint_dir
@@ -85,7 +89,7 @@ def resolve_resume_from(location: str | None, explicit: bool) -> str | None:
     if not location:
         return None
     uri = location if "://" in location else Path(location).resolve().as_uri()
-    filesystem, path = pafs.FileSystem.from_uri(uri)
+    filesystem, path = filesystem_from_uri(uri)
 
     def exists(relative: str) -> bool:
         target = f"{path.rstrip('/')}/{relative}" if relative else path
@@ -154,6 +158,9 @@ def fit(
         "RAYZERO_CHECKPOINT_DIR": checkpoint_dir,
         # the engine's own bound for groups it creates (e.g. the checkpoint writer's)
         "RAYZERO_COLLECTIVE_TIMEOUT_S": str(failure.process_group_timeout_s),
+        # one per fit call, every attempt: retention rotates only this call's checkpoints, never
+        # those of the earlier run a same-name rerun resumes ([Note: retention owns only its own])
+        RUN_SESSION_ENV: f"{name}-{secrets.token_hex(6)}",
     }
     if trainer:
         run_env["RAYZERO_TRAINER"] = json.dumps(dict(trainer))  # HF trainer arguments for "auto"s
@@ -255,6 +262,7 @@ def fit(
         stopped=stopped,
         failures=final.failures if final is not None else 0,
         checkpoint_step=record.step if record is not None else None,
+        stragglers=list(final.stragglers) if final is not None else [],
     )
 
 
@@ -310,7 +318,7 @@ def _resume_same_name(name: str, run_uri: str, checkpoint_dir: str, node_local: 
     """A rerun with the same name and storage goes on from the run's newest committed checkpoint
     (Ray Train v2's contract), found through the checkpoint layer's manifests."""
     if node_local:  # the checkpoints are on the nodes' disks: each rank looks at its own
-        filesystem, path = pafs.FileSystem.from_uri(run_uri)
+        filesystem, path = filesystem_from_uri(run_uri)
         if filesystem.get_file_info(f"{path}/metrics.parquet").type == pafs.FileType.NotFound:
             return None
         print(f"[rayzero] run {name} exists: resuming from the newest checkpoint on the nodes' disks", flush=True)
@@ -347,6 +355,8 @@ def _stream(
                     controller.kill.remote(f"{signals.name} received twice on the driver")
                 update: ControllerUpdate = ray.get(controller.poll.remote(1.0), timeout=60)
                 progress.failures = update.failures
+                progress.stragglers = sorted({found.rank for found in update.stragglers
+                                              if found.attempt == update.attempt})
                 for line in update.events:
                     print(f"[rayzero] {line}", flush=True)
                 for item in update.reports:

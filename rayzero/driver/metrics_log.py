@@ -17,9 +17,9 @@ import time
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from rayzero.checkpoint.storage import filesystem_from_uri
 from rayzero.workers.session import Report, as_row
 
 METRICS_FILE = "metrics.parquet"
@@ -57,7 +57,7 @@ class MetricsLog:
     """Collects reports and writes `<run uri>/metrics.parquet`."""
 
     def __init__(self, run_uri: str, flush_interval_s: float = 30.0) -> None:
-        self._filesystem, self._dir = pafs.FileSystem.from_uri(run_uri)
+        self._filesystem, self._dir = filesystem_from_uri(run_uri)
         self.uri = run_uri.rstrip("/") + "/" + METRICS_FILE
         self._rows: list[dict[str, Any]] = []
         self._row_of: dict[tuple[int, Any], int] = {}  # (rank, step) -> index in _rows

@@ -51,6 +51,7 @@ class Progress:
         self._resumed_from: object = None  # the step rank 0 went back to, until a line has said so
         self.failures = 0  # restarts charged to FailureConfig.max_failures so far (set by the driver)
         self.max_failures = 0
+        self.stragglers: list[int] = []  # ranks the controller reported as stragglers (set by the driver)
 
     def observe(self, item: Report) -> None:
         self._memory[item.rank] = item.peak_memory_bytes
@@ -133,6 +134,8 @@ class Progress:
         if self.failures:
             budget = "unlimited" if self.max_failures < 0 else str(self.max_failures)
             parts.append(f"restarts {self.failures}/{budget}")
+        if self.stragglers:
+            parts.append("straggler " + " ".join(f"r{rank}" for rank in self.stragglers))
         return "[rayzero] " + " | ".join(parts)
 
     def peak_memory(self) -> dict[int, int]:

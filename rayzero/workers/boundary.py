@@ -96,6 +96,9 @@ class Heartbeat:
     in_step: bool = False
     """Inside an engine step (forward called, optimizer step not yet done): in a hang, such a rank is
     usually blocked in a collective waiting for one that is not."""
+    loop_time_s: float | None = None
+    """Median of the rank's recent times outside the engine between two steps (its data loading and
+    the loop's own work): the part of a step only this rank spends ([Note: stragglers] in health.py)."""
 
 
 def host_memory_bytes() -> int:
@@ -133,6 +136,8 @@ class StepBoundary:
         self._progress_at = time.monotonic()
         self._last_step_at: float | None = None
         self._step_intervals: deque[float] = deque(maxlen=32)
+        self._step_done_at: float | None = None  # when after_step returned (the loop has control again)
+        self._loop_times: deque[float] = deque(maxlen=32)  # step done -> next step's first forward
         self.step = 0
         self.micro_step = 0
         self.stepped = False  # an engine stepped: stops go through the agreed boundary
@@ -179,6 +184,8 @@ class StepBoundary:
     # ---- the hook ----------------------------------------------------------------------------
     def before_forward(self, engine: Any) -> None:
         self._progress_at = time.monotonic()
+        if not self.in_step and self._step_done_at is not None:  # the first forward of a step
+            self._loop_times.append(self._progress_at - self._step_done_at)
         self.in_step = True
         if self.stop_committed:
             raise RunStopped(f"rank {self.rank}: the run was stopped at step {self.step} (checkpoint "
@@ -194,6 +201,7 @@ class StepBoundary:
         self.step, self.micro_step, self.stepped = engine.global_steps, engine.micro_steps, True
         self._engine = weakref.ref(engine)
         kind, request_id = self._agree(engine)
+        self._step_done_at = time.monotonic()
         if kind is BoundaryRequest.NONE:
             return
         self.saving = True
@@ -205,6 +213,7 @@ class StepBoundary:
             self.saving = False
             self._progress_at = time.monotonic()
             self._last_step_at = self._progress_at  # the save is not step time
+            self._step_done_at = None  # nor loop time
         with self._lock:
             self._handled = HandledRequest(request_id, int(kind), engine.global_steps, location)
             if self._pending_id <= request_id:
@@ -225,7 +234,7 @@ class StepBoundary:
         return BoundaryRequest(int(agreed[0])), int(agreed[1])
 
     def heartbeat(self, memory_bytes: int) -> Heartbeat:
-        intervals = list(self._step_intervals)
+        intervals, loop_times = list(self._step_intervals), list(self._loop_times)  # copies: the loop appends
         with self._lock:
             handled = self._handled
         return Heartbeat(
@@ -234,6 +243,7 @@ class StepBoundary:
             step_time_s=statistics.median(intervals) if intervals else None, memory_bytes=memory_bytes,
             host_memory_bytes=host_memory_bytes(), handled=handled, finished=self.finished,
             preempted=self.preempted, committed=self._newest_committed(), in_step=self.in_step,
+            loop_time_s=statistics.median(loop_times) if len(loop_times) >= 3 else None,
         )
 
     def _newest_committed(self) -> tuple[int, str] | None:

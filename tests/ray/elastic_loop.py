@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import fault_hooks  # tests/ray, on sys.path in the tests; travels with the loop by value
 import torch
 
 import rayzero
@@ -40,6 +41,7 @@ def train(loop_config: dict) -> None:
     model = initial_model()
     engine, _, _, _ = rayzero.initialize(model=model)
     if context.resume_from:
+        _maybe_kill_inside("load", "rayzero/checkpoint/loader.py", loop_config, context, engine.global_steps)
         engine.load_checkpoint(context.resume_from)
         rayzero.report({"loaded_step": engine.global_steps,
                         "loaded": torch.cat([p.detach().flatten() for p in model.parameters()]).tolist()})
@@ -61,6 +63,7 @@ def train(loop_config: dict) -> None:
             engine.backward(loss)
             engine.step()
         if loop_config.get("save_every") and engine.global_steps % loop_config["save_every"] == 0:
+            _maybe_kill_inside("save", "rayzero/checkpoint/saver.py", loop_config, context, engine.global_steps)
             engine.save_checkpoint()
         rayzero.report({"step": engine.global_steps, "loss": loss.item(), "world": world, "gas": gas,
                         "attempt": context.attempt, "started_at": started_at})
@@ -68,8 +71,24 @@ def train(loop_config: dict) -> None:
         if hang_here and context.attempt == 0:
             time.sleep(3600)  # a hung rank: the others block in the next collective
         time.sleep(loop_config.get("sleep", 0.0))
+        if context.rank == loop_config.get("slow_rank"):  # a straggler: slow outside the engine every step
+            time.sleep(loop_config["slow_s"])
     weights = torch.cat([p.detach().flatten() for p in model.parameters()]).tolist()
     rayzero.report({"final": weights, "final_step": engine.global_steps})
+
+
+def _maybe_kill_inside(phase: str, module: str, loop_config: dict, context, step: int) -> None:
+    """`kill_in` = "save"/"load": at `kill_attempt` (and `kill_step` for a save) rank `kill_rank` is
+    SIGKILLed inside the checkpoint layer's `module`; the other ranks enter a second later, so the
+    killed rank is surely inside it (tests/ray/fault_hooks.py)."""
+    if loop_config.get("kill_in") != phase or context.attempt != loop_config.get("kill_attempt", 0):
+        return
+    if phase == "save" and step != loop_config.get("kill_step"):
+        return
+    if context.rank == loop_config.get("kill_rank", 1):
+        fault_hooks.kill_inside(module, Path(loop_config["pid_dir"], f"killed_in_{phase}"))
+    else:
+        time.sleep(1.0)
 
 
 def reference_weights(steps: int, batch: int = 12, lr: float = 0.05) -> list[float]:

@@ -19,9 +19,9 @@ import elastic_loop
 pytest.importorskip("rayzero.engine.api")
 
 
-def _fit(tmp_path, name: str, loop_config: dict, **failure):
+def _fit(tmp_path, name: str, loop_config: dict, config: dict | None = None, **failure):
     return rayzero.fit(
-        elastic_loop.train, config=elastic_loop.config(), scaling=rayzero.ScalingConfig(num_workers=2),
+        elastic_loop.train, config=config or elastic_loop.config(), scaling=rayzero.ScalingConfig(num_workers=2),
         run=rayzero.RunConfig(name=name, storage=tmp_path.as_uri(), progress_interval_s=30),
         failure=rayzero.FailureConfig(**failure), train_loop_config=loop_config)
 
@@ -117,3 +117,50 @@ def test_sigterm_to_a_worker_is_a_preemption_checkpoint_and_regroup(local_ray, t
     assert "preempted (SIGTERM)" in capsys.readouterr().out
     _check_continued(result, 14, lost_at_most=0)  # the boundary save: nothing lost
 
+
+
+def _tags(directory: Path) -> list[int]:
+    return sorted(int(p.name.removeprefix("global_step")) for p in directory.glob("global_step*")
+                  if (p / "manifest.json").exists())
+
+
+def test_a_worker_killed_mid_save_resumes_from_the_previous_commit_and_saves_that_step_again(local_ray, tmp_path):
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    # step 6's save: rank 0 enters it a second late, rank 1 is SIGKILLed inside the checkpoint layer
+    config = {"steps": 12, "save_every": 3, "kill_in": "save", "kill_step": 6, "pid_dir": str(pids)}
+    result = _fit(tmp_path, "midsave", config, max_failures=1, backoff_s=0)
+    print("rank 1 killed inside the save, in", (pids / "killed_in_save").read_text())
+    assert result.failures == 1 and not result.stopped
+    history = [m for m in result.metrics_history if "step" in m]
+    resumed = [m for m in history if m["attempt"] == max(m["attempt"] for m in history)]
+    assert resumed[0]["started_at"] == 3  # step 6 was never committed: the newest commit is step 3
+    _check_continued(result, 12, lost_at_most=3)
+    # the torn step-6 directory did not get in the way of saving step 6 again (and retention ran)
+    directory = tmp_path / "midsave" / "checkpoints"
+    assert _tags(directory) == [6, 9, 12] and result.checkpoint_step == 12
+
+
+def test_a_rerun_killed_mid_load_resumes_and_never_deletes_the_earlier_runs_checkpoints(local_ray, tmp_path):
+    config = dict(elastic_loop.config(), checkpoint={"keep_last": 2})
+    first = _fit(tmp_path, "midload", {"steps": 6, "save_every": 1}, config=config)
+    directory = tmp_path / "midload" / "checkpoints"
+    assert first.checkpoint_step == 6 and _tags(directory) == [5, 6]  # a run rotates its own checkpoints
+
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    # the same-name rerun resumes from step 6; its first attempt loses rank 1 inside the load
+    loop = {"steps": 12, "save_every": 1, "kill_in": "load", "pid_dir": str(pids)}
+    rerun = _fit(tmp_path, "midload", loop, config=config, max_failures=1, backoff_s=0)
+    assert (pids / "killed_in_load").read_text().startswith("load ")  # inside loader.load (a collective)
+    assert rerun.failures == 1 and rerun.checkpoint_step == 12
+    loaded = [m["loaded_step"] for m in rerun.metrics_history if "loaded_step" in m]
+    assert loaded and set(loaded) == {6}, loaded
+    history = [m for m in rerun.metrics_history if "started_at" in m]
+    last = [m for m in history if m["attempt"] == history[-1]["attempt"]]
+    assert last[0]["started_at"] == 6 and [m["step"] for m in last] == list(range(7, 13))
+    final = [m for m in rerun.metrics_history if "final" in m][-1]
+    assert final["final_step"] == 12
+    assert final["final"] == pytest.approx(elastic_loop.reference_weights(12), abs=1e-5)
+    # keep_last=2 rotated the rerun's own checkpoints (7-10) but not the earlier run's (5, 6)
+    assert _tags(directory) == [5, 6, 11, 12]

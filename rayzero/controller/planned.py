@@ -1,0 +1,150 @@
+"""Planned stops, resizes and `checkpoint now`: the control-plane requests the controller carries out.
+
+[Note: the control seam] in status.py says where requests come from; [Note: agreed step boundary]
+in rayzero/workers/boundary.py how the ranks save at one step. Requests are recorded from any
+thread (`submit`) and taken by the step loop only (`_take_requests`), so the state machine never
+changes state outside `Controller.step()`. A STOP moves RUNNING to DRAINING, a SCALE to RESIZING;
+both wait for the boundary checkpoint ([Note: one retry budget]: neither is charged as a failure).
+"""
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING
+
+from rayzero.config.errors import RayZeroRuntimeError
+from rayzero.controller.errors import TrainingFailedError
+from rayzero.controller.requests import ControlRequest, RequestKind
+from rayzero.controller.state import Failure, FailureKind, RunState
+from rayzero.workers.boundary import BoundaryRequest
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from rayzero.controller.checkpoints import CheckpointTracker
+    from rayzero.controller.controller import ControllerSettings
+    from rayzero.controller.elastic import BatchPlan
+    from rayzero.controller.worker_group import WorkerGroup
+    from rayzero.workers.boundary import Heartbeat
+
+
+class PlannedStops:
+    """The request half of `Controller` (a mixin: it shares the controller's state and group)."""
+
+    # Set by Controller.__init__; listed here for the reader and the type checker.
+    state: RunState
+    error: TrainingFailedError | None
+    stopped: bool
+    world_size: int
+    heartbeats: dict[int, Heartbeat | None]
+    checkpoints: CheckpointTracker
+    _group: WorkerGroup | None
+    _plan: BatchPlan
+    _settings: ControllerSettings
+    _lock: threading.Lock
+    _requests: list[ControlRequest]  # recorded, not yet taken by step()
+    _awaiting: list[ControlRequest]  # sent to the workers, waiting for the boundary
+    _planned: ControlRequest | None  # the stop/scale being carried out
+    _planned_deadline: float
+    _size_cap: int | None
+    _target_workers: int
+    _clock: Callable[[], float]
+
+    def _event(self, line: str) -> None:
+        raise NotImplementedError
+
+    def _end_errored(self, failure: Failure) -> None:
+        raise NotImplementedError
+
+    # ---- requests ([Note: the control seam]) -----------------------------------------------
+    def submit(self, request: ControlRequest) -> ControlRequest:
+        """Record a request for the step loop (any thread); wait on it with `request.wait`."""
+        if request.kind is RequestKind.SCALE:
+            self._plan.check(request.workers)
+        with self._lock:
+            self._requests.append(request)
+        return request
+
+    def _take_requests(self) -> None:
+        with self._lock:
+            requests, self._requests = self._requests, []
+        for request in requests:
+            if request.kind is RequestKind.KILL:
+                self._event(f"killed: {request.reason}")
+                self._end_errored(Failure(FailureKind.LOOP_ERROR, f"the run was killed: {request.reason}"))
+                request.resolve(None)
+            elif self.state.is_terminal:
+                self._settle(request)
+            elif request.kind is RequestKind.CHECKPOINT:
+                if self.state is not RunState.RUNNING or self._group is None:
+                    request.reject(RayZeroRuntimeError(f"cannot checkpoint now: the run is {self.state.value}, "
+                                                       "not running; try again once it runs"))
+                    continue
+                self._group.request_boundary(request.request_id, BoundaryRequest.CHECKPOINT)
+                self._awaiting.append(request)
+            elif request.kind is RequestKind.SCALE and request.workers == self.world_size:
+                self._size_cap = request.workers
+                request.resolve(None)
+            else:
+                self._begin_planned(request)
+
+    def _begin_planned(self, request: ControlRequest) -> None:
+        """A stop or resize: ask for the boundary checkpoint (and a stop) at the agreed step."""
+        if self._planned is not None:  # a stop overrides a resize in flight; otherwise the first wins
+            if request.kind is RequestKind.STOP and self._planned.kind is RequestKind.SCALE:
+                self._planned.resolve(None)
+            else:
+                request.resolve(None)
+                return
+        self._planned = request
+        if request.kind is RequestKind.SCALE and request.reason != "grow":
+            self._size_cap = request.workers  # asked for: do not grow back past it
+        if self.state is not RunState.RUNNING or self._group is None:
+            # Nothing runs (scheduling, restarting): a stop ends the run now; a resize waits its turn.
+            if request.kind is RequestKind.STOP:
+                if self._group is not None:
+                    self._group.shutdown()
+                self._planned = None
+                self.stopped, self.state = True, RunState.FINISHED
+                request.resolve(self.checkpoints.refresh())
+            else:
+                self._planned = None
+                self._target_workers = request.workers
+                request.resolve(None)
+            return
+        self._group.request_boundary(request.request_id, BoundaryRequest.STOP)
+        self._planned_deadline = self._clock() + self._settings.stop_timeout_s
+        self.state = RunState.DRAINING if request.kind is RequestKind.STOP else RunState.RESIZING
+        self._event(f"{self.state.value}: checkpoint at the next step boundary every rank reaches"
+                    + (f", then regroup with {request.workers} worker(s)" if request.kind is RequestKind.SCALE else ""))
+
+    def _progress_awaiting(self) -> None:
+        """Resolve checkpoint requests every rank has carried out (committed before they say so)."""
+        live = [self.heartbeats.get(rank) for rank in range(self.world_size)]
+        for request in list(self._awaiting):
+            handled = [beat.handled for beat in live if beat is not None and beat.handled is not None]
+            if len(handled) == len(live) and all(h.request_id >= request.request_id for h in handled):
+                self._awaiting.remove(request)
+                request.resolve(self.checkpoints.record_of(handled[0].location, handled[0].step))
+
+    def _resolve_awaiting(self, error: BaseException | None) -> None:
+        for request in self._awaiting:
+            request.reject(error or RayZeroRuntimeError("the run ended before the checkpoint was taken"))
+        self._awaiting = []
+
+    def _settle(self, request: ControlRequest) -> None:
+        if request.kind is RequestKind.STOP:
+            request.resolve(self.checkpoints.refresh())
+        elif request.kind is RequestKind.CHECKPOINT:
+            request.reject(RayZeroRuntimeError(f"cannot checkpoint: the run already ended ({self.state.value})"))
+        else:
+            request.resolve(None)
+
+    def _settle_requests(self) -> None:
+        self._resolve_awaiting(None)
+        if self._planned is not None:
+            self._settle(self._planned)
+            self._planned = None
+        with self._lock:
+            requests, self._requests = self._requests, []
+        for request in requests:
+            self._settle(request)

@@ -1,0 +1,116 @@
+"""The fault matrix on S3 storage, through a real S3 endpoint on loopback (moto's server, started from
+the `.venv-s3` that `make s3-venv` builds: its botocore and this venv's kubernetes client need
+incompatible python-dateutil versions). The run's checkpoints live only on S3 (staged locally, then
+committed there); a worker is killed and the restart must resume from the newest checkpoint committed
+on S3 — not from step 0 — and a same-name rerun goes on from there too."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+import elastic_loop
+from test_faults import _check_continued, _in_thread, _wait_for_file
+
+MOTO_SERVER = Path(__file__).resolve().parents[2] / ".venv-s3" / "bin" / "moto_server"
+BUCKET = "rayzero-faults"
+
+pytestmark = pytest.mark.skipif(not MOTO_SERVER.exists(),
+                                reason=f"no {MOTO_SERVER}: run `make s3-venv` (moto's S3 server in its own venv)")
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture
+def s3_ray(monkeypatch, tmp_path):
+    """moto's S3 server on 127.0.0.1 and a Ray started with the AWS variables pointing at it (its
+    workers and the controller inherit them); the shared Ray is restarted by the next test needing it."""
+    import ray
+
+    port = _free_port()
+    log = (tmp_path / "moto.log").open("wb")  # the server's whole life; closed in finally
+    server = subprocess.Popen([str(MOTO_SERVER), "-H", "127.0.0.1", "-p", str(port)],
+                              stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert server.poll() is None and time.monotonic() < deadline, (tmp_path / "moto.log").read_text()
+                time.sleep(0.1)
+        for key, value in {"AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "testing",
+                           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1",
+                           "AWS_EC2_METADATA_DISABLED": "true"}.items():
+            monkeypatch.setenv(key, value)
+        import pyarrow.fs as pafs
+
+        pafs.S3FileSystem(endpoint_override=f"127.0.0.1:{port}", scheme="http", region="us-east-1",
+                          allow_bucket_creation=True).create_dir(BUCKET)
+        if ray.is_initialized():
+            ray.shutdown()
+        ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING")
+        yield ray
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        server.terminate()
+        server.wait(10)
+        log.close()
+
+
+def _committed_on_s3() -> list[int]:
+    from rayzero.controller import registry
+
+    return sorted(found.record.step for found in registry.committed_in(f"s3://{BUCKET}/runs/s3run/checkpoints"))
+
+
+def _fit(loop_config: dict, **failure):
+    import rayzero
+
+    return rayzero.fit(
+        elastic_loop.train, config=elastic_loop.config(), scaling=rayzero.ScalingConfig(num_workers=2),
+        run=rayzero.RunConfig(name="s3run", storage=f"s3://{BUCKET}/runs", progress_interval_s=30),
+        failure=rayzero.FailureConfig(**failure), train_loop_config=loop_config)
+
+
+def test_a_killed_worker_resumes_from_the_newest_checkpoint_committed_on_s3(s3_ray, tmp_path):
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    config = {"steps": 12, "sleep": 0.1, "save_every": 3, "pid_dir": str(pids)}
+    thread, box = _in_thread(lambda: _fit(config, max_failures=1, backoff_s=0))
+    pid = _wait_for_file(pids / "rank1.attempt0")
+    deadline = time.monotonic() + 120
+    while not _committed_on_s3():  # a checkpoint committed on S3 before the kill
+        assert time.monotonic() < deadline and thread.is_alive(), box
+        time.sleep(0.2)
+    os.kill(pid, signal.SIGKILL)
+    thread.join(300)
+    assert "error" not in box, box.get("error")
+    result = box["result"]
+    assert result.failures == 1
+    history = [m for m in result.metrics_history if "step" in m]
+    resumed = [m for m in history if m["attempt"] == max(m["attempt"] for m in history)]
+    assert resumed[0]["started_at"] >= 3  # from S3, not from step 0
+    _check_continued(result, 12, lost_at_most=2)
+    assert _committed_on_s3()[-1] == 12 and result.checkpoint_step == 12
+
+    # a same-name rerun finds the run on S3 and goes on from its newest checkpoint there
+    rerun = _fit({"steps": 15, "save_every": 3})
+    steps = [m for m in rerun.metrics_history if "started_at" in m]
+    last = [m for m in steps if m["attempt"] == steps[-1]["attempt"]]
+    assert last[0]["started_at"] == 12 and [m["step"] for m in last] == [13, 14, 15]
+    final = [m for m in rerun.metrics_history if "final" in m][-1]
+    assert final["final"] == pytest.approx(elastic_loop.reference_weights(15), abs=1e-5)
