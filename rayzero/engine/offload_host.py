@@ -120,9 +120,10 @@ class HostOffload(OffloadBackend):
         self._timings = {"cpu_step": time.perf_counter() - start}
 
     def background_stepper(self):
-        if self.optimizer_home == "device":
+        from rayzero.engine.offload_overlap import BackgroundStepper, overlap_enabled
+
+        if self.optimizer_home == "device" or not overlap_enabled(self.compute_device):
             return None
-        from rayzero.engine.offload_overlap import BackgroundStepper
         # NVMe steps tile by tile after backward (offload_nvme.py): its thread only copies
         return BackgroundStepper(self.step_subset if self.optimizer_home == "host" else None, self.step_threads)
 

@@ -17,9 +17,14 @@ The step applies only where nothing global must be known before any element is u
 gradient clipping (the norm needs every gradient) and no fp16 (an overflow anywhere skips the whole
 step), and torch's Adam, AdamW or SGD (an arbitrary optimizer may couple its parameters). Otherwise
 the step runs after backward, but the thread still finishes each bucket as its reduction completes,
-so the device-to-host copies of reduced gradients run during backward in every case. `RAYZERO_OFFLOAD_OVERLAP_STEP=0` turns it off (benchmarks
-compare both). Decided in engine/api.py; flat_strategy (buckets) and stage3 (sub-groups) submit;
-offload_host steps them.
+so the device-to-host copies of reduced gradients run during backward in every case.
+
+Where it runs (`RAYZERO_OFFLOAD_OVERLAP_STEP`, `overlap_enabled`): by default (`auto`) only when
+compute runs on an accelerator. On a CPU-only machine backward and the host step share the same
+cores, and measured there (bench/offload.py `overlap`, 2 cores) the thread hid 86% of the CPU step
+but made the whole step 1.08x slower; `1` forces it on (the tests do, to run this path on CPU), `0`
+turns it off. Decided in engine/api.py and offload_host.py; flat_strategy (buckets) and stage3
+(sub-groups) submit; offload_host steps them.
 """
 from __future__ import annotations
 
@@ -32,11 +37,21 @@ import torch
 from rayzero.config.errors import RayZeroRuntimeError
 
 
+OVERLAP_ENV = "RAYZERO_OFFLOAD_OVERLAP_STEP"
+
+
+def overlap_enabled(compute_device: torch.device) -> bool:
+    """Whether an offloading backend runs the background thread at all ([Note: step overlapped
+    with backward]): `auto` (default) on an accelerator only, `1` always, `0` never."""
+    mode = os.environ.get(OVERLAP_ENV, "auto").strip().lower()
+    if mode not in ("auto", "0", "1"):
+        raise RayZeroRuntimeError(f"{OVERLAP_ENV}={mode!r}: use auto (the default), 1 or 0")
+    return mode == "1" or (mode == "auto" and compute_device.type != "cpu")
+
+
 def overlap_allowed(gradient_clipping: float, fp16: bool, optimizer: torch.optim.Optimizer,
                     elementwise: tuple[type, ...]) -> bool:
-    """The conditions of [Note: step overlapped with backward]."""
-    if os.environ.get("RAYZERO_OFFLOAD_OVERLAP_STEP", "1") == "0":
-        return False
+    """Whether the math lets the step run during backward ([Note: step overlapped with backward])."""
     return gradient_clipping == 0 and not fp16 and type(optimizer) in elementwise
 
 

@@ -14,6 +14,13 @@ from rayzero.config.errors import RayZeroRuntimeError
 pytestmark = pytest.mark.unit
 
 
+@pytest.fixture(autouse=True)
+def _overlap_on_cpu(monkeypatch):
+    """On a CPU-only machine the overlap is off by default (it competes with backward for the
+    cores); these tests turn it on to run the path."""
+    monkeypatch.setenv("RAYZERO_OFFLOAD_OVERLAP_STEP", "1")
+
+
 def _engine(stage: int, offload: str, clipping: float = 0.0, gas: int = 2, **extra):
     """Six layers; stages 1-2 in buckets of about one layer, stage 3 in sub-groups of about one."""
     torch.manual_seed(0)
@@ -95,3 +102,14 @@ def test_a_learning_rate_set_before_backward_is_used() -> None:
     engine.step()
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())), "lr 0 and no weight decay: no change"
     engine.close()
+
+
+def test_on_a_cpu_only_machine_the_step_stays_after_backward_by_default(monkeypatch) -> None:
+    """`auto`: the thread would compete with backward for the same cores (measured slower)."""
+    monkeypatch.delenv("RAYZERO_OFFLOAD_OVERLAP_STEP")
+    engine, model = _engine(2, "cpu")
+    _train(engine, model, steps=1)
+    assert set(engine.offload_breakdown()) == {"cpu_step", "d2h", "h2d_publish"}
+    monkeypatch.setenv("RAYZERO_OFFLOAD_OVERLAP_STEP", "sometimes")
+    with pytest.raises(RayZeroRuntimeError, match="RAYZERO_OFFLOAD_OVERLAP_STEP='sometimes': use auto"):
+        _engine(2, "cpu")
