@@ -13,6 +13,7 @@ and reuse, and [Note: stage-3 parameter storage] (stage3_params.py) for what gat
 from __future__ import annotations
 
 import functools
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -20,7 +21,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
-from rayzero.config.errors import RayZeroValueError
+from rayzero.config.errors import RayZeroRuntimeError, RayZeroValueError
 from rayzero.engine.stage3_params import ParamPartitions, ParamState, PartitionedParam
 from rayzero.engine.stage3_trace import FetchEvent, ModuleTrace
 
@@ -64,6 +65,17 @@ class Stage3Knobs:
         )
 
 
+# [Note: modules every rank runs]
+# Stage 3 gathers a module's parameters with a collective, so a module that runs on some ranks only
+# leaves the others in a different collective: NCCL hangs, gloo aborts the process with a size
+# mismatch (DeepSpeed and FSDP2 hang here). While the fetch trace is being recorded (the first
+# micro-step, and again after a rank's order changed: [Note: stage-3 prefetch order]) every gather
+# is preceded by a two-number MAX all-reduce of a checksum of the module's name and pass, so a
+# difference is found before the gather and raised on every rank with each rank's module named.
+# Replayed micro-steps add nothing. What this cannot catch is a rank that departs from its recorded
+# trace later while the others replay theirs (it alone records, so it alone checks).
+
+
 class Stage3Coordinator:
     """Installs the hooks on `module` and decides when each parameter is gathered or released."""
 
@@ -84,6 +96,7 @@ class Stage3Coordinator:
         # Counters that make the knobs observable (memory_stats / tests).
         self.prefetched_elements = 0
         self._module_index: dict[int, int] = {}
+        self._module_names = [name or type(module).__name__ for name, _ in module.named_modules()]
         external = external or {}
         for index, submodule in enumerate(module.modules()):
             self._module_index[id(submodule)] = index
@@ -167,6 +180,8 @@ class Stage3Coordinator:
     # ---- policy -----------------------------------------------------------------------------
     def _fetch(self, event: FetchEvent, entries: list[PartitionedParam]) -> None:
         self.trace.observe(event)
+        if self.trace.recording and any(e.state is ParamState.RELEASED and not e.persistent for e in entries):
+            self._agree(event)
         for entry in entries:
             self._kept.pop(id(entry), None)
         missing = sum(e.numel for e in entries if e.state is ParamState.RELEASED and not e.persistent)
@@ -175,6 +190,27 @@ class Stage3Coordinator:
         self._prefetch(event.key[1])
         for entry in entries:
             self.partitions.wait(entry)
+
+    def _agree(self, event: FetchEvent) -> None:
+        """[Note: modules every rank runs] Before a gather while the trace is being recorded: check
+        that every rank is fetching the same module, and name them when not."""
+        comm = self.partitions.comm
+        if comm.world_size == 1:
+            return
+        where = f"{self._module_names[event.key[0]]} ({event.key[1]})"
+        code = float(zlib.crc32(where.encode()))
+        seen = comm.all_reduce_control(torch.tensor([code, -code], dtype=torch.float64,
+                                                    device=self.partitions.device), op="max")
+        if float(seen[0]) == code and float(seen[1]) == -code:
+            return
+        names: list[Any] = [None] * comm.world_size
+        torch.distributed.all_gather_object(names, where, group=comm.group)
+        raise RayZeroRuntimeError(
+            "stage 3: the ranks fetch different modules at the same point of the pass ("
+            + ", ".join(f"rank {rank}: {name}" for rank, name in enumerate(names))
+            + "). Every rank must run the same modules in the same order: a module called on some ranks "
+            "only (e.g. under `if rank == 0:`) would leave the others waiting in its parameter "
+            "all-gather. Run it on every rank, or outside the model the engine wraps")
 
     def _prefetch(self, phase: str) -> None:
         """Keep the next `prefetch_bucket_size` elements of this pass's trace gathered or in flight.
