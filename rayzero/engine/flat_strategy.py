@@ -29,6 +29,7 @@ from rayzero.checkpoint.types import ShardedTensor, ShardSpec
 from rayzero.config.errors import RayZeroRuntimeError, RayZeroValueError
 from rayzero.engine import flat_checkpoint
 from rayzero.engine.offload import StateKind
+from rayzero.engine.offload_overlap import run_step
 from rayzero.engine.partition import BucketLayout, plan_buckets
 from rayzero.engine.strategy import StrategyContext, ZeroStrategy
 
@@ -288,14 +289,7 @@ class BucketedStrategy(ZeroStrategy):
         return self._step_early
 
     def optimizer_step(self) -> None:
-        stepped = self._stepper.take(self._backward_end) if self._stepper is not None else (0, 0.0, 0.0)
-        if stepped[0] == len(self.buckets):
-            self.offload.record_overlapped_step(stepped[1], stepped[2])
-        elif stepped[0] == 0:
-            self.offload.step(self.optimizer)
-        else:
-            raise RayZeroRuntimeError(f"internal: {stepped[0]} of {len(self.buckets)} buckets stepped during "
-                                      "backward")
+        run_step(self._stepper, self.offload, self.optimizer, self._backward_end, len(self.buckets), "buckets")
         start = time.perf_counter()
         self._publish()
         self.offload.record_transfers(self._d2h, time.perf_counter() - start)

@@ -36,7 +36,6 @@ import torch
 
 from rayzero.config.errors import RayZeroRuntimeError
 
-
 OVERLAP_ENV = "RAYZERO_OFFLOAD_OVERLAP_STEP"
 
 
@@ -53,6 +52,19 @@ def overlap_allowed(gradient_clipping: float, fp16: bool, optimizer: torch.optim
                     elementwise: tuple[type, ...]) -> bool:
     """Whether the math lets the step run during backward ([Note: step overlapped with backward])."""
     return gradient_clipping == 0 and not fp16 and type(optimizer) in elementwise
+
+
+def run_step(stepper: BackgroundStepper | None, offload, optimizer: torch.optim.Optimizer,
+             backward_end: float, pieces: int, what: str) -> None:
+    """The optimizer step of a boundary: already done piece by piece during backward (record its
+    timings), or run now by the offload backend; `pieces` buckets / sub-groups, named `what`."""
+    stepped, seconds, exposed = stepper.take(backward_end) if stepper is not None else (0, 0.0, 0.0)
+    if stepped == pieces:
+        offload.record_overlapped_step(seconds, exposed)
+    elif stepped == 0:
+        offload.step(optimizer)
+    else:
+        raise RayZeroRuntimeError(f"internal: {stepped} of {pieces} {what} stepped during backward")
 
 
 class _Pending:

@@ -20,8 +20,9 @@ from collections.abc import Callable
 import torch
 
 from rayzero.checkpoint.types import ShardedTensor, ShardSpec
-from rayzero.config.errors import RayZeroRuntimeError, RayZeroValueError
+from rayzero.config.errors import RayZeroValueError
 from rayzero.engine.offload import StateKind
+from rayzero.engine.offload_overlap import run_step
 from rayzero.engine.optim_state import elementwise_state_keys, ensure_optimizer_state
 from rayzero.engine.partition import split_evenly
 from rayzero.engine.stage3_grads import GradientReducer
@@ -196,14 +197,7 @@ class Stage3Strategy(ZeroStrategy):
         return [master_grad for _, _, master_grad in self.groups]
 
     def optimizer_step(self) -> None:
-        stepped = self._stepper.take(self._backward_end) if self._stepper is not None else (0, 0.0, 0.0)
-        if stepped[0] == len(self.groups):
-            self.offload.record_overlapped_step(stepped[1], stepped[2])
-        elif stepped[0] == 0:
-            self.offload.step(self.optimizer)
-        else:
-            raise RayZeroRuntimeError(f"internal: {stepped[0]} of {len(self.groups)} sub-groups stepped during "
-                                      "backward")
+        run_step(self._stepper, self.offload, self.optimizer, self._backward_end, len(self.groups), "sub-groups")
         self._publish()
         self.offload.after_publish()
 
