@@ -212,6 +212,7 @@ class Stage3Strategy(ZeroStrategy):
     def zero_grad(self) -> None:
         for _, _, master_grad in self.groups:
             master_grad.zero_()
+        self.reducer.grads_zeroed()
 
     # ---- checkpoint ([Note: flat-range partitioning]) ---------------------------------------
     def _owned(self, entry: PartitionedParam) -> tuple[int, int]:

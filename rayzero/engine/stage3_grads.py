@@ -77,7 +77,10 @@ class GradientReducer:
         self._open = False  # a backward's buckets are pending (set on the first gradient or clear)
         self._group = _reduction_group(comm)
         self._arrival: list[int] | None = []  # first backward's arrival order, then None (re-planned)
-        self._in_flight: tuple[object, torch.Tensor, list[int], torch.Tensor] | None = None
+        self._in_flight: tuple[object, torch.Tensor, list[int], torch.Tensor, bool] | None = None
+        # Keys whose master-gradient shard is known to be zero (allocated zeroed; `grads_zeroed`):
+        # a one-parameter bucket reduce-scatters straight into it instead of into a buffer then add.
+        self._zero: set[int] = set(master_grads)
         # Entries that received a gradient since the last `clear` (unused-parameter check).
         self.seen: set[int] = _SeenThisBackward(self._open_round)
         self.bucket_bytes_peak = 0
@@ -102,14 +105,24 @@ class GradientReducer:
         self._set_plan([self._keys[index] for index in order.tolist()])
 
     def _plan(self, keys: list[int]) -> list[list[int]]:
-        """Consecutive keys in buckets of at least one parameter and about `bucket_size` full elements."""
+        """Buckets of about `bucket_size` full elements, listed in the order they fill up.
+
+        A parameter whose gradient alone reaches `bucket_size` is a bucket of its own, sent as it
+        is (no copy: `_send`); the smaller ones around it fill the next shared bucket. Mixed into
+        one bucket (a bias beside its weight), the large gradient would be copied into the
+        bucket's buffer and exist twice at the peak.
+        """
         world = self.comm.world_size
         plan: list[list[int]] = []
         current: list[int] = []
         numel = 0
         for key in keys:
+            full = self.master_grads[key].numel() * world
+            if full >= self.bucket_size:
+                plan.append([key])
+                continue
             current.append(key)
-            numel += self.master_grads[key].numel() * world
+            numel += full
             if numel >= self.bucket_size:
                 plan.append(current)
                 current, numel = [], 0
@@ -185,14 +198,18 @@ class GradientReducer:
     def _issue(self, send: torch.Tensor, shard_total: int, keys: list[int], device: torch.device) -> None:
         """Reduce-scatter the rank-major `send` into this rank's shards (kept in flight until `wait`)."""
         self.bucket_bytes_peak = max(self.bucket_bytes_peak, send.numel() * send.element_size())
-        received = torch.empty(shard_total, dtype=self.reduce_dtype, device=device)
+        target = self.master_grads[keys[0]] if len(keys) == 1 else None
+        direct = (target is not None and keys[0] in self._zero and target.dtype == self.reduce_dtype
+                  and target.device == device and target.numel() == shard_total and target.is_contiguous())
+        received = target if direct else torch.empty(shard_total, dtype=self.reduce_dtype, device=device)
+        self._zero.difference_update(keys)
         self.wait()  # at most one bucket in flight besides the one being filled
         if self._group is None:
             work = self.comm.reduce_scatter(received, send, async_op=True)
         else:
             self.comm._count("reduce_scatter", send)  # accounted with the engine's other traffic
             work = _reduce_scatter_flat(received, send, op=dist.ReduceOp.SUM, group=self._group, async_op=True)
-        self._in_flight = (work, received, keys, send)  # `send` must outlive the collective
+        self._in_flight = (work, received, keys, send, direct)  # `send` must outlive the collective
         if not self.overlap:
             self.wait()
 
@@ -201,9 +218,13 @@ class GradientReducer:
         gradients (the engine divided the loss by the world size: [Note: gradient averaging])."""
         if self._in_flight is None:
             return
-        work, received, keys, _send = self._in_flight
+        work, received, keys, _send, direct = self._in_flight
         self._in_flight = None
         work.wait()
+        if direct:  # reduced straight into the (zero) master gradient
+            if self.on_added is not None:
+                self.on_added(keys)
+            return
         shards = received.to(torch.float32)
         offset = 0
         for key in keys:
@@ -216,6 +237,10 @@ class GradientReducer:
             offset += width
         if self.on_added is not None:
             self.on_added(keys)
+
+    def grads_zeroed(self) -> None:
+        """Every master gradient was just set to zero (the strategy's zero_grad)."""
+        self._zero = set(self.master_grads)
 
     def finish(self) -> None:
         self.flush()

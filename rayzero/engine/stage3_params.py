@@ -35,6 +35,10 @@ from torch.utils.weak import WeakIdKeyDictionary
 from rayzero.engine.comm import Communicator
 from rayzero.engine.partition import padded_size, split_evenly
 
+# Parameters whose gathered size is at least this gather in a collective of their own ([Note:
+# coalesced gathers]): 1M elements is ~4 MiB in fp32, ~1-4 ms on gloo here against ~0.5 ms per call.
+COALESCE_MAX_ELEMENTS = 1 << 20
+
 _REGISTRY: WeakIdKeyDictionary = WeakIdKeyDictionary()
 # module -> parameters of *other* modules it uses in its forward (DeepSpeed's
 # register_external_parameter); weakly keyed like _REGISTRY, read when the hooks are installed.
@@ -195,6 +199,9 @@ class ParamPartitions:
         parameter; `wait` copies each parameter's column of it into the parameter's own buffer
         (which must stay separate so it can be freed alone). One collective per module / prefetch
         batch instead of one per parameter: on gloo each call costs ~0.5 ms whatever its size.
+        A large parameter (gathered size >= COALESCE_MAX_ELEMENTS) is gathered alone, straight into
+        its own buffer: coalesced, it would exist twice at the peak (the batch's output and its
+        buffer), for a call overhead that is small next to its transfer.
         """
         todo = [entry for entry in entries if entry.state is ParamState.RELEASED]
         for entry in todo:
@@ -203,14 +210,17 @@ class ParamPartitions:
             if not entry.persistent:
                 self.live_elements += entry.numel
         self.peak_live_elements = max(self.peak_live_elements, self.live_elements)
-        if len(todo) == 1:
-            entry = todo[0]
+        alone = [entry for entry in todo if entry.full.numel() >= COALESCE_MAX_ELEMENTS]
+        together = [entry for entry in todo if entry.full.numel() < COALESCE_MAX_ELEMENTS]
+        if len(together) == 1:
+            alone, together = alone + together, []
+        for entry in alone:
             entry.pending = self.comm.all_gather(entry.full, self._on_device(entry.shard), async_op=True)
-        elif todo:
-            send = torch.cat([self._on_device(entry.shard) for entry in todo])
+        if together:
+            send = torch.cat([self._on_device(entry.shard) for entry in together])
             received = torch.empty(send.numel() * self.comm.world_size, dtype=send.dtype, device=self.device)
-            batch = _GatherBatch(self.comm.all_gather(received, send, async_op=True), received, todo, send)
-            for entry in todo:
+            batch = _GatherBatch(self.comm.all_gather(received, send, async_op=True), received, together, send)
+            for entry in together:
                 entry.pending = batch
         return sum(entry.numel for entry in todo)
 

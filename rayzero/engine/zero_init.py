@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,7 @@ from torch.nn.modules import module as torch_module
 
 from rayzero.config.errors import RayZeroValueError
 from rayzero.engine.comm import Communicator
-from rayzero.engine.distributed import compute_device
+from rayzero.engine.distributed import compute_device, init_distributed
 from rayzero.engine.stage3_params import ParamPartitions, lookup
 
 logger = logging.getLogger(__name__)
@@ -77,6 +78,10 @@ class Init:
         self.enabled = enabled
         self.param_init_fn = param_init_fn
         self.device = torch.device(device) if device is not None else compute_device()
+        if enabled and dist.is_available() and not dist.is_initialized() and "WORLD_SIZE" in os.environ:
+            # As DeepSpeed's Init and rayzero.initialize do: under torchrun the shards must span the
+            # launched ranks, not this process alone (which initialize would then refuse).
+            init_distributed()
         initialized = dist.is_available() and dist.is_initialized()
         self.partitions = ParamPartitions(Communicator(data_parallel_group if initialized else None), self.device)
         self._meta: torch.device | None = None
