@@ -333,15 +333,19 @@ class ZeroEngine:
         ([Note: offload placement] in offload_host.py)."""
         offload = self.strategy.offload
         where = {"device": 0, "host": 0, "nvme": 0}
-        nvme = int(offload.describe().get("nvme_bytes", 0))
+        described = offload.describe()
+        nvme = int(described.get("nvme_bytes", 0))
         state_home = "device" if offload.optimizer_home == "device" else "host"
         where[state_home] += stats.get("master_weights", 0) + stats.get("master_grads", 0)
         where[state_home] += max(stats.get("optimizer_state", 0) - nvme, 0)
         kept = offload.device_resident_bytes(self.strategy.optimizer)  # [Note: partial offload]
         where[state_home] -= kept
         where["device"] += kept
-        where["nvme"] += nvme
-        shards_home = offload.param_home if self.strategy.stage == 3 else "device"
+        where["nvme"] += nvme + int(described.get("nvme_param_bytes", 0))
+        # Shards swapped to NVMe are counted above; `params` holds those kept in host memory
+        # (max_in_cpu: [Note: NVMe parameter shards]).
+        shards_home = {"nvme": "host"}.get(offload.param_home, offload.param_home) if self.strategy.stage == 3 \
+            else "device"
         where[shards_home] += stats.get("params", 0)
         where["device"] += (stats.get("grads", 0) - stats.get("master_grads", 0) + stats.get("buffers", 0)
                             + stats.get("bucket_buffers", 0))

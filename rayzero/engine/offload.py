@@ -105,12 +105,13 @@ class OffloadBackend(abc.ABC):
         None where the step must run after backward ([Note: step overlapped with backward])."""
         return None
 
-    def before_forward(self) -> None:
-        """Stage 3, at every forward: start reading offloaded shards back ([Note: NVMe parameter shards])."""
+    def param_store(self):
+        """Stage 3: where parameter shards swapped to NVMe live (offload_params.NvmeParamStore),
+        or None when shards are tensors ([Note: NVMe parameter shards])."""
+        return None
 
-    def after_publish(self) -> None:
-        """Stage 3, after updated shards were written: where shards live on NVMe, page out what
-        `max_in_cpu` does not keep ([Note: NVMe parameter shards])."""
+    def before_forward(self) -> None:
+        """Stage 3, at every forward: start reading the first swapped shards back ([Note: NVMe parameter shards])."""
 
     def record_transfers(self, d2h: float, h2d: float) -> None:
         """Seconds the last step spent putting reduced gradients into the offloaded master

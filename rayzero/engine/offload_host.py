@@ -14,7 +14,9 @@ What lives where, per mode (DeepSpeed's keys; the stage classes only ever call `
 
   offload_param      PARAM_SHARD (stage 3)
   none               compute device
-  cpu / nvme         host memory (nvme: see the warning in HostOffload.__init__)
+  cpu                host memory (pinned with pin_memory+GPU)
+  nvme               the first max_in_cpu elements in host memory, the rest in a swap file read
+                     through staging buffers ([Note: NVMe parameter shards])
 
 [Note: partial offload]
 `offload_optimizer.ratio` < 1 at stage 3 (DeepSpeed's Twin-Flow): of the optimizer's sub-groups
@@ -36,7 +38,6 @@ import contextlib
 import os
 import shutil
 import time
-import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -60,10 +61,9 @@ class HostOffload(OffloadBackend):
         # Pinning needs an accelerator (pin_memory() raises on CPU-only torch, ENVIRONMENT.md).
         self._pin_state = accelerator and optimizer_cfg is not None and bool(optimizer_cfg.pin_memory)
         self._pin_params = accelerator and param_cfg is not None and bool(param_cfg.pin_memory)
-        self._arena = None
+        self._param_store = None
         if zero.offload_param_device == "nvme":
-            self._arena = _param_arena(param_cfg)
-            self._max_in_cpu = int(param_cfg.max_in_cpu)  # elements
+            self._param_store = _param_store(param_cfg, cfg.aio)
             self._own_scratch()
         # [Note: partial offload]: the config keeps ratio < 1 only at stage 3 with device "cpu"
         self.ratio = float(optimizer_cfg.ratio) if optimizer_cfg is not None else 1.0
@@ -81,8 +81,6 @@ class HostOffload(OffloadBackend):
             self._on_device.append(tensor)
             return tensor
         if kind is StateKind.PARAM_SHARD:
-            if self._arena is not None:
-                return self._arena.allocate(numel, dtype)
             if self.param_home == "device":
                 return torch.zeros(numel, dtype=dtype, device=self.compute_device)
             return torch.zeros(numel, dtype=dtype, device="cpu", pin_memory=self._pin_params)
@@ -146,20 +144,22 @@ class HostOffload(OffloadBackend):
     def record_overlapped_step(self, seconds: float, exposed: float) -> None:
         self._timings = {"cpu_step": seconds, "cpu_step_exposed": exposed}
 
-    def before_forward(self) -> None:
-        if self._arena is not None:
-            self._arena.read_ahead()
+    def param_store(self):
+        return self._param_store
 
-    def after_publish(self) -> None:
-        if self._arena is not None:
-            self._arena.page_out(self._max_in_cpu)
+    def before_forward(self) -> None:
+        if self._param_store is not None:
+            self._param_store.read_ahead_first()
 
     def record_transfers(self, d2h: float, h2d: float) -> None:
         if self.optimizer_home != "device":
             self._timings.update(d2h=d2h, h2d_publish=h2d)
 
     def breakdown(self) -> dict[str, float]:
-        return dict(self._timings)
+        out = dict(self._timings)
+        if self._param_store is not None:
+            out.update(self._param_store.timings())
+        return out
 
     def _own_scratch(self) -> None:
         """This backend holds scratch files: closed at exit and by `release_scratch` (once)."""
@@ -169,15 +169,18 @@ class HostOffload(OffloadBackend):
             _SCRATCH_OWNERS.add(self)
 
     def close(self) -> None:
-        """Remove the parameter swap files (mapped shards stay readable until released)."""
-        if self._arena is not None:
-            shutil.rmtree(self._arena.directory, ignore_errors=True)
+        """Remove the parameter swap file."""
+        if self._param_store is not None:
+            self._param_store.close()
+            shutil.rmtree(self._param_store.directory, ignore_errors=True)
 
     def describe(self) -> dict[str, Any]:
         out = super().describe()
-        if self._arena is not None:
-            out["nvme_param_bytes"] = self._arena.bytes
-            out["param_swap_dir"] = self._arena.directory
+        if self._param_store is not None:
+            out["nvme_param_bytes"] = self._param_store.bytes
+            out["param_swap_dir"] = self._param_store.directory
+            out["param_staging_bytes"] = self._param_store.staging_bytes
+            out["param_staging_buffers_peak"] = self._param_store.buffers_peak
         return out
 
 
@@ -207,16 +210,12 @@ def cpu_threads(count: int) -> Iterator[None]:
         torch.set_num_threads(previous)
 
 
-def _param_arena(param_cfg: Any):
-    """Swap files for stage-3 parameter shards ([Note: NVMe parameter shards])."""
+def _param_store(param_cfg: Any, aio: Any):
+    """The swap file and staging buffers of stage-3 parameter shards ([Note: NVMe parameter shards])."""
     from rayzero.engine.offload_nvme import scratch_directory
-    from rayzero.engine.offload_params import ParamArena
+    from rayzero.engine.offload_params import NvmeParamStore
+    from rayzero.engine.swap_io import IOKnobs
 
-    arena = ParamArena(scratch_directory(param_cfg.nvme_path, "zero_optimization.offload_param.nvme_path",
-                                         "params"))
-    warnings.warn(
-        "zero_optimization.offload_param.device=\"nvme\": parameter shards live in memory-mapped swap files, paged out "
-        "after each step beyond max_in_cpu elements; buffer_count and buffer_size are not used (no O_DIRECT "
-        "staging buffers)",
-        stacklevel=4)
-    return arena
+    directory = scratch_directory(param_cfg.nvme_path, "zero_optimization.offload_param.nvme_path", "params")
+    return NvmeParamStore(directory, IOKnobs.from_config(aio), int(param_cfg.buffer_count),
+                          int(param_cfg.buffer_size), int(param_cfg.max_in_cpu))

@@ -88,13 +88,21 @@ class Stage3Strategy(ZeroStrategy):
                     group_masters.append(master)
                 hyper = {k: v for k, v in group.items() if k != "params"}
                 optimizer_groups.append({**hyper, "params": group_masters})
+            self.partitions.store = self.offload.param_store()
             for name, param, piece, shape, persistent in pieces.values():
+                swap = None
                 if self.aliased and id(param) in masters:
                     shard = masters[id(param)]
+                elif self.partitions.store is not None:  # [Note: NVMe parameter shards]
+                    shard, swap = self.partitions.store.place(piece.numel(), self.precision.param_dtype, name)
+                    if swap is not None:
+                        self.partitions.store.write(swap, piece)
+                    else:
+                        shard.copy_(piece)
                 else:
                     shard = self.offload.allocate(StateKind.PARAM_SHARD, piece.numel(), self.precision.param_dtype)
                     shard.copy_(piece)
-                entry = self.partitions.add(param, name, shard, shape, persistent)
+                entry = self.partitions.add(param, name, shard, shape, persistent, swap)
                 entry.master = masters.get(id(param))
             del pieces
             self.partitions.refresh_persistent([e for e in self.partitions.entries if e.persistent])
@@ -199,14 +207,13 @@ class Stage3Strategy(ZeroStrategy):
     def optimizer_step(self) -> None:
         run_step(self._stepper, self.offload, self.optimizer, self._backward_end, len(self.groups), "sub-groups")
         self._publish()
-        self.offload.after_publish()
 
     def _publish(self) -> None:
         """Updated masters -> compute-dtype shards; persistent parameters are re-gathered."""
         with torch.no_grad():
             if not self.aliased:
                 for entry in self._trainable_entries:
-                    entry.shard.copy_(entry.master)
+                    self.partitions.write_shard(entry, entry.master)
             self.partitions.refresh_persistent([e for e in self._trainable_entries if e.persistent])
 
     def zero_grad(self) -> None:
@@ -231,7 +238,7 @@ class Stage3Strategy(ZeroStrategy):
             start, end = self._owned(entry)
             if end > start:
                 spec = ShardSpec(f"module/{entry.name}", tuple(entry.shape), entry.shard.dtype, start, end)
-                out.append(ShardedTensor(spec, entry.shard[: end - start].detach()))
+                out.append(ShardedTensor(spec, self.partitions.saved_piece(entry, end - start)))
         for name, buf in self.module.named_buffers():
             out.append(ShardedTensor(ShardSpec(f"module/{name}", tuple(buf.shape), buf.dtype, 0, buf.numel()),
                                      buf.detach().reshape(-1)))
@@ -257,7 +264,7 @@ class Stage3Strategy(ZeroStrategy):
                 start, end = self._owned(entry)
                 if end > start:
                     spec = ShardSpec(f"module/{entry.name}", tuple(entry.shape), entry.shard.dtype, start, end)
-                    entry.shard[: end - start].copy_(read(spec).reshape(-1))
+                    self.partitions.write_shard(entry, read(spec).reshape(-1))
             for name, buf in self.module.named_buffers():
                 spec = ShardSpec(f"module/{name}", tuple(buf.shape), buf.dtype, 0, buf.numel())
                 buf.copy_(read(spec).reshape(buf.shape))
@@ -272,7 +279,7 @@ class Stage3Strategy(ZeroStrategy):
                 try:
                     value = read(spec)
                 except KeyError:  # no fp32 copy saved: rebuild it from the weights
-                    value = entry.shard[: end - start]
+                    value = self.partitions.read_shard(entry)[: end - start]
                 master[window].copy_(value.reshape(-1))
                 state = self.optimizer.state[master]
                 for key in keys:

@@ -188,6 +188,8 @@ class Stage3Coordinator:
         self._make_room(missing)
         self.partitions.gather(entries)
         self._prefetch(event.key[1])
+        if self.partitions.store is not None:
+            self._read_ahead()
         for entry in entries:
             self.partitions.wait(entry)
 
@@ -250,6 +252,19 @@ class Stage3Coordinator:
                 break
         self.partitions.gather(batch)  # one collective ([Note: coalesced gathers])
         self.prefetched_elements += issued
+
+    def _read_ahead(self) -> None:
+        """Shards swapped to NVMe that the trace says come next (past what prefetch just gathered)
+        start reading into the free staging buffers ([Note: NVMe parameter shards])."""
+        wanted: list[PartitionedParam] = []
+        for event in self.trace.upcoming():
+            for index in event.params:
+                entry = self.partitions.entries[index]
+                if entry.swap is not None and entry.state is ParamState.RELEASED and entry not in wanted:
+                    wanted.append(entry)
+            if len(wanted) >= self.partitions.store.buffer_count:
+                break
+        self.partitions.read_ahead(wanted)
 
     def _release_or_keep(self, entry: PartitionedParam) -> None:
         if entry.persistent or entry.users > 0:

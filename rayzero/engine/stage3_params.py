@@ -28,6 +28,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -75,10 +76,13 @@ class PartitionedParam:
     """View of this parameter's fp32 master shard (set by the strategy; GatheredParameters writes it)."""
     pinned_until_backward_end: bool = False
     """Gathered during backward for a parameter without gradient hook: released at backward end."""
+    swap: Any = None
+    """The shard's place in the NVMe swap file when it lives there (`shard` is then a 0-element
+    placeholder): [Note: NVMe parameter shards] in offload_params.py."""
 
     @property
     def shard_numel(self) -> int:
-        return self.shard.numel()
+        return self.swap.numel if self.swap is not None else self.shard.numel()
 
 
 class _GatherBatch:
@@ -155,6 +159,8 @@ class ParamPartitions:
         """Compute device: where gathered parameters live (shards may live elsewhere: offload)."""
         self.coordinator = None
         """The hooks that use these partitions (set by Stage3Coordinator; None inside Init)."""
+        self.store = None
+        """Where swapped shards live (offload_param nvme: NvmeParamStore), else None."""
         self.entries: list[PartitionedParam] = []
         # Elements of non-persistent parameters gathered right now, and the most ever at once:
         # what `max_live_parameters` bounds and memory_stats reports.
@@ -164,16 +170,17 @@ class ParamPartitions:
 
     # ---- building ---------------------------------------------------------------------------
     def add(self, param: torch.nn.Parameter, name: str, shard: torch.Tensor, shape: torch.Size,
-            persistent: bool) -> PartitionedParam:
-        """Register `param`, whose local padded shard is `shard`; its data becomes released (a
-        persistent one is gathered by the next `refresh_persistent`)."""
+            persistent: bool, swap: Any = None) -> PartitionedParam:
+        """Register `param`, whose local padded shard is `shard` (or, swapped, `swap`); its data
+        becomes released (a persistent one is gathered by the next `refresh_persistent`)."""
         numel = int(torch.Size(shape).numel())
         world = self.comm.world_size
-        assert shard.numel() == padded_size(numel, world) // world, "shard of the wrong size"
-        full = torch.empty(shard.numel() * world, dtype=shard.dtype, device=self.device)
+        shard_numel = swap.numel if swap is not None else shard.numel()
+        assert shard_numel == padded_size(numel, world) // world, "shard of the wrong size"
+        full = torch.empty(shard_numel * world, dtype=shard.dtype, device=self.device)
         full.untyped_storage().resize_(0)
         entry = PartitionedParam(param=param, name=name, shape=torch.Size(shape), numel=numel,
-                                 shard=shard, full=full, persistent=persistent)
+                                 shard=shard, full=full, persistent=persistent, swap=swap)
         param.data = _placeholder(full)
         self.entries.append(entry)
         _REGISTRY[param] = (self, entry)
@@ -215,18 +222,50 @@ class ParamPartitions:
         if len(together) == 1:
             alone, together = alone + together, []
         for entry in alone:
-            entry.pending = self.comm.all_gather(entry.full, self._on_device(entry.shard), async_op=True)
+            entry.pending = self.comm.all_gather(entry.full, self._send_piece(entry), async_op=True)
         if together:
-            send = torch.cat([self._on_device(entry.shard) for entry in together])
+            send = torch.cat([self._send_piece(entry) for entry in together])
             received = torch.empty(send.numel() * self.comm.world_size, dtype=send.dtype, device=self.device)
             batch = _GatherBatch(self.comm.all_gather(received, send, async_op=True), received, together, send)
             for entry in together:
                 entry.pending = batch
         return sum(entry.numel for entry in todo)
 
-    def _on_device(self, shard: torch.Tensor) -> torch.Tensor:
-        # An offloaded shard (offload_param) is copied to the compute device for the collective.
+    def _send_piece(self, entry: PartitionedParam) -> torch.Tensor:
+        """The shard as the all-gather's input, on the compute device: an offloaded shard
+        (offload_param) is copied there, a swapped one read from its file first."""
+        if entry.swap is not None:
+            return self.store.copy_out(entry.swap, self.device)
+        shard = entry.shard
         return shard if shard.device == self.device else shard.to(self.device, non_blocking=True)
+
+    # ---- shard values (wherever the shard lives) ---------------------------------------------
+    def read_shard(self, entry: PartitionedParam) -> torch.Tensor:
+        """The padded shard's values: the shard itself, or a copy read from its swap file."""
+        if entry.swap is not None:
+            return self.store.copy_out(entry.swap, torch.device("cpu"))
+        return entry.shard
+
+    def write_shard(self, entry: PartitionedParam, values: torch.Tensor) -> None:
+        """The shard's first `values.numel()` elements become `values` (cast); the padding after
+        them stays zero."""
+        if entry.swap is not None:
+            self.store.write(entry.swap, values)
+        else:
+            entry.shard[: values.numel()].copy_(values.reshape(-1))
+
+    def saved_piece(self, entry: PartitionedParam, count: int) -> Any:
+        """The shard's first `count` elements for a checkpoint: a view, or a piece read from the
+        swap file only when the writer gets to it ([Note: streamed save])."""
+        if entry.swap is not None:
+            return self.store.lazy_piece(entry.swap, count)
+        return entry.shard[:count].detach()
+
+    def read_ahead(self, entries: Iterable[PartitionedParam]) -> None:
+        """Start reading these swapped shards (upcoming in the recorded order) into free staging
+        buffers ([Note: NVMe parameter shards]); nothing without a store."""
+        if self.store is not None:
+            self.store.read_ahead([entry.swap for entry in entries if entry.swap is not None])
 
     def wait(self, entry: PartitionedParam) -> None:
         """Block until `entry` is gathered, then point the parameter at the full data."""
@@ -266,7 +305,7 @@ class ParamPartitions:
         """The gathered data was modified (GatheredParameters): take this rank's piece as shard."""
         flat = entry.full[: entry.numel]
         start, end = split_evenly(entry.numel, self.comm.world_size, self.comm.rank)
-        entry.shard[: end - start].copy_(flat[start:end])
+        self.write_shard(entry, flat[start:end])
         if entry.master is not None:
             entry.master[: end - start].copy_(flat[start:end])
 

@@ -103,27 +103,34 @@ class SwapFile:
         span = self.knobs.request_bytes
         return [(offset, min(span, nbytes - offset)) for offset in range(0, nbytes, span)]
 
-    def write(self, buffer: AlignedBuffer, nbytes: int) -> None:
-        """Write the first `nbytes` (aligned up) of `buffer` to the start of the file."""
-        self._transfer(os.pwritev, buffer, nbytes)
+    def write(self, buffer: AlignedBuffer, nbytes: int, file_offset: int = 0) -> None:
+        """Write the first `nbytes` (aligned up) of `buffer` at `file_offset` (aligned)."""
+        self._transfer(os.pwritev, buffer, nbytes, file_offset)
 
-    def read(self, buffer: AlignedBuffer, nbytes: int) -> None:
-        """Fill the first `nbytes` (aligned up) of `buffer` from the start of the file."""
-        self._transfer(os.preadv, buffer, nbytes)
+    def read(self, buffer: AlignedBuffer, nbytes: int, file_offset: int = 0) -> None:
+        """Fill the first `nbytes` (aligned up) of `buffer` from `file_offset` (aligned)."""
+        self._transfer(os.preadv, buffer, nbytes, file_offset)
 
-    def _transfer(self, call, buffer: AlignedBuffer, nbytes: int) -> None:
+    def _transfer(self, call, buffer: AlignedBuffer, nbytes: int, file_offset: int) -> None:
         """`call` (os.preadv / os.pwritev) over the aligned range in parallel requests."""
+        assert file_offset % ALIGN == 0, "O_DIRECT needs aligned file offsets"
+
         def one(offset: int, size: int) -> None:
             view = buffer.memoryview(offset, size)
             done = 0
             while done < size:
-                moved = call(self.fd, [view[done:]], offset + done)
+                moved = call(self.fd, [view[done:]], file_offset + offset + done)
                 if moved == 0:
-                    raise OSError(f"swap file {self.path} is shorter than expected ({offset + done} < "
-                                  f"{offset + size} bytes): it was truncated or replaced while training")
+                    raise OSError(f"swap file {self.path} is shorter than expected ({file_offset + offset + done} < "
+                                  f"{file_offset + offset + size} bytes): it was truncated or replaced while training")
                 done += moved
         for future in [self.pool.submit(one, o, s) for o, s in self._requests(align_up(nbytes))]:
             future.result()
+
+    def reserve(self, nbytes: int) -> None:
+        """Make the file `nbytes` long (sparse: reads of unwritten ranges return zeros)."""
+        if os.fstat(self.fd).st_size < nbytes:
+            os.ftruncate(self.fd, nbytes)
 
     def close(self, remove: bool = True) -> None:
         os.close(self.fd)

@@ -141,7 +141,7 @@ def _load_one(index: ShardFileIndex, key: str, tensor: torch.Tensor, report: Loa
         start, end = split_evenly(param.numel, partitions.comm.world_size, partitions.comm.rank)
         piece = torch.empty(end - start, dtype=stored)
         index.read_into(key, start, end, piece)  # only this rank's bytes
-        param.shard[: end - start].copy_(piece)
+        partitions.write_shard(param, piece)
         report.partitioned += 1
         return piece.numel() * stored.itemsize
     if tuple(tensor.shape) != shape:

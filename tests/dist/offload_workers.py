@@ -8,20 +8,6 @@ import harness as H
 import torch
 
 
-def _mappings() -> list[tuple[int, int, str]]:
-    out = []
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            parts = line.split()
-            low, high = (int(x, 16) for x in parts[0].split("-"))
-            out.append((low, high, parts[5] if len(parts) > 5 else ""))
-    return out
-
-
-def _mapped_file(address: int) -> str:
-    return next((path for low, high, path in _mappings() if low <= address < high), "")
-
-
 def where_state_lives(engine) -> dict:
     """Read from the optimizer and the filesystem, not from the engine's own accounting."""
     backend = engine.strategy.offload
@@ -31,12 +17,15 @@ def where_state_lives(engine) -> dict:
     files = sorted(os.listdir(swap_dir)) if swap_dir else []
     stats = engine.memory_stats()
     param_dir = backend.describe().get("param_swap_dir")
-    shards = [e.shard for e in getattr(getattr(engine.strategy, "partitions", None), "entries", [])]
+    entries = getattr(getattr(engine.strategy, "partitions", None), "entries", [])
+    # A shard swapped out holds no memory: its tensor is empty while the parameter needs elements.
+    swapped = [e for e in entries if e.shard.numel() == 0]
     return {
         "param_swap_dir": param_dir,
-        # the file mapped at each shard's address, read from the kernel's own table of mappings
-        "param_shard_files": sorted({_mapped_file(s.data_ptr()) for s in shards}) if param_dir else [],
-        "param_shard_bytes": sum(s.numel() * s.element_size() for s in shards),
+        "param_shards_swapped": len(swapped),
+        "param_shards": len(entries),
+        "param_shard_bytes": sum(e.shard_numel * e.shard.element_size() for e in swapped),
+        "param_shard_resident_bytes": sum(e.shard.numel() * e.shard.element_size() for e in entries),
         "param_swap_file_bytes": sum(os.path.getsize(os.path.join(param_dir, f)) for f in os.listdir(param_dir))
         if param_dir else 0,
         "backend": backend.name,
