@@ -135,7 +135,9 @@ def _load_checkpoint(engine: Any, load_dir: str | None, tag: str | None, load_mo
               if not (keep_optimizer and name.startswith("optim/")) and not (load_module_only and name.startswith("master/"))]
     try:
         # the live state's own views: files stream straight into place (bounded memory, no copy)
-        destinations = {spec.name: current[spec.name].local for spec in needed}
+        # (a piece that lives on NVMe, a LazyPiece, is read into memory and written back instead)
+        destinations = {spec.name: current[spec.name].local for spec in needed
+                        if isinstance(current[spec.name].local, torch.Tensor)}
         loaded = checkpointer.load(load_dir, needed, tag=tag, restore_rng=not load_module_only,
                                    destinations=destinations)
     except NoCheckpointError as error:

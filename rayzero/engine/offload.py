@@ -113,6 +113,10 @@ class OffloadBackend(abc.ABC):
     def before_forward(self) -> None:
         """Stage 3, at every forward: start reading the first swapped shards back ([Note: NVMe parameter shards])."""
 
+    def after_publish(self) -> None:
+        """Stage 3, once the step's updated shards were handed over: the step's parameter I/O is
+        complete ([Note: NVMe parameter shards])."""
+
     def record_transfers(self, d2h: float, h2d: float) -> None:
         """Seconds the last step spent putting reduced gradients into the offloaded master
         gradients (`d2h`: the device-to-host copies) and bringing updated masters back to the

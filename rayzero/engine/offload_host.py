@@ -69,6 +69,7 @@ class HostOffload(OffloadBackend):
         self.ratio = float(optimizer_cfg.ratio) if optimizer_cfg is not None else 1.0
         self._on_device: list[torch.Tensor] = []  # masters (and their grads) that ratio keeps on the device
         self._timings: dict[str, float] = {}
+        self._param_timings: dict[str, float] = {}  # the last step's NVMe parameter I/O (after_publish)
         self.step_threads = step_thread_budget() if self.optimizer_home != "device" else 0
 
     @property
@@ -151,15 +152,16 @@ class HostOffload(OffloadBackend):
         if self._param_store is not None:
             self._param_store.read_ahead_first()
 
+    def after_publish(self) -> None:
+        if self._param_store is not None:
+            self._param_timings = self._param_store.timings()
+
     def record_transfers(self, d2h: float, h2d: float) -> None:
         if self.optimizer_home != "device":
             self._timings.update(d2h=d2h, h2d_publish=h2d)
 
     def breakdown(self) -> dict[str, float]:
-        out = dict(self._timings)
-        if self._param_store is not None:
-            out.update(self._param_store.timings())
-        return out
+        return {**self._timings, **self._param_timings}
 
     def _own_scratch(self) -> None:
         """This backend holds scratch files: closed at exit and by `release_scratch` (once)."""

@@ -22,6 +22,7 @@ The file is scratch of this process, removed with the backend (`close`).
 from __future__ import annotations
 
 import os
+import threading
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -65,7 +66,9 @@ class NvmeParamStore:
         os.makedirs(directory, exist_ok=True)
         self.buffer_count, self.buffer_elements, self.max_in_cpu = buffer_count, buffer_elements, max_in_cpu
         self._io = ThreadPoolExecutor(knobs.in_flight, thread_name_prefix="rayzero-param-io")
-        self._driver = ThreadPoolExecutor(1, thread_name_prefix="rayzero-param-swap")  # whole-shard reads/writes
+        # Whole-shard reads and writes, one per staging buffer at once: several small shards (biases)
+        # are in flight together instead of queueing behind each other's latency.
+        self._driver = ThreadPoolExecutor(buffer_count, thread_name_prefix="rayzero-param-swap")
         self.file = SwapFile(os.path.join(directory, f"params-{uuid.uuid4().hex[:8]}.swp"), self._io, knobs)
         self._buffers: list[AlignedBuffer] = []  # made on first use, sized for the shards' dtype
         self._free: list[int] = []
@@ -76,6 +79,7 @@ class NvmeParamStore:
         self.bytes = 0
         """Bytes of the shards that live in the swap file."""
         self.read_seconds = self.write_seconds = 0.0
+        self._write_lock = threading.Lock()  # write_seconds is added to from the driver's threads
         self.buffers_peak = 0
         self._slots: list[SwapSlot] = []  # allocation order (the model's order)
         self._closed = False
@@ -184,7 +188,8 @@ class NvmeParamStore:
         def write() -> None:
             start = time.perf_counter()
             self.file.write(self._buffers[index], slot.nbytes, slot.offset)
-            self.write_seconds += time.perf_counter() - start
+            with self._write_lock:
+                self.write_seconds += time.perf_counter() - start
         self._writes.append((self._driver.submit(write), index))
 
     def lazy_piece(self, slot: SwapSlot, count: int) -> LazyPiece:
@@ -192,7 +197,9 @@ class NvmeParamStore:
         return _SwappedShard(self, slot, count)
 
     def timings(self) -> dict[str, float]:
-        """Seconds spent waiting for parameter reads and writing shards back since the last call."""
+        """Seconds gathers waited for shard reads, and seconds of shard writes (summed over the
+        writes in flight together), since the last call; pending writes finish first."""
+        self._flush_writes()
         out = {"nvme_param_read": self.read_seconds, "nvme_param_write": self.write_seconds}
         self.read_seconds = self.write_seconds = 0.0
         return out

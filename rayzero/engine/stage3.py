@@ -207,6 +207,7 @@ class Stage3Strategy(ZeroStrategy):
     def optimizer_step(self) -> None:
         run_step(self._stepper, self.offload, self.optimizer, self._backward_end, len(self.groups), "sub-groups")
         self._publish()
+        self.offload.after_publish()
 
     def _publish(self) -> None:
         """Updated masters -> compute-dtype shards; persistent parameters are re-gathered."""

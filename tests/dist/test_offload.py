@@ -166,7 +166,9 @@ HOPS = [
     (1, H.Case(stage=1, gas=6, optimizer="adamw"), {"first": 4, "last": 8, "load": True}),
     (3, H.Case(stage=3, gas=2, optimizer="adamw", zero=(("offload_optimizer", CPU),)),
      {"first": 4, "last": 8, "load": True}),
-    (2, H.Case(stage=3, gas=3, optimizer="adamw", zero=(("offload_optimizer", _nvme()), ("sub_group_size", 100))),
+    # parameter shards swapped too: loaded into and streamed out of the swap file
+    (2, H.Case(stage=3, gas=3, optimizer="adamw", zero=(("offload_optimizer", _nvme()), ("sub_group_size", 100),
+                                                         ("offload_param", _nvme(max_in_cpu=0, buffer_count=2)))),
      {"first": 4, "last": 8, "load": True, "save": True}),
     (1, H.Case(stage=1, gas=6, optimizer="adamw"), {"first": 8, "last": 10, "load": True}),
 ]
