@@ -272,25 +272,45 @@ def bench_overlap(width: int, warmup: int, steps: int, scratch: str, rounds: int
     return rows
 
 
-def bench_step(width: int, warmup: int, steps: int, scratch: str, timeout_s: float) -> list[dict[str, Any]]:
-    rows = []
+def bench_step(width: int, warmup: int, steps: int, scratch: str, timeout_s: float,
+               rounds: int = 1) -> list[dict[str, Any]]:
+    """Every (stage, offload, system) once per round, rounds interleaved; a row's `seconds` spreads
+    over its rounds' medians, `ratio_step_time_vs_deepspeed` is the ratio of those medians, and
+    `ratio_per_round` each round's own."""
+    combos = []
     for stage in (1, 2, 3):
         for offload in ("none", "cpu", "nvme") + (("nvme-params",) if stage == 3 else ()):
-            for system in ("rayzero", "deepspeed"):
-                row: dict[str, Any] = {"system": system, "stage": stage, "offload": offload}
-                if system == "deepspeed" and offload == "nvme" and stage < 3:
-                    row["error"] = "DeepSpeed 0.19.8 offers NVMe optimizer offload at stage 3 only"
-                    rows.append(row)
-                    continue
-                job = {"system": system, "stage": stage, "offload": offload, "width": width, "warmup": warmup,
-                       "steps": steps, "nvme": os.path.join(scratch, "nvme")}
-                row.update(_run_step_job(job, scratch, timeout_s))
-                rows.append(row)
+            combos += [(system, stage, offload) for system in ("rayzero", "deepspeed")]
+    results: dict[tuple, list[dict[str, Any]]] = {combo: [] for combo in combos}
+    for _ in range(rounds):
+        for system, stage, offload in combos:
+            if system == "deepspeed" and offload == "nvme" and stage < 3:
+                continue
+            job = {"system": system, "stage": stage, "offload": offload, "width": width, "warmup": warmup,
+                   "steps": steps, "nvme": os.path.join(scratch, "nvme")}
+            results[(system, stage, offload)].append(_run_step_job(job, scratch, timeout_s))
+    rows = []
+    for (system, stage, offload), runs in results.items():
+        row: dict[str, Any] = {"system": system, "stage": stage, "offload": offload}
+        if system == "deepspeed" and offload == "nvme" and stage < 3:
+            row["error"] = "DeepSpeed 0.19.8 offers NVMe optimizer offload at stage 3 only"
+        ok = [run for run in runs if "seconds" in run]
+        if ok:
+            row["seconds"] = _spread([run["seconds"]["median"] for run in ok])
+            if "breakdown" in ok[-1]:
+                row["breakdown"] = ok[-1]["breakdown"]
+        errors = [run["error"] for run in runs if "error" in run]
+        if errors:
+            row["error"] = errors[0]
+        rows.append(row)
     index = {(r["system"], r["stage"], r["offload"]): r for r in rows}
     for (system, stage, offload), row in index.items():
         other = index.get(("deepspeed", stage, offload))
         if system == "rayzero" and other and "seconds" in row and "seconds" in other:
             row["ratio_step_time_vs_deepspeed"] = row["seconds"]["median"] / other["seconds"]["median"]
+            pairs = zip(results[(system, stage, offload)], results[("deepspeed", stage, offload)])
+            row["ratio_per_round"] = [mine["seconds"]["median"] / theirs["seconds"]["median"]
+                                      for mine, theirs in pairs if "seconds" in mine and "seconds" in theirs]
     return rows
 
 
@@ -358,7 +378,7 @@ def main() -> None:
             result["swap"] = bench_swap(os.path.join(scratch, "swap"), 256 if args.quick else 1024, rounds)
         if "step" in sections:
             result["step"] = bench_step(256 if args.quick else 1024, 2 if args.quick else 3,
-                                        5 if args.quick else 10, scratch, 600)
+                                        5 if args.quick else 10, scratch, 600, rounds)
         if "overlap" in sections:
             result["overlap"] = bench_overlap(512 if args.quick else 1024, 2 if args.quick else 3,
                                               5 if args.quick else 10, scratch, rounds)
