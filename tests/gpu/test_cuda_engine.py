@@ -38,7 +38,11 @@ CASES += [H.Case(stage=2, gas=2, optimizer="sgd",
 CASES += [H.Case(stage=3, gas=2, zero=(("offload_optimizer", {"device": "nvme", "nvme_path": _NVME,
                                                               "pipeline_read": True, "pipeline_write": True}),
                                        ("offload_param", {"device": "cpu", "pin_memory": True}),
-                                       ("sub_group_size", 1000)))]
+                                       ("sub_group_size", 1000))),
+          # parameter shards on NVMe too, every one swapped: read into staging buffers, copied to the GPU
+          H.Case(stage=3, gas=2, zero=(("offload_optimizer", {"device": "cpu", "pin_memory": True}),
+                                       ("offload_param", {"device": "nvme", "nvme_path": _NVME, "max_in_cpu": 0,
+                                                          "buffer_count": 2})))]
 FP16_CASES = [H.Case(stage=s, precision="fp16", steps=12, extra=W.FP16_EXTRA) for s in (0, 3)]
 ALL_CASES = CASES + FP16_CASES
 
