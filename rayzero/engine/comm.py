@@ -16,7 +16,9 @@ most world_size - 1 per bucket). One-element syncs (overflow flag, gradient norm
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -139,12 +141,16 @@ class Communicator:
         if self.distributed:
             dist.broadcast(tensor, src=dist.get_global_rank(self.group, src), group=self.group)
 
-    def all_reduce_control(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        """A small synchronisation (overflow flag, norm): `op` is `sum` or `max`. A sync point."""
+    def all_reduce_control(self, tensor: torch.Tensor, op: str = "sum",
+                           waiter: Callable[[Any], None] | None = None) -> torch.Tensor:
+        """A small synchronisation (overflow flag, norm): `op` is `sum` or `max`. A sync point;
+        `waiter(work)` waits for it instead of a plain wait when given."""
         self._count("control", tensor)
         if self.distributed:
             reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
-            dist.all_reduce(tensor, op=reduce_op, group=self.group)
+            work = dist.all_reduce(tensor, op=reduce_op, group=self.group, async_op=waiter is not None)
+            if waiter is not None:
+                waiter(work)
         return tensor
 
 

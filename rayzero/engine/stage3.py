@@ -116,6 +116,7 @@ class Stage3Strategy(ZeroStrategy):
                                        ctx.reduce.overlap_comm, master_grad_views)
         self.coordinator = Stage3Coordinator(ctx.module, self.partitions, self.knobs, self.reducer.add,
                                              external_parameters(ctx.module))
+        self.reducer.waiter = self.coordinator.stall.wait
         self._trainable_entries = [e for entries, _, _ in self.groups for e in entries]
         # [Note: step overlapped with backward]: a sub-group steps once its last shard arrived
         self._stepper = self.offload.background_stepper()

@@ -21,8 +21,9 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
-from rayzero.config.errors import RayZeroRuntimeError, RayZeroValueError
+from rayzero.config.errors import RayZeroValueError
 from rayzero.engine.stage3_params import ParamPartitions, ParamState, PartitionedParam
+from rayzero.engine.stage3_stall import StallWatch, different_modules_error
 from rayzero.engine.stage3_trace import FetchEvent, ModuleTrace
 
 
@@ -72,8 +73,9 @@ class Stage3Knobs:
 # micro-step, and again after a rank's order changed: [Note: stage-3 prefetch order]) every gather
 # is preceded by a two-number MAX all-reduce of a checksum of the module's name and pass, so a
 # difference is found before the gather and raised on every rank with each rank's module named.
-# Replayed micro-steps add nothing. What this cannot catch is a rank that departs from its recorded
-# trace later while the others replay theirs (it alone records, so it alone checks).
+# Replayed micro-steps add nothing. A rank that departs from its recorded trace later, while the
+# others replay theirs, is found when the collectives it leaves unpaired stall: [Note: stalled
+# stage-3 collectives] in stage3_stall.py.
 
 
 class Stage3Coordinator:
@@ -89,6 +91,12 @@ class Stage3Coordinator:
         self._index = {id(entry): i for i, entry in enumerate(partitions.entries)}
         self._by_param = {id(entry.param): entry for entry in partitions.entries}
         self.trace = ModuleTrace(lambda i: partitions.entries[i].numel)
+        self._micro_steps = 0
+        self._at: tuple[int, str] = (0, "forward")  # the event being fetched (module index, pass)
+        self._departed: tuple[int, str] | None = None  # (micro-step, how) this rank left its recorded order
+        comm = partitions.comm
+        self.stall = StallWatch(comm.group, comm.rank, comm.world_size, self._where)
+        partitions.waiter = self.stall.wait
         # Entries kept gathered after use because of max_reuse_distance: first to go under pressure.
         self._kept: dict[int, PartitionedParam] = {}
         self._handles: list[Any] = []
@@ -136,6 +144,7 @@ class Stage3Coordinator:
         """Before a forward: anything still gathered from the last pass is stale; rewind the trace."""
         self._release_idle()
         self.trace.begin_micro_step()
+        self._micro_steps += 1
 
     def end_backward(self) -> None:
         """After backward: parameters pinned for backward and reuse-kept ones are released."""
@@ -178,8 +187,21 @@ class Stage3Coordinator:
             self.partitions.release(entry)
 
     # ---- policy -----------------------------------------------------------------------------
+    def _name(self, key: tuple[int, str]) -> str:
+        return f"{self._module_names[key[0]]} ({key[1]})"
+
+    def _where(self) -> tuple[int, str]:
+        """What this rank is fetching, for [Note: stalled stage-3 collectives]."""
+        where = self._name(self._at)
+        if self._departed is not None and self._departed[0] == self._micro_steps:
+            where += f", having left its recorded order at {self._departed[1]}"
+        return self._micro_steps, where
+
     def _fetch(self, event: FetchEvent, entries: list[PartitionedParam]) -> None:
-        self.trace.observe(event)
+        self._at = event.key
+        expected = self.trace.expected()
+        if not self.trace.observe(event) and expected is not None:
+            self._departed = (self._micro_steps, f"{self._name(event.key)} where {self._name(expected.key)} came before")
         if self.trace.recording and any(e.state is ParamState.RELEASED and not e.persistent for e in entries):
             self._agree(event)
         for entry in entries:
@@ -202,17 +224,12 @@ class Stage3Coordinator:
         where = f"{self._module_names[event.key[0]]} ({event.key[1]})"
         code = float(zlib.crc32(where.encode()))
         seen = comm.all_reduce_control(torch.tensor([code, -code], dtype=torch.float64,
-                                                    device=self.partitions.device), op="max")
+                                                    device=self.partitions.device), op="max", waiter=self.stall.wait)
         if float(seen[0]) == code and float(seen[1]) == -code:
             return
         names: list[Any] = [None] * comm.world_size
         torch.distributed.all_gather_object(names, where, group=comm.group)
-        raise RayZeroRuntimeError(
-            "stage 3: the ranks fetch different modules at the same point of the pass ("
-            + ", ".join(f"rank {rank}: {name}" for rank, name in enumerate(names))
-            + "). Every rank must run the same modules in the same order: a module called on some ranks "
-            "only (e.g. under `if rank == 0:`) would leave the others waiting in its parameter "
-            "all-gather. Run it on every rank, or outside the model the engine wraps")
+        raise different_modules_error(names)
 
     def _prefetch(self, phase: str) -> None:
         """Keep the next `prefetch_bucket_size` elements of this pass's trace gathered or in flight.

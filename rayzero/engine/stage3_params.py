@@ -26,7 +26,7 @@ engine adopts it).
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,10 +96,10 @@ class _GatherBatch:
         self.send = send  # must outlive the collective
         self.done = False
 
-    def finish(self, world_size: int) -> None:
+    def finish(self, world_size: int, waiter: Callable[[Any], None]) -> None:
         if self.done:
             return
-        self.work.wait()
+        waiter(self.work)
         rows = self.received.view(world_size, -1)
         offset = 0
         for entry in self.entries:
@@ -110,6 +110,10 @@ class _GatherBatch:
                 _point_at_full(entry)
             offset += width
         self.done, self.received, self.send = True, None, None
+
+
+def _wait(work: Any) -> None:
+    work.wait()
 
 
 def _point_at_full(entry: PartitionedParam) -> None:
@@ -161,6 +165,8 @@ class ParamPartitions:
         """The hooks that use these partitions (set by Stage3Coordinator; None inside Init)."""
         self.store = None
         """Where swapped shards live (offload_param nvme: NvmeParamStore), else None."""
+        self.waiter: Callable[[Any], None] = _wait
+        """Waits on a gather's Work (the coordinator's watch: [Note: stalled stage-3 collectives])."""
         self.entries: list[PartitionedParam] = []
         # Elements of non-persistent parameters gathered right now, and the most ever at once:
         # what `max_live_parameters` bounds and memory_stats reports.
@@ -272,9 +278,9 @@ class ParamPartitions:
         if entry.state is not ParamState.GATHERING:
             return
         if isinstance(entry.pending, _GatherBatch):
-            entry.pending.finish(self.comm.world_size)
+            entry.pending.finish(self.comm.world_size, self.waiter)
         else:
-            entry.pending.wait()
+            self.waiter(entry.pending)
             entry.pending = None
             _point_at_full(entry)
 

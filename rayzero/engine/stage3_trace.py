@@ -58,6 +58,12 @@ class ModuleTrace:
             self.recording = False
         self.cursor = 0
 
+    def expected(self) -> FetchEvent | None:
+        """The event the trace expects next (None while recording or past its end)."""
+        if self.recording or self.cursor >= len(self.events):
+            return None
+        return self.events[self.cursor]
+
     def observe(self, event: FetchEvent) -> bool:
         """Note that `event` happened; True if it matched the trace (cursor advanced)."""
         if self.recording:

@@ -1,7 +1,13 @@
 """[Note: modules every rank runs]: at stage 3 a module that runs on one rank only fails fast, on
 every rank, with an error naming each rank's module, instead of hanging (NCCL) or aborting the
-process (gloo), as DeepSpeed and FSDP2 do; the same model run on every rank trains as usual."""
+process (gloo), as DeepSpeed and FSDP2 do; the same model run on every rank trains as usual. When
+the forward departs on one rank only later, after the fetch order was recorded, the collectives it
+leaves unpaired stall and are named after RAYZERO_STAGE3_STALL_CHECK_S ([Note: stalled stage-3
+collectives]) instead of at gloo's timeout."""
 from __future__ import annotations
+
+import os
+import time
 
 import harness as H
 import pytest
@@ -25,21 +31,26 @@ class Branchy(torch.nn.Module):
         return self.last(x).square().mean()
 
 
-def _run(rank: int, world: int, diverge: bool) -> str:
+def _run(rank: int, world: int, diverge: bool | int) -> str:
+    """`diverge`: True from the first step, an int from that step on, False never."""
     import rayzero
 
     torch.manual_seed(0)
     engine, *_ = rayzero.initialize(model=Branchy(), config={
         "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}})
+    started = time.monotonic()
     try:
-        for _ in range(3):
-            engine.backward(engine(torch.randn(2, 16), diverge))
+        for step in range(4):
+            branch = diverge if isinstance(diverge, bool) else step >= diverge
+            engine.backward(engine(torch.randn(2, 16), branch))
             engine.step()
     except Exception as error:  # noqa: BLE001 - the message is what the test checks
-        return f"{type(error).__name__}: {error}"
-    finally:
+        if not isinstance(diverge, bool):  # the collectives are unpaired now: no close()
+            return f"{type(error).__name__}: {error} after {time.monotonic() - started:.1f} s"
         engine.close()
+        return f"{type(error).__name__}: {error}"
+    engine.close()
     return "trained"
 
 
@@ -52,3 +63,20 @@ def test_a_module_run_on_one_rank_only_is_named_on_every_rank() -> None:
 
 def test_the_same_modules_on_every_rank_train() -> None:
     assert H.spawn(2, _run, False, timeout_s=120) == ["trained", "trained"]
+
+
+def test_a_module_run_on_one_rank_only_from_a_later_step_is_named_when_the_gathers_stall() -> None:
+    previous = os.environ.get("RAYZERO_STAGE3_STALL_CHECK_S")
+    os.environ["RAYZERO_STAGE3_STALL_CHECK_S"] = "2"  # inherited by the spawned ranks
+    try:
+        outcomes = H.spawn(2, _run, 2, timeout_s=120)
+    finally:
+        if previous is None:
+            os.environ.pop("RAYZERO_STAGE3_STALL_CHECK_S")
+        else:
+            os.environ["RAYZERO_STAGE3_STALL_CHECK_S"] = previous
+    for outcome in outcomes:
+        assert outcome.startswith("RayZeroRuntimeError: stage 3: the ranks fetch different modules"), outcome
+        # rank 1 skipped it: its message says where it left the order both ranks recorded
+        assert "left its recorded order at last (forward) where only_on_rank_0 (forward) came before" in outcome
+        assert float(outcome.rsplit(" after ", 1)[1].split()[0]) < 30, outcome  # gloo's own timeout: 300 s
