@@ -190,12 +190,13 @@ class Stage3Coordinator:
     def _name(self, key: tuple[int, str]) -> str:
         return f"{self._module_names[key[0]]} ({key[1]})"
 
-    def _where(self) -> tuple[int, str]:
+    def _where(self) -> tuple[int, str, bool]:
         """What this rank is fetching, for [Note: stalled stage-3 collectives]."""
         where = self._name(self._at)
-        if self._departed is not None and self._departed[0] == self._micro_steps:
+        departed = self._departed is not None and self._departed[0] == self._micro_steps
+        if departed:
             where += f", having left its recorded order at {self._departed[1]}"
-        return self._micro_steps, where
+        return self._micro_steps, where, departed
 
     def _fetch(self, event: FetchEvent, entries: list[PartitionedParam]) -> None:
         self._at = event.key

@@ -13,9 +13,11 @@ agreement) that is not already complete is watched: when it has not finished aft
 `RAYZERO_STAGE3_STALL_CHECK_S` seconds (default 10; 0 turns the watch off), the rank writes the
 module it is fetching into the process group's store and waits there (as long again) for every
 other rank's. Ranks stuck together in a mismatched collective all get there; if they name
-different modules, each raises the same error naming every rank's module. If they name the same
-module, or some rank never writes (it is slow, not stuck, or stuck elsewhere), the wait simply goes
-on. One check per micro-step. A wait that is already complete, the common case, costs one
+different modules and some rank left the order it recorded in this micro-step (the divergence
+itself), each raises the same error naming every rank's module. Otherwise — the same module, no
+rank departed (a rank that lags behind on a slow link names an earlier module of the same order),
+or some rank never writes (slow, not stuck, or stuck elsewhere) — the wait simply goes on. One
+check per micro-step. A wait that is already complete, the common case, costs one
 `is_completed()` call; a pending one, an event and a completion callback.
 """
 from __future__ import annotations
@@ -51,10 +53,11 @@ class StallWatch:
     """Waits on stage-3 collectives; diagnoses one that stalls ([Note: stalled stage-3 collectives])."""
 
     def __init__(self, group: dist.ProcessGroup | None, rank: int, world_size: int,
-                 where: Callable[[], tuple[int, str]]) -> None:
+                 where: Callable[[], tuple[int, str, bool]]) -> None:
         self.seconds = stall_check_seconds()
         self._group, self._rank, self._world = group, rank, world_size
-        self._where = where  # (micro-step number, "module (pass)") this rank is at now
+        # (micro-step number, "module (pass)", whether this rank left its recorded order in it)
+        self._where = where
         self._checked_step = -1
         self._waiter: ThreadPoolExecutor | None = None
 
@@ -79,20 +82,21 @@ class StallWatch:
         work.wait()
 
     def _check(self) -> None:
-        step, name = self._where()
+        step, name, departed = self._where()
         if step == self._checked_step:
             return
         self._checked_step = step
         try:
             store = dist.PrefixStore(f"rayzero/stage3-stall/{self._group_tag()}/{step}/",
                                      dist.distributed_c10d._get_default_store())
-            store.set(str(self._rank), name)
+            store.set(str(self._rank), f"{int(departed)}{name}")
             keys = [str(rank) for rank in range(self._world)]
             store.wait(keys, datetime.timedelta(seconds=self.seconds))
-            names = [store.get(key).decode() for key in keys]
+            said = [store.get(key).decode() for key in keys]
         except (RuntimeError, ValueError):  # some rank did not get here (not stuck, or stuck elsewhere)
             return
-        if len(set(names)) > 1:
+        names = [entry[1:] for entry in said]
+        if len(set(names)) > 1 and any(entry[0] == "1" for entry in said):
             raise different_modules_error(names)
 
     def _group_tag(self) -> str:
