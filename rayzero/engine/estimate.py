@@ -14,8 +14,9 @@ Per rank, with Ψ trainable parameters, N ranks, p bytes per compute element (2 
 fp32 without optimizer offload aliases the master with the parameter (and at stages 0-1 the master
 gradient with the gradient buffer): those columns are then 0. Offloading moves master, master
 gradient and optimizer state to the host (`cpu`) or the optimizer state to NVMe (`nvme`, masters
-stay on the host); `offload_param` moves stage 3's parameter shards to the host. Working memory
-(stage 2's two staging buckets, stage 3's gathered layers) is reported apart from model state.
+stay on the host); `offload_param` moves stage 3's parameter shards to the host (`cpu`) or to NVMe
+(`nvme`, with `max_in_cpu` 0: every shard). Working memory (stage 2's two staging buckets, stage 3's
+gathered layers, NVMe parameter staging buffers) is reported apart from model state.
 """
 from __future__ import annotations
 
@@ -26,7 +27,9 @@ import sys
 from dataclasses import asdict, dataclass
 
 GIB = 1 << 30
-OPTIONS = (("none", "none"), ("cpu", "none"), ("nvme", "none"), ("cpu", "cpu"), ("nvme", "cpu"))
+OPTIONS = (("none", "none"), ("cpu", "none"), ("nvme", "none"), ("cpu", "cpu"), ("nvme", "cpu"), ("nvme", "nvme"))
+PARAM_STAGING_BUFFERS = 5
+"""offload_param.buffer_count's default: the staging buffers an NVMe parameter shard is read into."""
 """(offload_optimizer, offload_param) combinations; offload_param needs stage 3."""
 
 
@@ -71,7 +74,7 @@ def _one(stage, opt_off, param_off, psi, largest, world, per_node, p, s, bucket)
     master_grad = 0 if aliased and stage < 2 else 4 * psi // shard
     state = s * psi // shard
     where = {"device": 0, "host": 0, "nvme": 0}
-    where["host" if param_off != "none" else "device"] += params
+    where[{"none": "device", "cpu": "host", "nvme": "nvme"}[param_off]] += params
     where["device"] += grads
     home = "device" if opt_off == "none" else "host"
     where[home] += master + master_grad
@@ -81,6 +84,8 @@ def _one(stage, opt_off, param_off, psi, largest, world, per_node, p, s, bucket)
         working = 2 * min(bucket, psi) * p
     elif stage == 3:
         working = 2 * largest * p + min(bucket, psi) * p
+        if param_off == "nvme":  # host buffers holding a shard each: the largest layer's, at most
+            working += PARAM_STAGING_BUFFERS * -(-largest // world) * p
     ds_device, ds_host = _deepspeed(stage, opt_off != "none", param_off != "none", psi, largest, per_node,
                                     world // per_node)
     return Estimate(stage, opt_off, param_off, where["device"], where["host"], where["host"] * per_node,

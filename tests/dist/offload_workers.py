@@ -82,6 +82,8 @@ def measured_memory(rank: int, world: int, payload: dict) -> list[dict]:
             zero["offload_optimizer"] = {"device": opt_off, "nvme_path": payload["nvme"]}
         if param_off != "none":
             zero["offload_param"] = {"device": param_off}
+            if param_off == "nvme":  # every shard in the swap file
+                zero["offload_param"].update(nvme_path=payload["nvme"], max_in_cpu=0)
         config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": zero,
                   "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
                   "bf16": {"enabled": precision == "bf16"}}

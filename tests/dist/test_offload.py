@@ -207,7 +207,7 @@ def test_stage3_nvme_save_streams_state_that_resumes_elsewhere() -> None:
 
 # ---- rayzero estimate against real runs ------------------------------------------------------------
 ESTIMATED = [(precision, stage, opt, param) for precision in ("fp32", "bf16") for stage in range(4)
-             for opt, param in (("none", "none"), ("cpu", "none"), ("nvme", "none"), ("cpu", "cpu"))
+             for opt, param in (("none", "none"), ("cpu", "none"), ("nvme", "none"), ("cpu", "cpu"), ("nvme", "nvme"))
              if not (param != "none" and stage != 3) and not (opt != "none" and stage == 0)]
 
 
@@ -228,7 +228,7 @@ def test_estimate_matches_what_a_run_holds(index: int) -> None:
     row = next(r for r in estimate(params, ESTIMATE_WIDTH ** 2, gpus_per_node=2, precision=precision)
                if (r.stage, r.offload_optimizer, r.offload_param) == (stage, opt, param))
     real = {"device": stats["device_bytes"] - stats["bucket_buffers"] - stats["buffers"],
-            "host": stats["host_bytes"], "nvme": probe["swap_file_bytes"]}
+            "host": stats["host_bytes"], "nvme": probe["swap_file_bytes"] + probe["param_swap_file_bytes"]}
     predicted = {"device": row.device_bytes, "host": row.host_bytes_per_rank, "nvme": row.nvme_bytes_per_node // 2}
     for where in real:
         assert abs(real[where] - predicted[where]) <= 0.05 * max(predicted[where], 1), (where, real, predicted)

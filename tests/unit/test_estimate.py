@@ -38,6 +38,9 @@ def test_rows_follow_the_layout_table() -> None:
     assert (nvme.device_bytes, nvme.host_bytes_per_rank, nvme.nvme_bytes_per_node) == (
         2 * psi // n, 8 * psi // n, 8 * psi // n * n)
     assert rows[(3, "cpu", "cpu")].device_bytes == 0
+    infinity = rows[(3, "nvme", "nvme")]  # ZeRO-Infinity: shards and optimizer state on NVMe
+    assert (infinity.device_bytes, infinity.host_bytes_per_rank, infinity.nvme_bytes_per_node) == (
+        0, 8 * psi // n, (2 + 8) * psi // n * n)
     fp32 = {(r.stage, r.offload_optimizer): r for r in estimate(psi, 1000, n, precision="fp32")}
     assert fp32[(1, "none")].device_bytes == 4 * psi + 4 * psi + 8 * psi // n  # master and grad alias
 
