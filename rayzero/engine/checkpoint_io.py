@@ -21,7 +21,7 @@ from rayzero.checkpoint.checkpointer import Checkpointer
 from rayzero.checkpoint.loader import NoCheckpointError
 from rayzero.checkpoint.options import CheckpointOptions, config_digest
 from rayzero.checkpoint.saver import SaveTimings
-from rayzero.checkpoint.types import ShardSpec
+from rayzero.checkpoint.types import LazyPiece, ShardSpec
 from rayzero.config.errors import RayZeroValueError
 from rayzero.engine.optim_state import ensure_optimizer_state
 
@@ -208,10 +208,12 @@ def save_16bit_model(engine: Any, save_dir: str, save_filename: str = "pytorch_m
         name = shard.spec.name.removeprefix("module/")
         if exclude_frozen_parameters and name in frozen:
             continue
+        # a shard swapped to NVMe (offload_param) is read now, one at a time
+        mine = shard.local.materialize() if isinstance(shard.local, LazyPiece) else shard.local.detach().cpu()
         if shard.spec.is_full or comm.group is None:
-            local = shard.local.detach().cpu()
+            local = mine
         else:  # assemble this tensor's pieces on every rank (one tensor in memory at a time)
-            pieces = comm.all_gather_object((shard.spec.flat_start, shard.spec.flat_end, shard.local.detach().cpu()))
+            pieces = comm.all_gather_object((shard.spec.flat_start, shard.spec.flat_end, mine))
             local = torch.empty(shard.spec.global_numel, dtype=shard.spec.dtype)
             for start, end, piece in pieces:
                 local[start:end] = piece

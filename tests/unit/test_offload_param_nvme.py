@@ -102,3 +102,27 @@ def test_a_staging_buffer_smaller_than_a_shard_is_refused_naming_the_key(tmp_pat
                                                       "buffer_size": 1000}}}
     with pytest.raises(RayZeroValueError, match=r"offload_param\.buffer_size = 1000 .*4096"):
         rayzero.initialize(model=torch.nn.Linear(64, 64), config=config)
+
+
+def test_save_16bit_model_reads_swapped_shards(tmp_path) -> None:
+    """stage3_gather_16bit_weights_on_model_save with every shard in the swap file: the saved
+    weights are the model's (lr 0: unchanged by the step)."""
+    import torch
+
+    import rayzero
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 4))
+    initial = {name: value.detach().clone() for name, value in model.state_dict().items()}
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.0}},
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                    "stage3_gather_16bit_weights_on_model_save": True,
+                                    "offload_param": {"device": "nvme", "nvme_path": str(tmp_path), "max_in_cpu": 0}}}
+    engine, *_ = rayzero.initialize(model=model, config=config)
+    engine.backward(engine(torch.randn(2, 32)).sum())
+    engine.step()
+    assert engine.save_16bit_model(str(tmp_path / "out"))
+    engine.close()
+    saved = torch.load(tmp_path / "out" / "pytorch_model.bin")
+    assert saved.keys() == initial.keys()
+    assert all(torch.equal(saved[name], initial[name]) for name in initial)
