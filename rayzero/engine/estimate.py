@@ -28,9 +28,9 @@ from dataclasses import asdict, dataclass
 
 GIB = 1 << 30
 OPTIONS = (("none", "none"), ("cpu", "none"), ("nvme", "none"), ("cpu", "cpu"), ("nvme", "cpu"), ("nvme", "nvme"))
+"""(offload_optimizer, offload_param) combinations; offload_param needs stage 3."""
 PARAM_STAGING_BUFFERS = 5
 """offload_param.buffer_count's default: the staging buffers an NVMe parameter shard is read into."""
-"""(offload_optimizer, offload_param) combinations; offload_param needs stage 3."""
 
 
 @dataclass(frozen=True)

@@ -85,12 +85,13 @@ class NvmeParamStore:
         self._closed = False
 
     # ---- placement --------------------------------------------------------------------------
-    def place(self, numel: int, dtype: torch.dtype, name: str) -> tuple[torch.Tensor, SwapSlot | None]:
-        """A shard of `numel` elements: (a zeroed host tensor, None) within `max_in_cpu`, else
-        (a 0-element placeholder, its slot in the swap file, zeros until written)."""
+    def place(self, values: torch.Tensor, dtype: torch.dtype, name: str) -> tuple[torch.Tensor, SwapSlot | None]:
+        """A shard holding `values` (cast to `dtype`): (a host tensor, None) within `max_in_cpu`,
+        else (a 0-element placeholder, its slot in the swap file, being written)."""
+        numel = values.numel()
         if self.cached_elements + numel <= self.max_in_cpu:
             self.cached_elements += numel
-            return torch.zeros(numel, dtype=dtype), None
+            return values.to("cpu", dtype, copy=True), None
         if numel > self.buffer_elements:
             raise RayZeroValueError(
                 f"zero_optimization.offload_param.buffer_size = {self.buffer_elements} elements is smaller than the "
@@ -102,6 +103,7 @@ class NvmeParamStore:
         self.file.reserve(self._end)
         self.bytes += slot.nbytes
         self._slots.append(slot)
+        self.write(slot, values)
         return torch.empty(0, dtype=dtype), slot
 
     # ---- staging buffers --------------------------------------------------------------------
@@ -144,9 +146,7 @@ class NvmeParamStore:
         for slot in slots:
             if slot.buffer is not None:
                 continue
-            if len(self._free) <= 1 and self._buffers:
-                return
-            if not self._buffers and self.buffer_count <= 1:
+            if (len(self._free) if self._buffers else self.buffer_count) <= 1:
                 return
             self._start_read(slot)
             self._ahead.append(slot)

@@ -94,11 +94,7 @@ class Stage3Strategy(ZeroStrategy):
                 if self.aliased and id(param) in masters:
                     shard = masters[id(param)]
                 elif self.partitions.store is not None:  # [Note: NVMe parameter shards]
-                    shard, swap = self.partitions.store.place(piece.numel(), self.precision.param_dtype, name)
-                    if swap is not None:
-                        self.partitions.store.write(swap, piece)
-                    else:
-                        shard.copy_(piece)
+                    shard, swap = self.partitions.store.place(piece, self.precision.param_dtype, name)
                 else:
                     shard = self.offload.allocate(StateKind.PARAM_SHARD, piece.numel(), self.precision.param_dtype)
                     shard.copy_(piece)

@@ -211,7 +211,7 @@ class Stage3Coordinator:
         self._make_room(missing)
         self.partitions.gather(entries)
         self._prefetch(event.key[1])
-        if self.partitions.store is not None:
+        if self.partitions.store is not None and self.partitions.store.bytes:  # some shard is swapped
             self._read_ahead()
         for entry in entries:
             self.partitions.wait(entry)
@@ -222,7 +222,7 @@ class Stage3Coordinator:
         comm = self.partitions.comm
         if comm.world_size == 1:
             return
-        where = f"{self._module_names[event.key[0]]} ({event.key[1]})"
+        where = self._name(event.key)
         code = float(zlib.crc32(where.encode()))
         seen = comm.all_reduce_control(torch.tensor([code, -code], dtype=torch.float64,
                                                     device=self.partitions.device), op="max", waiter=self.stall.wait)
