@@ -62,7 +62,7 @@ class Stage2Strategy(BucketedStrategy):
         start, end = bucket.master_range
         if self.policy.reduce_scatter:
             received = torch.empty(layout.shard_numel, dtype=staging.dtype, device=staging.device)
-            work = self.comm.reduce_scatter(received, staging, async_op=async_op)
+            work = self.comm.reduce_scatter(received, staging, async_op=async_op, scratch=True)  # zeroed on reuse
         else:
             work = self.comm.all_reduce(staging, async_op=async_op)
             received = staging[start:end]

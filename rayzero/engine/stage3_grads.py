@@ -31,7 +31,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from rayzero.engine.comm import Communicator, _reduce_scatter_flat
+from rayzero.engine.comm import Communicator
 from rayzero.engine.distributed import DEFAULT_TIMEOUT_S
 from rayzero.engine.stage3_params import PartitionedParam
 
@@ -206,11 +206,8 @@ class GradientReducer:
         received = target if direct else torch.empty(shard_total, dtype=self.reduce_dtype, device=device)
         self._zero.difference_update(keys)
         self.wait()  # at most one bucket in flight besides the one being filled
-        if self._group is None:
-            work = self.comm.reduce_scatter(received, send, async_op=True)
-        else:
-            self.comm._count("reduce_scatter", send)  # accounted with the engine's other traffic
-            work = _reduce_scatter_flat(received, send, op=dist.ReduceOp.SUM, group=self._group, async_op=True)
+        # `send` is this bucket's own: a zeroed copy, or a gradient autograd handed over (p.grad is None).
+        work = self.comm.reduce_scatter(received, send, async_op=True, scratch=True, group=self._group)
         self._in_flight = (work, received, keys, send, direct)  # `send` must outlive the collective
         if not self.overlap:
             self.wait()
