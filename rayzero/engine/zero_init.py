@@ -16,7 +16,8 @@ is the order replayed here. A weight tied after construction (`head.weight = emb
 materialised under its creator, and the module it was tied into still runs its own init on a
 temporary, so the random stream advances exactly as in a normal build. Limits: a module with
 parameters or buffers but no `reset_parameters()` must be given `param_init_fn`; initial values
-come from the random generator of the device the model is materialised on.
+come from the random generator of the device the model is materialised on. A Hugging Face model is
+initialised by its own `_init_weights` instead ([Note: Hugging Face models under zero.Init]).
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ from rayzero.config.errors import RayZeroValueError
 from rayzero.engine.comm import Communicator
 from rayzero.engine.distributed import compute_device, init_distributed
 from rayzero.engine.stage3_params import ParamPartitions, lookup
+from rayzero.engine.zero_init_hf import is_pretrained, materialize_hf
 
 logger = logging.getLogger(__name__)
 
@@ -135,6 +137,12 @@ class Init:
         self._meta.__exit__(*exc_info)
         if exc_info[0] is None:
             self._materialize()
+        elif isinstance(exc_info[1], RuntimeError) and "from_pretrained` with a meta device" in str(exc_info[1]):
+            raise RayZeroValueError(
+                "rayzero.zero.Init builds on the meta device, and transformers' from_pretrained refuses to run "
+                "there: load the model outside the block (`model = AutoModelForCausalLM.from_pretrained(...)`); "
+                "rayzero.initialize partitions it for stage 3. rayzero.zero.Init is for models built from a "
+                "config (`from_config`, `Model(config)`)") from exc_info[1]
         self._creator.clear()
         self._params.clear()
 
@@ -142,10 +150,13 @@ class Init:
     def _materialize(self) -> None:
         completed_ids = {id(m) for m in self._completed}
         roots = [m for m in self._seen if id(m) not in completed_ids]
-        order = self._completed + roots
+        hf_roots = [] if self.param_init_fn is not None else [root for root in roots if is_pretrained(root)]
+        hf_modules = {id(m) for root in hf_roots for m in root.modules()}
+        roots = [root for root in roots if id(root) not in hf_modules]
+        order = [m for m in self._completed if id(m) not in hf_modules] + roots
         order_ids = {id(m) for m in order}
         for module in self._seen:  # modules with state that were never attached anywhere
-            if id(module) not in order_ids:
+            if id(module) not in order_ids and id(module) not in hf_modules:
                 order.append(module)
         live = {id(p) for root in roots for p in root.parameters()}
         created: dict[int, list[tuple[str, torch.nn.Parameter]]] = {}
@@ -155,6 +166,8 @@ class Init:
         with torch.no_grad():
             for module in order:
                 self._materialize_module(module, created.get(id(module), []), live)
+        for root in hf_roots:
+            materialize_hf(self, root, self._creator)
 
     def _materialize_module(self, module: torch.nn.Module, created: list[tuple[str, torch.nn.Parameter]],
                             live: set[int]) -> None:
