@@ -1,21 +1,25 @@
 """`rayzero.zero.Init`: build a model already partitioned for stage 3, never holding it whole.
 
 [Note: partitioned construction]
-Inside the context, modules are constructed on the meta device (torch's own
-`torch.device("meta")` context manager): shapes only, no memory, no random numbers drawn. Torch's
-global *registration* hooks (`register_module_parameter_registration_hook` and friends — public
-APIs, removed on exit; nothing is patched) record which module created each parameter and the
-order in which modules finished construction. On exit the modules are materialised one at a
+Inside the context, every parameter is put on the meta device as it is registered: torch's global
+parameter *registration* hook (`register_module_parameter_registration_hook`, a public API, removed
+on exit; nothing is patched) returns a meta stand-in, so the constructor's own initialisation of
+it (`reset_parameters()`, `normal_`) touches shapes only, allocates nothing and draws no random
+numbers. Buffers and every other tensor are built as usual, so what a constructor computes into a
+buffer (a causal mask, a rotary table) keeps its value, as under DeepSpeed's Init. The same
+hooks record which module created each parameter and the order in which modules finished
+construction. On exit the modules are materialised one at a
 time, in that order: the module's own parameters get real (temporary) storage, its
 `reset_parameters()` runs, rank 0's values are broadcast, each rank keeps only its shard and the
-full tensors are dropped. Peak memory is therefore about one module's parameters.
+full tensors are dropped; buffers move to the device, with rank 0's values. Peak memory is
+therefore about one module's parameters (plus the buffers).
 
 Same seed => same model as building it normally: standard modules draw their initial values in
 `reset_parameters()` at the end of their `__init__`, i.e. in construction-completion order, which
 is the order replayed here. A weight tied after construction (`head.weight = embed.weight`) is
 materialised under its creator, and the module it was tied into still runs its own init on a
 temporary, so the random stream advances exactly as in a normal build. Limits: a module with
-parameters or buffers but no `reset_parameters()` must be given `param_init_fn`; initial values
+parameters but no `reset_parameters()` must be given `param_init_fn`; initial values
 come from the random generator of the device the model is materialised on. A Hugging Face model is
 initialised by its own `_init_weights` instead ([Note: Hugging Face models under zero.Init]).
 """
@@ -86,10 +90,10 @@ class Init:
             init_distributed()
         initialized = dist.is_available() and dist.is_initialized()
         self.partitions = ParamPartitions(Communicator(data_parallel_group if initialized else None), self.device)
-        self._meta: torch.device | None = None
         self._handles: list[Any] = []
         self._creator: dict[int, tuple[torch.nn.Module, str]] = {}
         self._params: list[torch.nn.Parameter] = []  # keeps recorded ids valid until exit
+        self._registered: dict[int, torch.Tensor] = {}  # id(stand-in) -> a vector's value as registered
         self._seen: list[torch.nn.Module] = []
         self._completed: list[torch.nn.Module] = []
         if module is not None and enabled:
@@ -99,8 +103,6 @@ class Init:
     def __enter__(self) -> Init:
         if not self.enabled:
             return self
-        self._meta = torch.device("meta")
-        self._meta.__enter__()
         self._handles = [
             torch_module.register_module_parameter_registration_hook(self._on_parameter),
             torch_module.register_module_buffer_registration_hook(self._on_buffer),
@@ -112,11 +114,32 @@ class Init:
         if all(existing is not module for existing in self._seen):
             self._seen.append(module)
 
-    def _on_parameter(self, module: torch.nn.Module, name: str, param: torch.nn.Parameter | None) -> None:
+    def _on_parameter(self, module: torch.nn.Module, name: str,
+                      param: torch.nn.Parameter | None) -> torch.nn.Parameter | None:
         self._note(module)
-        if param is not None and id(param) not in self._creator:
-            self._creator[id(param)] = (module, name)
-            self._params.append(param)
+        if param is None or id(param) in self._creator:
+            return None  # a tie of a parameter already registered (already a stand-in)
+        previous = module._parameters.get(name)
+        if not param.is_meta and previous is not None and id(previous) in self._creator:
+            raise RayZeroValueError(
+                f"rayzero.zero.Init: {type(module).__name__}.{name} was assigned values over the parameter "
+                "built inside the block (loading weights, such as transformers' from_pretrained, inside "
+                "rayzero.zero.Init). Those values would be lost: load the model outside the block "
+                "(`model = AutoModelForCausalLM.from_pretrained(...)`); rayzero.initialize partitions it for "
+                "stage 3. rayzero.zero.Init is for models built from a config (`from_config`, `Model(config)`)")
+        stand_in = param
+        if not param.is_meta and param.dim() <= 1:
+            # [Note: Hugging Face models under zero.Init]: a vector's value as constructed (a norm's
+            # ones), for a model whose _init_weights leaves it as its constructor made it
+            self._registered[id(param)] = param.detach().clone()
+        if not param.is_meta:
+            # [Note: partitioned construction]: registered in the parameter's place
+            stand_in = type(param)(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
+        if id(param) in self._registered:
+            self._registered[id(stand_in)] = self._registered.pop(id(param))
+        self._creator[id(stand_in)] = (module, name)
+        self._params.append(stand_in)
+        return stand_in
 
     def _on_buffer(self, module: torch.nn.Module, name: str, buffer: torch.Tensor | None) -> None:
         self._note(module)
@@ -134,17 +157,11 @@ class Init:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        self._meta.__exit__(*exc_info)
         if exc_info[0] is None:
             self._materialize()
-        elif isinstance(exc_info[1], RuntimeError) and "from_pretrained` with a meta device" in str(exc_info[1]):
-            raise RayZeroValueError(
-                "rayzero.zero.Init builds on the meta device, and transformers' from_pretrained refuses to run "
-                "there: load the model outside the block (`model = AutoModelForCausalLM.from_pretrained(...)`); "
-                "rayzero.initialize partitions it for stage 3. rayzero.zero.Init is for models built from a "
-                "config (`from_config`, `Model(config)`)") from exc_info[1]
         self._creator.clear()
         self._params.clear()
+        self._registered.clear()
 
     # ---- materialising ----------------------------------------------------------------------
     def _materialize(self) -> None:
@@ -167,7 +184,13 @@ class Init:
             for module in order:
                 self._materialize_module(module, created.get(id(module), []), live)
         for root in hf_roots:
-            materialize_hf(self, root, self._creator)
+            materialize_hf(self, root, self._creator, self._registered)
+        for module in self._seen:
+            for name, buffer in module._buffers.items():
+                if buffer is not None and not buffer.is_meta:
+                    module._buffers[name] = buffer.to(self.device)
+                    self.partitions.comm.broadcast(module._buffers[name], src=0)
+        self.partitions.comm.discard_current()
 
     def _materialize_module(self, module: torch.nn.Module, created: list[tuple[str, torch.nn.Parameter]],
                             live: set[int]) -> None:
@@ -178,9 +201,9 @@ class Init:
         init = self.param_init_fn or getattr(module, "reset_parameters", None)
         if init is None:
             raise RayZeroValueError(
-                f"rayzero.zero.Init cannot initialise {type(module).__name__}: it has parameters or buffers "
-                "but no reset_parameters() method. Define reset_parameters() (initialising only this module's "
-                "own parameters and buffers) or pass param_init_fn=<callable(module)> to Init")
+                f"rayzero.zero.Init cannot initialise {type(module).__name__}: it has parameters but no "
+                "reset_parameters() method. Define reset_parameters() (initialising only this module's own "
+                "parameters) or pass param_init_fn=<callable(module)> to Init")
         # The module's attributes as they were when its own __init__ ran its init: temporaries
         # with real storage under the names it created (ties made later are restored afterwards).
         current = {name: module._parameters.get(name) for name, _ in created}
