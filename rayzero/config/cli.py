@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from typing import Any
 
@@ -52,6 +53,11 @@ def _validate(args: argparse.Namespace) -> int:
     from rayzero.config.loader import load_config
     from rayzero.config.runnable import check_runnable
 
+    # This command prints every note itself (below), once: the loader's own log lines would repeat
+    # the warnings among them.
+    config_logger = logging.getLogger("rayzero.config")
+    previous_level = config_logger.level
+    config_logger.setLevel(logging.ERROR)
     try:
         config = load_config(
             args.file, world_size=args.world_size, hidden_size=args.hidden_size,
@@ -62,6 +68,8 @@ def _validate(args: argparse.Namespace) -> int:
     except ConfigError as error:
         print(f"invalid: {error}", file=sys.stderr)
         return EXIT_INVALID
+    finally:
+        config_logger.setLevel(previous_level)
     print(json.dumps(config.to_deepspeed_dict(), indent=2))
     for note in config.notes:
         print(note, file=sys.stderr)

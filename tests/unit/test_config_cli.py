@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -78,3 +79,17 @@ def test_rayzero_cli_dispatches_and_config_stays_light():
             "bad = [m for m in ('torch', 'ray') if m in sys.modules]; assert not bad, bad")
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
+
+
+def test_validate_prints_each_note_once(tmp_path):
+    # a warning note (stage-3-only key below stage 3) and an information note (a rounded size); run
+    # as a user runs it, in a fresh process (pytest's log capture would hide the logger's copy)
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 2, "reduce_bucket_size": 943718.4,
+                                                      "offload_param": {"device": "cpu"}}}))
+    run = subprocess.run([sys.executable, "-c", "import sys; from rayzero.cli import main; sys.exit(main(sys.argv[1:]))",
+                          "config", "validate", str(path)], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert run.returncode == 0, run.stderr
+    assert run.stderr.count("only applies to ZeRO stage 3") == 1, run.stderr
+    assert run.stderr.count("rounded: zero_optimization.reduce_bucket_size") == 1, run.stderr
