@@ -137,8 +137,6 @@ class UnimplementedSections(ConfigModel):
     """Ulysses sequence-parallel degree; recognised, not implemented."""
     disable_python_gc: Optional[Any] = _todo()
     """Disable Python's garbage collector during training; recognised, not implemented."""
-    gradient_allreduce_op: Optional[Any] = _todo()
-    """`mean` or `sum` for the gradient all-reduce; recognised, not implemented (rayzero averages)."""
     managed_gradient_accumulation: Optional[Any] = _todo()
     """Let DeepSpeed decide gradient-accumulation boundaries; recognised, not implemented."""
     log_level: Optional[Any] = _todo()

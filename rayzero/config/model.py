@@ -9,9 +9,9 @@ rules and resolves "auto") rather than the constructor.
 """
 from __future__ import annotations
 
-from typing import Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional
 
-from pydantic import Field, PrivateAttr
+from pydantic import BeforeValidator, Field, PrivateAttr
 
 from rayzero.config.base import AUTO, AutoNonNegativeFloat, AutoPositive, Bool, Int
 from rayzero.config.extras import UnimplementedSections
@@ -29,6 +29,11 @@ from rayzero.config.sections import (
     SchedulerConfig,
 )
 from rayzero.config.zero import ZeroConfig
+
+
+def _lower(value: Any) -> Any:
+    """DeepSpeed lower-cases this key's value before checking it."""
+    return value.lower() if isinstance(value, str) else value
 
 
 class RayZeroConfig(UnimplementedSections):
@@ -60,6 +65,9 @@ class RayZeroConfig(UnimplementedSections):
     """bf16 mixed precision (`bfloat16` is accepted as its older name)."""
     amp: Optional[AmpConfig] = None
     """NVIDIA apex AMP: recognised, refused when enabled."""
+    gradient_allreduce_op: Annotated[Literal["mean", "sum"], BeforeValidator(_lower)] = "mean"
+    """How data-parallel gradients combine: `mean` over ranks (the default), or `sum` (each rank's
+    gradient added, N times larger at N ranks; ZeRO stages 0-2 only, as in DeepSpeed)."""
     communication_data_type: Optional[Literal["fp32", "fp16", "bf16"]] = None
     """dtype of gradient reductions; unset = the compute dtype."""
     zero_allow_untested_optimizer: Bool = False

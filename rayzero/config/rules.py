@@ -33,6 +33,9 @@ def check_rules(config: RayZeroConfig, notes: list[str], problems: list[Problem]
         notes.append(f"ignored: `{_ZERO}.load_from_fp32_weights` = false: rayzero always restores fp32 master "
                      "weights from the checkpoint's fp32 copy when it has one (rebuilding them from 16-bit "
                      "weights would lose precision)")
+    if config.gradient_allreduce_op == "sum" and zero.stage == 3:
+        problems.append(Problem("gradient_allreduce_op", "sum", "summed gradients are not supported with ZeRO "
+                                "stage 3 (DeepSpeed refuses this too)", 'use "mean", or ZeRO stage 0-2'))
     _optimizer(config, notes, problems)
     _scheduler(config, problems)
 

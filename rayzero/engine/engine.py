@@ -225,7 +225,11 @@ class ZeroEngine:
         # [Note: gradient averaging] Dividing the loss (a scalar) by gas × world makes every
         # gradient come out of backward already scaled, so summing reductions yield the mean with
         # no extra pass over Ψ elements; DeepSpeed's gradient_predivide_factor does the same.
+        # `gradient_allreduce_op: "sum"` (stages 0-2; the config refuses it at stage 3) keeps the
+        # plain sum of the ranks' gradients, as DeepSpeed's all-reduce without its average.
         divisor = self.strategy.loss_divisor()
+        if self.config.gradient_allreduce_op == "sum":
+            divisor /= self.comm.world_size
         if scale_wrt_gas:
             divisor *= self.step_policy.gradient_accumulation_steps
         scaled = loss.float() / divisor if divisor != 1.0 else loss.float()
