@@ -119,7 +119,8 @@ class UnimplementedSections(ConfigModel):
     disable_allgather: Optional[Any] = _todo()
     """Legacy stage-1 switch; recognised, not implemented."""
     torch_autocast: Optional[Any] = _todo()
-    """torch.autocast integration; recognised, not implemented."""
+    """torch.autocast integration; recognised, not implemented: `enabled: true` is refused before
+    training (use `bf16` or `fp16`)."""
     compile: Optional[CompileConfig] = None
     """DeepSpeed's DeepCompile options (not torch.compile's); recognised, not implemented."""
     timers: Optional[Any] = _todo()
@@ -129,12 +130,12 @@ class UnimplementedSections(ConfigModel):
     use_data_before_expert_parallelism: Optional[Any] = _todo()
     """MoE data/expert parallel group order; recognised, not implemented."""
     tensor_parallel: Optional[dict[str, Any]] = _todo()
-    """AutoTP training (`autotp_size`, ...); recognised, not implemented: the model is replicated on
-    every rank, and with `autotp_size` > 1 each rank trains as a data-parallel rank instead."""
+    """AutoTP training (`autotp_size`, ...); recognised, not implemented: `autotp_size` > 1 is refused
+    before training (it would change the number of data-parallel replicas), 1 is accepted."""
     expert_parallel: Optional[Any] = _todo()
     """AutoEP expert parallelism; recognised, not implemented."""
     sequence_parallel_size: Optional[Any] = _todo()
-    """Ulysses sequence-parallel degree; recognised, not implemented."""
+    """Ulysses sequence-parallel degree; recognised, not implemented: > 1 is refused before training."""
     disable_python_gc: Optional[Any] = _todo()
     """Disable Python's garbage collector during training; recognised, not implemented."""
     managed_gradient_accumulation: Optional[Any] = _todo()

@@ -10,6 +10,14 @@ refused before a worker, a cluster or a pod starts, with the same words everywhe
 point calls `runnable_problems` / `check_runnable`: `rayzero config validate`, `rayzero.fit` (driver,
 before Ray starts workers), `rayzero.initialize` (engine) and the operator (before it creates a RayJob).
 Offload modes are runnable (the engine's offload backends own their details).
+
+Keys DeepSpeed implements and this build does not fall in two kinds. Those that only change
+precision or speed (ZeRO++ quantisation, bf16 masters, DeepCompile, ...) are accepted with a warning
+naming them: rayzero then trains the same update at full precision. Those that change *what* is
+trained are refused here (`_changes_what_is_trained`): tensor or sequence parallelism would make
+DeepSpeed train `world / degree` data-parallel ranks (another global batch) where rayzero would
+train `world`; ZenFlow applies part of each update steps late; torch_autocast computes forward in
+a lower dtype than the parameters.
 """
 from __future__ import annotations
 
@@ -39,6 +47,7 @@ def runnable_problems(config: RayZeroConfig, *, trainer_present: bool = False) -
     worker after they started.
     """
     problems: list[Problem] = []
+    _changes_what_is_trained(config, problems)
     _optimizer(config, problems)
     _scheduler(config, problems)
     if not trainer_present:
@@ -90,3 +99,45 @@ def _scheduler(config: RayZeroConfig, problems: list[Problem]) -> None:
         problems.append(Problem("scheduler.type", section.type, "not a scheduler this build has",
                                 f"use one of: {', '.join(SCHEDULER_PARAMS)}"))
 
+
+
+def _degree(section: object, *keys: str) -> int:
+    """The first integer found under `keys` (nested dicts), else 1."""
+    for key in keys:
+        node = section
+        for part in key.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, (int, float)) and not isinstance(node, bool):
+            return int(node)
+    return 1
+
+
+def _changes_what_is_trained(config: RayZeroConfig, problems: list[Problem]) -> None:
+    """Refuse implemented-in-DeepSpeed features whose absence would train something else
+    ([Note: valid vs runnable])."""
+    tensor_parallel = _degree(config.tensor_parallel, "autotp_size", "tp.tp_size", "tensor_parallel.tp_size")
+    if tensor_parallel > 1:
+        problems.append(Problem(
+            "tensor_parallel.autotp_size", tensor_parallel, "tensor parallelism (AutoTP) is not implemented: "
+            f"DeepSpeed would split each layer over {tensor_parallel} ranks and train world/{tensor_parallel} "
+            "data-parallel replicas; rayzero would replicate the model and train another global batch",
+            "remove `tensor_parallel` (or set autotp_size to 1) and shard with ZeRO stage 3 instead"))
+    sequence_parallel = config.sequence_parallel_size
+    if isinstance(sequence_parallel, (int, float)) and not isinstance(sequence_parallel, bool) \
+            and sequence_parallel > 1:
+        problems.append(Problem(
+            "sequence_parallel_size", sequence_parallel, "Ulysses sequence parallelism is not implemented: "
+            "DeepSpeed would count world/sequence_parallel_size data-parallel ranks in the batch size",
+            "remove sequence_parallel_size (or set it to 1)"))
+    if config.zero_optimization.zenflow is not None:
+        problems.append(Problem(
+            "zero_optimization.zenflow", config.zero_optimization.zenflow, "ZenFlow is not implemented: it "
+            "applies the less important gradients some steps late, a different update from plain ZeRO",
+            "remove zero_optimization.zenflow (rayzero steps every gradient at once; offload_optimizer "
+            "with the step overlapped with backward is the nearest)"))
+    autocast = config.torch_autocast
+    if isinstance(autocast, dict) and str(autocast.get("enabled", False)).lower() == "true":
+        problems.append(Problem(
+            "torch_autocast.enabled", True, "torch.autocast mixed precision is not implemented: the "
+            "forward pass would run in fp32 where DeepSpeed runs it in "
+            f"{autocast.get('dtype', 'bfloat16')}", "use \"bf16\": {\"enabled\": true} (or fp16) instead"))

@@ -59,7 +59,8 @@ class ZeroConfig(ConfigModel):
     offload_optimizer: Optional[OffloadOptimizerConfig] = None
     """Offload optimizer state and the optimizer step to CPU or NVMe (stages 1-3)."""
     zenflow: Optional[dict[str, Any]] = Field(None, json_schema_extra=_TODO)
-    """ZenFlow stall-free offload options; recognised, not implemented."""
+    """ZenFlow stall-free offload options; recognised, not implemented: refused before training (it
+    applies part of each update steps late)."""
     sub_group_size: Int = Field(1_000_000_000, ge=0, json_schema_extra=_S3)
     """Stage 3: elements per optimizer sub-group; with NVMe optimizer offload (any stage) the tile the
     step swaps in and out, which bounds the host memory the step needs."""

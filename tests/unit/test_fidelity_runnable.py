@@ -53,6 +53,25 @@ def test_offload_modes_are_runnable():
                                          "offload_param": {"device": "cpu"}}}) == {}
 
 
+@pytest.mark.parametrize("source, path", [
+    ({"tensor_parallel": {"autotp_size": 2}}, "tensor_parallel.autotp_size"),
+    ({"sequence_parallel_size": 4}, "sequence_parallel_size"),
+    ({"zero_optimization": {"stage": 2, "zenflow": {"topk_ratio": 0.05}}}, "zero_optimization.zenflow"),
+    ({"torch_autocast": {"enabled": True, "dtype": "bfloat16"}}, "torch_autocast.enabled"),
+])
+def test_deepspeed_features_that_change_what_is_trained_are_refused(source, path):
+    assert load_config({**BATCH, **source})  # DeepSpeed accepts each
+    assert set(_paths(source)) == {path}
+
+
+@pytest.mark.parametrize("source", [
+    {"tensor_parallel": {"autotp_size": 1}}, {"sequence_parallel_size": 1}, {"torch_autocast": {"enabled": False}},
+    {"zero_optimization": {"stage": 3, "zero_quantized_weights": True}},  # precision only: warned
+])
+def test_their_neutral_settings_run(source):
+    assert _paths(source) == {}
+
+
 def test_config_validate_refuses_what_cannot_run(tmp_path, capsys):
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({**BATCH, "optimizer": {"type": "Lamb", "params": {"lr": 1e-3}}}))
