@@ -13,6 +13,7 @@ from rayzero.engine.config_resolution import resolve_config
 from rayzero.engine.data import build_dataloader
 from rayzero.engine.distributed import compute_device, init_distributed
 from rayzero.engine.engine import StepPolicy, ZeroEngine, ensure_not_wrapped
+from rayzero.engine.logs import show_engine_logs
 from rayzero.engine.loss_scaler import build_loss_scaler
 from rayzero.engine.offload import build_offload_backend
 from rayzero.engine.offload_overlap import overlap_allowed
@@ -39,6 +40,7 @@ def initialize(model: torch.nn.Module | None = None, config: Any = None,
     if model is None:
         raise RayZeroValueError("rayzero.initialize needs model=: the torch.nn.Module to train")
     ensure_not_wrapped(model)  # before anything touches its parameters ([Note: one engine per module])
+    show_engine_logs()
     if not dist.is_initialized() and "WORLD_SIZE" in os.environ:
         init_distributed()
     comm = Communicator(process_group)
