@@ -253,10 +253,10 @@ def assemble_masters(per_rank: list[CaseResult]) -> dict[str, torch.Tensor]:
     return {name: tensor for name, tensor in full.items()}
 
 
-def reference_run(world: int, case: Case, model_factory: Callable = build_model
+def reference_run(world: int, case: Case, model_factory: Callable = build_model, gradient_factor: float = 1.0
                   ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Single-process fp32 torch on the whole global batch: the losses and trainable parameters
-    a correct data-parallel run must reproduce."""
+    a correct data-parallel run must reproduce (with every gradient times `gradient_factor`)."""
     model = model_factory()
     if case.optimizer == "adamw":
         optimizer = torch.optim.AdamW(param_groups(model), lr=LR)
@@ -266,7 +266,7 @@ def reference_run(world: int, case: Case, model_factory: Callable = build_model
     for step in range(case.steps):
         tokens, targets = global_batch(step, world * case.gas * case.micro_batch)
         loss = model(tokens, targets)
-        loss.backward()
+        (loss * gradient_factor if gradient_factor != 1.0 else loss).backward()
         if case.clip > 0:
             torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], case.clip)
         optimizer.step()
