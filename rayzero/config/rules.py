@@ -12,7 +12,7 @@ from pydantic.fields import FieldInfo
 
 from rayzero.config.base import NOT_STAGE3, REMOVED, STAGE3_ONLY, UNIMPLEMENTED
 from rayzero.config.convert import to_problem
-from rayzero.config.errors import Problem, nearest
+from rayzero.config.errors import Problem, as_json, nearest
 from rayzero.config.model import RayZeroConfig
 from rayzero.config.params import OPTIMIZER_PARAMS, RECOGNISED_OPTIMIZERS, SCHEDULER_PARAMS
 
@@ -200,6 +200,17 @@ def _optimizer(config: RayZeroConfig, notes: list[str], problems: list[Problem])
     if config.optimizer is None:
         return
     name = config.optimizer.type
+    if "max_grad_norm" in config.optimizer.params:
+        # DeepSpeed 0.19's engine refuses this key for every optimizer type it builds from the config
+        # (runtime/engine.py, _configure_basic_optimizer); its config parser does not look at params.
+        # With a client optimizer DeepSpeed ignores the section, which rayzero refuses (both given).
+        clipping = as_json(config.gradient_clipping)
+        problems.append(Problem(
+            "optimizer.params.max_grad_norm", config.optimizer.params["max_grad_norm"],
+            "not an optimizer parameter: gradient clipping is the top-level `gradient_clipping` "
+            "(DeepSpeed refuses this key too when it builds the optimizer)",
+            f"remove it; `gradient_clipping` is {clipping} here"))
+        config.optimizer.params = {k: v for k, v in config.optimizer.params.items() if k != "max_grad_norm"}
     model = OPTIMIZER_PARAMS.get(name.lower())
     if model is not None:
         _check_params(config.optimizer, model, "optimizer", problems)

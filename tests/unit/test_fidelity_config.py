@@ -71,6 +71,17 @@ def test_removed_features_are_refused_only_when_enabled():
     assert any(note.startswith("ignored: `progressive_layer_drop` is disabled") for note in config.notes)
 
 
+def test_max_grad_norm_in_optimizer_params_is_refused_as_deepspeeds_engine_refuses_it():
+    """DeepSpeedConfig accepts it (params are not parsed); deepspeed.initialize raises ValueError
+    for it when building the optimizer from the config (runtime/engine.py)."""
+    for kind in ("AdamW", "Lamb"):
+        problems = _problems({"optimizer": {"type": kind, "params": {"lr": 1e-4, "max_grad_norm": 0.5}},
+                              "gradient_clipping": 0.5})
+        assert list(problems) == ["optimizer.params.max_grad_norm"]
+        text = problems["optimizer.params.max_grad_norm"]
+        assert "gradient_clipping" in text and "0.5" in text and "unknown key" not in text
+
+
 def test_malformed_compile_names_the_key():
     text = _problems({"compile": {"backend": "inductor"}})["compile.backend"]
     assert "unknown key" in text

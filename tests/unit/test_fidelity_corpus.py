@@ -36,6 +36,11 @@ DELIBERATE = {
     "DeepSpeedExamples__inference__sglang__ds_offload_nvme_gds.json": (
         True, "aio.use_gds: DeepSpeed refuses it without a CUDA accelerator (so its verdict depends on the "
               "machine); rayzero warns that GPUDirect Storage is not implemented and reads with its thread pool"),
+    "Megatron-DeepSpeed__examples_deepspeed__curriculum_learning__ds_zero_stage_1_config_baseline.json": (
+        False, "optimizer.params.max_grad_norm: DeepSpeedConfig never reads optimizer params, but DeepSpeed's "
+               "engine refuses this key when it builds the optimizer (engine.py _configure_basic_optimizer) and "
+               "ignores the whole section under a client optimizer, which rayzero refuses; rayzero refuses at "
+               "load and points to gradient_clipping"),
 }
 """File -> (rayzero's verdict, why it may differ from DeepSpeed's on purpose)."""
 
