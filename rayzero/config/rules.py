@@ -52,12 +52,14 @@ def _grad_accum_dtype(config: RayZeroConfig, notes: list[str]) -> None:
     if asked is None or isinstance(config.fp16.enabled, str) or isinstance(config.bf16.enabled, str):
         return
     stage = config.zero_optimization.stage
-    done = "fp32" if stage >= 2 else config.compute_dtype
+    # stages 2-3 reduce each micro step into fp32 master gradients; stages 0-1 accumulate in the
+    # compute dtype, or in fp32 when asked ([Note: fp32 gradient accumulation] in engine/flat_strategy.py)
+    done = "fp32" if stage >= 2 or asked == "fp32" else config.compute_dtype
     if asked != done:
         notes.append(f"ignored: `data_types.grad_accum_dtype` = {asked!r}: at ZeRO stage {stage} with "
                      f"{config.compute_dtype} compute rayzero accumulates gradients in {done} "
                      + ("(each micro step is reduced into the fp32 master gradients)" if stage >= 2 else
-                        "(stages 0-1 accumulate in the compute dtype; use stage 2 for fp32 accumulation)"))
+                        "(stages 0-1 accumulate in the compute dtype, or in fp32 when asked)"))
 
 
 def _precision(config: RayZeroConfig, problems: list[Problem]) -> None:

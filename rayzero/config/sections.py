@@ -157,8 +157,9 @@ class DataTypesConfig(ConfigModel):
 
     grad_accum_dtype: Optional[Literal["fp32", "fp16", "bf16"]] = None
     """dtype gradients accumulate in across micro steps. rayzero accumulates in fp32 at ZeRO stages
-    2-3 (each micro step is reduced into the fp32 master gradients) and in the compute dtype at
-    stages 0-1; a different request is warned about."""
+    2-3 (each micro step is reduced into the fp32 master gradients); at stages 0-1 in the compute
+    dtype, or in fp32 when this says "fp32" (DeepSpeed's BF16_Optimizer); a different request is
+    warned about."""
     param_dtype: Optional[str] = Field(None, json_schema_extra=_TODO)
     """dtype parameters are loaded in; recognised, not implemented."""
     buffer_dtype: Optional[str] = Field(None, json_schema_extra=_TODO)

@@ -14,6 +14,15 @@ order (NCCL requires that). A parameter that gets no gradient (unused in this fo
 `after_backward` launches the buckets still waiting, treating that gradient as zero, or raises when
 `ignore_unused_parameters` is false. With `overlap_comm` the collectives run asynchronously while
 backward continues; they are waited for before the step or before the next backward.
+
+[Note: fp32 gradient accumulation]
+Stages 0-1 keep full gradients between boundaries. By default `param.grad` is a view of the
+bucket's flat gradient buffer, in the compute dtype, so autograd accumulates micro steps in place
+(DeepSpeed's default: gradients accumulate in the model's dtype). With `data_types.grad_accum_dtype:
+"fp32"` under bf16/fp16 (DeepSpeed's BF16_Optimizer) the buffer is fp32 instead and cannot be a
+`.grad` of a 16-bit parameter: each micro step's 16-bit gradient is copied (first micro step of the
+window) or added (later ones) into its fp32 slot by the hook, and `param.grad` is dropped at once.
+The boundary reduction then sends the fp32 sums, cast to the communication dtype as DeepSpeed does.
 """
 from __future__ import annotations
 
@@ -55,6 +64,10 @@ class Bucket:
     grad_buffer: torch.Tensor | None = None
     """Stages 0-1: compute-dtype flat gradients that `param.grad` are views of."""
     grad_views: list[torch.Tensor] = field(default_factory=list)
+    """Each parameter's slot of grad_buffer: its `.grad` itself, or its fp32 accumulator
+    ([Note: fp32 gradient accumulation])."""
+    accumulated: list[bool] = field(default_factory=list)
+    """fp32 accumulation: which slots hold a gradient of the current window already."""
     fired: list[bool] = field(default_factory=list)
     remaining: int = 0
     master_range: tuple[int, int] = (0, 0)
@@ -85,6 +98,8 @@ class BucketedStrategy(ZeroStrategy):
         self.master_rank = ctx.comm.rank if self.partitions_optimizer_state else 0
         # fp32 compute on the device where masters live: the master *is* the parameter (no copy).
         self.aliased = (ctx.precision.param_dtype == torch.float32 and ctx.offload.may_alias(ctx.device))
+        # [Note: fp32 gradient accumulation]: stages 0-1 only (stages 2-3 accumulate into fp32 masters)
+        self.separate_accumulator = self.keeps_full_gradients and ctx.precision.accumulate_dtype is not None
         self.buckets: list[Bucket] = []
         optimizer_groups = []
         for group_index, group in enumerate(ctx.param_groups):
@@ -159,10 +174,15 @@ class BucketedStrategy(ZeroStrategy):
     def _init_gradient_storage(self, bucket: Bucket) -> None:
         """Allocate bucket.grad_buffer / grad_views (stages 0-1) and bucket.master_grad."""
 
-    @staticmethod
-    def _attach_full_gradient_buffer(bucket: Bucket) -> None:
+    def _attach_full_gradient_buffer(self, bucket: Bucket) -> None:
         """Stages 0-1: one full-size gradient buffer per bucket, each param's `.grad` a view of it,
-        so autograd accumulates straight into the buffer the collective reduces."""
+        so autograd accumulates straight into the buffer the collective reduces (or, accumulating in
+        fp32, the buffer of their fp32 sums: [Note: fp32 gradient accumulation])."""
+        if self.separate_accumulator:
+            bucket.grad_buffer = torch.zeros_like(bucket.param_buffer, dtype=self.precision.accumulate_dtype)
+            bucket.grad_views = [bucket.grad_buffer[s.offset:s.end] for s in bucket.layout.slots]
+            bucket.accumulated = [False] * len(bucket.params)
+            return
         bucket.grad_buffer = torch.zeros_like(bucket.param_buffer)
         bucket.grad_views = [bucket.grad_buffer[s.offset:s.end].view_as(p)
                              for s, p in zip(bucket.layout.slots, bucket.params)]
@@ -186,7 +206,15 @@ class BucketedStrategy(ZeroStrategy):
     def _grad_ready(self, bucket: Bucket, slot_index: int, param: torch.Tensor) -> None:
         if not self._owns(bucket, slot_index, param):
             return
-        if self.keeps_full_gradients:
+        if self.separate_accumulator:  # [Note: fp32 gradient accumulation]
+            slot = bucket.grad_views[slot_index]
+            if bucket.accumulated[slot_index]:
+                slot.add_(param.grad.reshape(-1))
+            else:
+                slot.copy_(param.grad.reshape(-1))
+                bucket.accumulated[slot_index] = True
+            param.grad = None
+        elif self.keeps_full_gradients:
             view = bucket.grad_views[slot_index]
             if param.grad is not view:  # first gradient of the window (or a user reset .grad)
                 view.copy_(param.grad)
@@ -261,7 +289,13 @@ class BucketedStrategy(ZeroStrategy):
                 f"parameters {unused[:8]} received no gradient in this backward pass; "
                 "set zero_optimization.ignore_unused_parameters=true to treat their gradient as zero, "
                 "or set requires_grad=False on parameters the model does not use")
-        if self.keeps_full_gradients:  # an unused parameter's slot must read zero, not last step's
+        if self.separate_accumulator:  # an unused parameter's slot must read zero, not last step's
+            for bucket in self.buckets:
+                for index, done in enumerate(bucket.accumulated):
+                    if not done:
+                        bucket.grad_views[index].zero_()
+                        bucket.accumulated[index] = True
+        elif self.keeps_full_gradients:
             for bucket in self.buckets:
                 for param, view in zip(bucket.params, bucket.grad_views):
                     if param.grad is not view:
@@ -303,6 +337,7 @@ class BucketedStrategy(ZeroStrategy):
         for bucket in self.buckets:
             if not self.keeps_full_gradients and bucket.master_grad is not None:
                 bucket.master_grad.zero_()
+            bucket.accumulated = [False] * len(bucket.accumulated)
             for param in bucket.params:
                 param.grad = None
 

@@ -35,6 +35,9 @@ class MixedPrecisionPolicy:
     """dtype gradients travel in (`communication_data_type`; default: param_dtype)."""
     master_dtype: torch.dtype = torch.float32
     """Master weights and optimizer state: fp32 always, as in DeepSpeed."""
+    accumulate_dtype: torch.dtype | None = None
+    """dtype gradients accumulate in across micro steps at stages 0-1 (`data_types.grad_accum_dtype`);
+    None: param_dtype (the gradients themselves). Stages 2-3 accumulate into fp32 master gradients."""
 
     @classmethod
     def from_config(cls, cfg: RayZeroConfig) -> MixedPrecisionPolicy:
@@ -53,7 +56,10 @@ class MixedPrecisionPolicy:
             reduce_dtype = _DTYPES[comm]
         else:
             raise RayZeroValueError(f"communication_data_type={comm!r} is not supported: use fp32, fp16 or bf16")
-        return cls(precision, param_dtype, reduce_dtype)
+        # Only fp32 accumulation of 16-bit gradients is honoured (the config warns about other asks).
+        fp32_accumulation = cfg.data_types.grad_accum_dtype == "fp32" and param_dtype != torch.float32
+        return cls(precision, param_dtype, reduce_dtype,
+                   accumulate_dtype=torch.float32 if fp32_accumulation else None)
 
 
 @dataclass(frozen=True)

@@ -145,8 +145,8 @@ def test_each_note_is_printed_once(caplog):
 
 
 @pytest.mark.parametrize("stage, compute, asked, warned", [
-    (2, "bf16", "fp32", False), (3, "bf16", "fp32", False), (1, "bf16", "fp32", True), (0, "fp32", "fp32", False),
-    (3, "bf16", "bf16", True),
+    (2, "bf16", "fp32", False), (3, "bf16", "fp32", False), (1, "bf16", "fp32", False), (0, "bf16", "fp32", False),
+    (0, "fp32", "fp32", False), (3, "bf16", "bf16", True), (1, "fp32", "bf16", True),
 ])
 def test_grad_accum_dtype_is_honoured_or_warned(stage, compute, asked, warned):
     config = load_config({**BATCH, "zero_optimization": {"stage": stage}, "data_types": {"grad_accum_dtype": asked},
