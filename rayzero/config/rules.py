@@ -168,7 +168,8 @@ def _flagged_fields(config: RayZeroConfig, notes: list[str]) -> None:
         extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
         if not extra or _is_default(field, value):
             continue
-        if extra.get(UNIMPLEMENTED):
+        # a key that does not apply at stage 3 gets that note below, not a second one
+        if extra.get(UNIMPLEMENTED) and not _asks_nothing(key, value) and not (extra.get(NOT_STAGE3) and stage == 3):
             notes.append(f"recognised but not implemented: `{key}` = {_short(value)} is accepted and ignored")
         # offload_param and ratio below stage 3 are errors (see _offload), not warnings.
         # NVMe optimizer offload tiles its swap by sub_group_size at every stage ([Note: NVMe tiles]).
@@ -179,6 +180,31 @@ def _flagged_fields(config: RayZeroConfig, notes: list[str]) -> None:
         if extra.get(NOT_STAGE3) and stage == 3:
             notes.append(f"ignored: `{key}` = {_short(value)} does not apply to ZeRO stage 3 "
                          "(stage 3 gathers parameters with stage3_prefetch_bucket_size)")
+
+
+_NOTHING_ASKED: dict[str, tuple[Any, ...]] = {
+    "prescale_gradients": (False,), "gradient_predivide_factor": (1.0,), "memory_breakdown": (False,),
+    "dump_state": (False,), "dataloader_drop_last": (False,), "disable_allgather": (False,),
+    "use_data_before_expert_parallelism": (False,), "sequence_parallel_size": (1,),
+    "zero_force_ds_cpu_optimizer": (True, False),  # rayzero's CPU step takes any optimizer either way
+}
+"""Values of recognised, unimplemented keys that ask DeepSpeed for nothing (its defaults, mostly):
+written out by many real configs, they need no warning."""
+
+
+def _asks_nothing(key: str, value: Any) -> bool:
+    """Whether a recognised but unimplemented key's value leaves DeepSpeed doing what rayzero does:
+    a listed value, a section with `"enabled": false`, or AutoTP of degree 1."""
+    if isinstance(value, dict):
+        if "enabled" in value:
+            return str(value["enabled"]).lower() == "false"
+        if key == "tensor_parallel":
+            degrees = [value.get("autotp_size"), (value.get("tp") or {}).get("tp_size")]
+            return all(not isinstance(d, (int, float)) or d <= 1 for d in degrees)
+        return False
+    # booleans by identity (1 is not `true` here), numbers by value (1 is 1.0)
+    return any(value is nothing if isinstance(value, bool) or isinstance(nothing, bool) else value == nothing
+               for nothing in _NOTHING_ASKED.get(key, ()))
 
 
 def _short(value: Any) -> str:

@@ -138,6 +138,7 @@ def _changes_what_is_trained(config: RayZeroConfig, problems: list[Problem]) -> 
     autocast = config.torch_autocast
     if isinstance(autocast, dict) and str(autocast.get("enabled", False)).lower() == "true":
         problems.append(Problem(
-            "torch_autocast.enabled", True, "torch.autocast mixed precision is not implemented: the "
-            "forward pass would run in fp32 where DeepSpeed runs it in "
-            f"{autocast.get('dtype', 'bfloat16')}", "use \"bf16\": {\"enabled\": true} (or fp16) instead"))
+            "torch_autocast.enabled", True, "torch.autocast mixed precision is not implemented: DeepSpeed "
+            f"runs the forward under torch.autocast({autocast.get('dtype', 'bfloat16')}), each op in the dtype "
+            f"autocast picks for it; rayzero would run every op in {config.compute_dtype}",
+            "remove torch_autocast and use \"bf16\": {\"enabled\": true} (or fp16) for 16-bit compute"))

@@ -154,6 +154,20 @@ def test_grad_accum_dtype_is_honoured_or_warned(stage, compute, asked, warned):
     assert any("data_types.grad_accum_dtype" in note for note in config.notes) == warned
 
 
+def test_unimplemented_keys_warn_only_when_they_ask_for_something():
+    asks_nothing = {"prescale_gradients": False, "gradient_predivide_factor": 1, "memory_breakdown": False,
+                    "tensor_parallel": {"autotp_size": 1}, "torch_autocast": {"enabled": False},
+                    "flops_profiler": {"enabled": False, "profile_step": 1}, "sequence_parallel_size": 1}
+    assert not [note for note in load_config({**BATCH, **asks_nothing}).notes if "not implemented" in note]
+    asks = {"prescale_gradients": True, "gradient_predivide_factor": 2.0, "flops_profiler": {"enabled": True}}
+    notes = load_config({**BATCH, **asks}).notes
+    assert all(any(f"`{key}`" in note and "not implemented" in note for note in notes) for key in asks), notes
+    # a stage-0-2 key at stage 3 gets the one note that says it does not apply there
+    stage3 = load_config({**BATCH, "zero_optimization": {"stage": 3, "allgather_bucket_size": 2e8}}).notes
+    assert [note for note in stage3 if "allgather_bucket_size" in note] == [
+        note for note in stage3 if "does not apply to ZeRO stage 3" in note] != []
+
+
 def test_keys_that_do_nothing_here_say_so():
     config = load_config({**BATCH, "zero_optimization": {"stage": 0, "overlap_comm": False,
                                                          "load_from_fp32_weights": False,
