@@ -100,7 +100,6 @@ def _scheduler(config: RayZeroConfig, problems: list[Problem]) -> None:
                                 f"use one of: {', '.join(SCHEDULER_PARAMS)}"))
 
 
-
 def _degree(section: object, *keys: str) -> int:
     """The first integer found under `keys` (nested dicts), else 1."""
     for key in keys:

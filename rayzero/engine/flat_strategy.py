@@ -62,7 +62,8 @@ class Bucket:
     """This rank's fp32 master piece of the bucket (a view of param_buffer when fp32 on-device)."""
     master_grad: torch.Tensor | None = None
     grad_buffer: torch.Tensor | None = None
-    """Stages 0-1: compute-dtype flat gradients that `param.grad` are views of."""
+    """Stages 0-1: compute-dtype flat gradients that `param.grad` are views of (fp32 sums that
+    are not, with fp32 accumulation)."""
     grad_views: list[torch.Tensor] = field(default_factory=list)
     """Each parameter's slot of grad_buffer: its `.grad` itself, or its fp32 accumulator
     ([Note: fp32 gradient accumulation])."""
