@@ -7,9 +7,10 @@ its own logger, which writes INFO to stderr by default. rayzero logs the same li
 `rayzero.engine` loggers, which Python would drop (no handler: only WARNING reaches stderr). So the
 first `rayzero.initialize` gives `rayzero.engine` a stderr handler at INFO, unless the program
 configured it already. (Config notes stay as they were: their warnings print, their "auto:"
-resolutions are INFO for whoever asks, and `rayzero config validate` prints them all.) The handler steps aside whenever the root logger has a handler (a program
-that calls `logging.basicConfig`, pytest's capture, Ray's worker logging): records propagate there
-instead, so no line is printed twice.
+resolutions are INFO for whoever asks, and `rayzero config validate` prints them all.) The handler
+steps aside whenever the root logger has a handler (a program that calls `logging.basicConfig`,
+pytest's capture, Ray's worker logging): records propagate there instead, so no line is printed
+twice.
 """
 from __future__ import annotations
 

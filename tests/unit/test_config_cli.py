@@ -89,7 +89,7 @@ def test_validate_prints_each_note_once(tmp_path):
                                                       "offload_param": {"device": "cpu"}}}))
     run = subprocess.run([sys.executable, "-c", "import sys; from rayzero.cli import main; sys.exit(main(sys.argv[1:]))",
                           "config", "validate", str(path)], capture_output=True, text=True, timeout=60,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+                         check=False, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert run.returncode == 0, run.stderr
     assert run.stderr.count("only applies to ZeRO stage 3") == 1, run.stderr
     assert run.stderr.count("rounded: zero_optimization.reduce_bucket_size") == 1, run.stderr
