@@ -18,6 +18,7 @@ _LAZY = {
     "RayZeroError": "rayzero.config",  # base of every user-facing error
     # the training-loop API, DeepSpeed's shapes (rayzero.engine)
     "initialize": "rayzero.engine",
+    "add_config_arguments": "rayzero.engine",
     "init_distributed": "rayzero.engine",
     "ZeroEngine": "rayzero.engine",
     # the driver API, Ray Train's shapes (rayzero.driver)

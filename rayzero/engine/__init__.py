@@ -8,10 +8,10 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-_LAZY = {"initialize": "rayzero.engine.api", "init_distributed": "rayzero.engine.distributed",
-         "ZeroEngine": "rayzero.engine.engine"}
+_LAZY = {"initialize": "rayzero.engine.api", "add_config_arguments": "rayzero.engine.api",
+         "init_distributed": "rayzero.engine.distributed", "ZeroEngine": "rayzero.engine.engine"}
 
-__all__ = ["ZeroEngine", "init_distributed", "initialize"]
+__all__ = ["ZeroEngine", "add_config_arguments", "init_distributed", "initialize"]
 
 
 def __getattr__(name: str) -> Any:

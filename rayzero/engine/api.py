@@ -24,24 +24,40 @@ from rayzero.engine.schedulers import build_scheduler
 from rayzero.engine.strategy import StrategyContext, build_strategy
 
 
-def initialize(model: torch.nn.Module | None = None, config: Any = None,
-               model_parameters: Any = None, optimizer: torch.optim.Optimizer | None = None,
-               lr_scheduler: Any = None, training_data: Any = None, collate_fn: Any = None,
+def initialize(args: Any = None, model: torch.nn.Module | None = None,
+               optimizer: torch.optim.Optimizer | None = None, model_parameters: Any = None,
+               training_data: Any = None, lr_scheduler: Any = None, distributed_port: int | None = None,
+               mpu: Any = None, dist_init_required: bool | None = None, collate_fn: Any = None,
+               config: Any = None, mesh_param: Any = None, config_params: Any = None,
                process_group: dist.ProcessGroup | None = None,
                ) -> tuple[ZeroEngine, torch.optim.Optimizer, Any, Any]:
     """Wrap `model` for ZeRO training: returns `(engine, optimizer, dataloader, lr_scheduler)`.
 
-    `config` is a path, JSON text, dict or `RayZeroConfig`; None reads $RAYZERO_CONFIG (a path or
-    JSON text). Uses the default process group, initialising it from RANK/WORLD_SIZE/MASTER_ADDR/
-    MASTER_PORT when those are set; with neither, trains as a world of one. `optimizer` (a torch
+    `deepspeed.initialize`'s parameters, in its order. `config` is a path, JSON text, dict or
+    `RayZeroConfig`; else `args.deepspeed_config` (an argparse namespace from a parser given
+    `rayzero.add_config_arguments`), else `config_params`, else $RAYZERO_CONFIG (a path or JSON
+    text). Uses `process_group` or the default process group, initialising it from RANK/WORLD_SIZE/
+    MASTER_ADDR/MASTER_PORT (`distributed_port` when MASTER_PORT is unset) unless
+    `dist_init_required=False`; with none of them, trains as a world of one. `optimizer` (a torch
     optimizer over the model's parameters) and `lr_scheduler` (a scheduler or a callable taking the
-    optimizer) replace the config's `optimizer` / `scheduler` sections.
+    optimizer) replace the config's `optimizer` / `scheduler` sections. `mpu` and `mesh_param`
+    (model or sequence parallelism) are refused: rayzero is data parallel.
     """
+    if model is None and isinstance(args, torch.nn.Module):  # initialize(model, ...): rayzero's older order
+        args, model = None, args
     if model is None:
         raise RayZeroValueError("rayzero.initialize needs model=: the torch.nn.Module to train")
+    config = _config_source(args, config, config_params)
+    for name, value in (("mpu", mpu), ("mesh_param", mesh_param)):
+        if value is not None:
+            raise RayZeroValueError(
+                f"rayzero.initialize({name}=...): model/sequence parallel groups are not supported (rayzero "
+                f"trains data parallel, with ZeRO sharding across every rank); remove {name}")
     ensure_not_wrapped(model)  # before anything touches its parameters ([Note: one engine per module])
     show_engine_logs()
-    if not dist.is_initialized() and "WORLD_SIZE" in os.environ:
+    if not dist.is_initialized() and "WORLD_SIZE" in os.environ and dist_init_required is not False:
+        if distributed_port is not None:
+            os.environ.setdefault("MASTER_PORT", str(distributed_port))
         init_distributed()
     comm = Communicator(process_group)
     cfg = resolve_config(config, comm.world_size, model)
@@ -77,3 +93,26 @@ def initialize(model: torch.nn.Module | None = None, config: Any = None,
     engine.training_dataloader = loader
     comm.discard_current()  # initial broadcasts belong to no step
     return engine, strategy.optimizer, loader, scheduler
+
+
+def _config_source(args: Any, config: Any, config_params: Any) -> Any:
+    """The config `deepspeed.initialize` would use: `config`, `args.deepspeed_config` (or the older
+    `args.deepscale_config`), then `config_params`; two of them at once is an error, as there."""
+    from_args = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
+    if from_args is not None and config is not None:
+        raise RayZeroValueError(
+            f"rayzero.initialize got a config twice: config= and args.deepspeed_config={from_args!r}; "
+            "pass one of them")
+    return config if config is not None else from_args if from_args is not None else config_params
+
+
+def add_config_arguments(parser: Any) -> Any:
+    """`deepspeed.add_config_arguments`: adds `--deepspeed`, `--deepspeed_config` (and the older
+    `--deepscale`, `--deepscale_config`) to an argparse parser, for `initialize(args=...)`."""
+    group = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations (rayzero)")
+    group.add_argument("--deepspeed", default=False, action="store_true",
+                       help="enable DeepSpeed-style training (accepted for compatibility)")
+    group.add_argument("--deepspeed_config", default=None, type=str, help="DeepSpeed json configuration file.")
+    group.add_argument("--deepscale", default=False, action="store_true", help="deprecated: --deepspeed")
+    group.add_argument("--deepscale_config", default=None, type=str, help="deprecated: --deepspeed_config")
+    return parser
