@@ -30,6 +30,7 @@ from rayzero.config.errors import RayZeroRuntimeError, RayZeroValueError
 from rayzero.engine import activation_checkpointing, optim_state
 from rayzero.engine.comm import Communicator
 from rayzero.engine.distributed import compute_device
+from rayzero.engine.engine_accessors import DeepSpeedAccessors
 from rayzero.engine.monitor import StepTimers, build_monitor, progress_line
 from rayzero.engine.policies import MixedPrecisionPolicy, Precision
 from rayzero.engine.strategy import ZeroStrategy
@@ -112,8 +113,9 @@ def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
     return value
 
 
-class ZeroEngine:
-    """Runs forward, backward and the optimizer step of one rank (see [Note: engine step])."""
+class ZeroEngine(DeepSpeedAccessors):
+    """Runs forward, backward and the optimizer step of one rank (see [Note: engine step]);
+    DeepSpeed's accessors (`get_lr`, `train_batch_size`, ...) come from engine_accessors.py."""
 
     def __init__(self, module: torch.nn.Module, strategy: ZeroStrategy, comm: Communicator,
                  precision: MixedPrecisionPolicy, step_policy: StepPolicy, loss_scaler: Any,
@@ -134,6 +136,7 @@ class ZeroEngine:
         self.micro_steps = 0  # backward passes completed by step()
         self.skipped_steps = 0  # fp16 overflows
         self.last_step_overflowed = False
+        self.step_applied = False  # the last step() updated the weights (DeepSpeed's was_step_applied)
         self.last_grad_norm: float | None = None  # unscaled, before clipping; None when not computed
         self.phase = Phase.IDLE
         self.checkpointer = None  # built by rayzero.engine.checkpoint_io on the first save/load
@@ -148,46 +151,6 @@ class ZeroEngine:
         if "activation_checkpointing" in config.model_fields_set:
             # [Note: activation checkpointing settings]: the config's section, as if configure() was called
             activation_checkpointing.configure_from_section(config.activation_checkpointing)
-
-    # ---- DeepSpeed-shaped API ---------------------------------------------------------------
-    @property
-    def optimizer(self) -> torch.optim.Optimizer:
-        return self.strategy.optimizer
-
-    @property
-    def device(self) -> torch.device:
-        return next(iter(self.module.parameters())).device
-
-    @property
-    def world_size(self) -> int:
-        return self.comm.world_size
-
-    @property
-    def global_rank(self) -> int:
-        return self.comm.rank
-
-    def gradient_accumulation_steps(self) -> int:
-        return self.step_policy.gradient_accumulation_steps
-
-    def train_micro_batch_size_per_gpu(self) -> int | None:
-        return self.step_policy.micro_batch_size
-
-    def train_batch_size(self) -> int | None:
-        micro = self.step_policy.micro_batch_size
-        return None if micro is None else micro * self.gradient_accumulation_steps() * self.world_size
-
-    def is_gradient_accumulation_boundary(self) -> bool:
-        return (self.micro_steps + 1) % self.step_policy.gradient_accumulation_steps == 0
-
-    def get_lr(self) -> list[float]:
-        return [group["lr"] for group in self.optimizer.param_groups]
-
-    def train(self, mode: bool = True) -> ZeroEngine:
-        self.module.train(mode)
-        return self
-
-    def eval(self) -> ZeroEngine:
-        return self.train(False)
 
     def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
         return self.forward(*inputs, **kwargs)
@@ -244,6 +207,7 @@ class ZeroEngine:
         if self.phase is not Phase.BACKWARD:
             raise RayZeroRuntimeError("engine.step() called without engine.backward(loss) since the last step")
         self.phase = Phase.IDLE
+        self.step_applied = False
         if not self.is_gradient_accumulation_boundary():
             self.micro_steps += 1
             return
@@ -251,6 +215,7 @@ class ZeroEngine:
             self.strategy.finish_gradients()
         with self.timers.time("step"):
             self.last_step_overflowed = self._apply_update()
+            self.step_applied = not self.last_step_overflowed
             self.strategy.zero_grad()
         self._report()
         self.micro_steps += 1

@@ -62,3 +62,26 @@ def test_two_configs_or_model_parallel_groups_are_refused(tmp_path):
         rayzero.initialize(args=args, model=torch.nn.Linear(3, 1), config=CONFIG)
     with pytest.raises(RayZeroValueError, match="remove mpu"):
         rayzero.initialize(model=torch.nn.Linear(3, 1), config=CONFIG, mpu=object())
+
+
+def test_the_accessors_trainers_read():
+    """HF's Trainer logs `get_global_grad_norm()`, Accelerate reads `was_step_applied()`."""
+    torch.manual_seed(0)
+    net, reference = torch.nn.Linear(3, 1), torch.nn.Linear(3, 1)
+    reference.load_state_dict(net.state_dict())
+    engine, _, _, _ = rayzero.initialize(model=net, config={**CONFIG, "gradient_accumulation_steps": 2,
+                                                            "gradient_clipping": 1.0})
+    inputs = torch.randn(2, 4, 3)
+    applied = []
+    for micro in range(2):
+        engine.backward(engine(inputs[micro]).pow(2).mean())
+        engine.step()
+        applied.append(engine.was_step_applied())
+        (reference(inputs[micro]).pow(2).mean() / 2).backward()
+    assert applied == [False, True]
+    expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0).item()
+    assert engine.get_global_grad_norm() == pytest.approx(expected, rel=1e-6)
+    assert engine.get_mom() == [0] and engine.zero_optimization_stage() == 0  # SGD without momentum
+    assert not engine.fp16_enabled() and not engine.bfloat16_enabled() and engine.gradient_clipping() == 1.0
+    assert [name for name, _ in engine.named_parameters()] == ["weight", "bias"]
+    engine.close()
