@@ -144,3 +144,16 @@ class UnimplementedSections(ConfigModel):
     """DeepSpeed's logger level; recognised, not implemented (use the `rayzero` logger)."""
     vocabulary_size: Optional[Any] = _todo()
     """Vocabulary size, for a tensor-core alignment warning; recognised, not implemented."""
+
+
+def tensor_parallel_degree(section: Any) -> int:
+    """The AutoTP degree a `tensor_parallel` section asks for (`autotp_size`, or the older
+    `tp.tp_size` / `tensor_parallel.tp_size`); 1 when it asks for none."""
+    if not isinstance(section, dict):
+        return 1
+    for outer, inner in ((None, "autotp_size"), ("tp", "tp_size"), ("tensor_parallel", "tp_size")):
+        node = section.get(outer) if outer else section
+        value = node.get(inner) if isinstance(node, dict) else None
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return max(1, int(value))
+    return 1

@@ -13,6 +13,7 @@ from pydantic.fields import FieldInfo
 from rayzero.config.base import NOT_STAGE3, REMOVED, STAGE3_ONLY, UNIMPLEMENTED
 from rayzero.config.convert import to_problem
 from rayzero.config.errors import Problem, as_json, nearest
+from rayzero.config.extras import tensor_parallel_degree
 from rayzero.config.model import RayZeroConfig
 from rayzero.config.params import OPTIMIZER_PARAMS, RECOGNISED_OPTIMIZERS, SCHEDULER_PARAMS
 
@@ -199,8 +200,7 @@ def _asks_nothing(key: str, value: Any) -> bool:
         if "enabled" in value:
             return str(value["enabled"]).lower() == "false"
         if key == "tensor_parallel":
-            degrees = [value.get("autotp_size"), (value.get("tp") or {}).get("tp_size")]
-            return all(not isinstance(d, (int, float)) or d <= 1 for d in degrees)
+            return tensor_parallel_degree(value) == 1
         return False
     # booleans by identity (1 is not `true` here), numbers by value (1 is 1.0)
     return any(value is nothing if isinstance(value, bool) or isinstance(nothing, bool) else value == nothing

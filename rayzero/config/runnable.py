@@ -22,6 +22,7 @@ a lower dtype than the parameters.
 from __future__ import annotations
 
 from rayzero.config.errors import ConfigError, Problem
+from rayzero.config.extras import tensor_parallel_degree
 from rayzero.config.model import RayZeroConfig
 from rayzero.config.params import OPTIMIZER_PARAMS, RECOGNISED_OPTIMIZERS, SCHEDULER_PARAMS
 
@@ -100,21 +101,10 @@ def _scheduler(config: RayZeroConfig, problems: list[Problem]) -> None:
                                 f"use one of: {', '.join(SCHEDULER_PARAMS)}"))
 
 
-def _degree(section: object, *keys: str) -> int:
-    """The first integer found under `keys` (nested dicts), else 1."""
-    for key in keys:
-        node = section
-        for part in key.split("."):
-            node = node.get(part) if isinstance(node, dict) else None
-        if isinstance(node, (int, float)) and not isinstance(node, bool):
-            return int(node)
-    return 1
-
-
 def _changes_what_is_trained(config: RayZeroConfig, problems: list[Problem]) -> None:
     """Refuse implemented-in-DeepSpeed features whose absence would train something else
     ([Note: valid vs runnable])."""
-    tensor_parallel = _degree(config.tensor_parallel, "autotp_size", "tp.tp_size", "tensor_parallel.tp_size")
+    tensor_parallel = tensor_parallel_degree(config.tensor_parallel)
     if tensor_parallel > 1:
         problems.append(Problem(
             "tensor_parallel.autotp_size", tensor_parallel, "tensor parallelism (AutoTP) is not implemented: "
