@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	# DeepSpeed is the oracle of the fidelity, loss-scaler, scheduler and import tests; no ops built.
-	DS_BUILD_OPS=0 $(BIN)/pip install -q -e ".[dev,k8s,monitor,hf,plot,bench]"
+	DS_BUILD_OPS=0 $(BIN)/pip install -q -e ".[dev,k8s,monitor,hf,lightning,plot,bench]"
 	touch $(STAMP)
 
 # moto's S3 server for tests/ray/test_faults_s3.py, in a venv of its own: moto's botocore needs
