@@ -40,6 +40,8 @@ __all__ = ["Controller", "ControllerActor", "ControllerSettings", "ControllerUpd
 
 logger = logging.getLogger("rayzero.controller")
 
+MAX_STRAGGLERS_KEPT = 1000  # every update carries the list: the newest this many
+
 # attempt number, resume point, number of workers -> a fresh (not yet started) worker group
 GroupFactory = Callable[[int, str | None, int], WorkerGroup]
 
@@ -67,6 +69,8 @@ class ControllerUpdate:
     attempt: int = 0
     stragglers: list[Straggler] = field(default_factory=list)
     """Every straggler reported so far in the run ([Note: stragglers] in health.py)."""
+    dropped_reports: int = 0
+    """Reports dropped so far because the driver did not collect them ([Note: reporting never waits])."""
 
 
 @dataclass(frozen=True)
@@ -130,6 +134,8 @@ class Controller(PlannedStops):
         self._group: WorkerGroup | None = None
         self._target_workers = 0  # the size of the group being scheduled
         self._outbox: list[Report] = []  # reports not yet handed to the driver
+        self.max_outbox = 100_000  # the bound on that while the driver does not poll (it drops the rest)
+        self.dropped_reports = 0
         self._events: list[str] = []
         self._lock = threading.Lock()  # requests and take_update come from other threads
         self._requests: list[ControlRequest] = []  # recorded, not yet taken by step()
@@ -205,7 +211,9 @@ class Controller(PlannedStops):
         assert self._group is not None
         polled = self._group.poll(self._poll_timeout_s)
         with self._lock:
-            self._outbox.extend(polled.reports)
+            room = max(0, self.max_outbox - len(self._outbox))
+            self._outbox.extend(polled.reports[:room])
+            self.dropped_reports += max(0, len(polled.reports) - room)
         for item in polled.reports:
             if item.rank == 0:
                 self.last_rank0_report = item
@@ -304,7 +312,7 @@ class Controller(PlannedStops):
             beat = self.heartbeats.get(rank)
             if self._slow_rounds[rank] == policy.rounds and beat is not None:
                 found = Straggler(rank, beat.node_id, self.attempt, own, median, step_time)
-                self.stragglers.append(found)
+                self.stragglers = [*self.stragglers[-(MAX_STRAGGLERS_KEPT - 1):], found]
                 self._event(found.describe())
 
     def _check_drain(self) -> None:
@@ -394,6 +402,6 @@ class Controller(PlannedStops):
         with self._lock:
             update = ControllerUpdate(self.state, self._outbox, self.error, dict(self.timings), self._events,
                                       self.stopped, self.checkpoints.latest, self.failures, self.world_size,
-                                      self.attempt, list(self.stragglers))
+                                      self.attempt, list(self.stragglers), self.dropped_reports)
             self._outbox, self._events = [], []
         return update

@@ -7,7 +7,7 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,8 +39,9 @@ from rayzero.workers.boundary import CHECKPOINT_TIER_ENV, NODE_LOCAL_RESUME
 class Result:
     """What a finished run leaves behind."""
 
-    metrics_history: list[dict[str, Any]]
-    """Every dict rank 0 passed to `rayzero.report`, in order."""
+    metrics_history: Sequence[dict[str, Any]]
+    """Every dict rank 0 passed to `rayzero.report` in this call, in order, a re-run step once (its
+    newest report); read from the run's metrics.parquet when first used ([Note: metrics in parts])."""
     metrics: dict[str, Any] | None
     """The last of them (None if rank 0 never reported)."""
     checkpoint: str | None
@@ -221,16 +222,15 @@ def fit(
     workers = str(scaling.num_workers) if not scaling.elastic else f"{scaling.min_workers}:{scaling.max_workers}"
     print(f"[rayzero] run {name}: {workers} worker(s), storage {run_uri}", flush=True)
     try:
-        history, last_checkpoint, error, final = _stream(controller, progress, metrics_log, timings,
-                                                         fit_started_wall, failure.stop_timeout_s)
+        last_metrics, last_checkpoint, error, final = _stream(controller, progress, metrics_log, timings,
+                                                              fit_started_wall, failure.stop_timeout_s)
     finally:
         try:  # let a control call that ended the run (stop, kill) get its reply first
             ray.get(controller.quiesce.remote(2.0), timeout=5)
         except Exception as error:  # noqa: BLE001 - the controller may be gone already
             logging.getLogger("rayzero.driver").debug("controller quiesce: %s", error)
         ray.kill(controller)  # its workers and placement group go with it (fate sharing)
-        metrics_log.flush()
-    history = metrics_log.history() or history  # one entry per step: a re-run step replaces its earlier report
+        metrics_log.close()
     timings["total_s"] = time.monotonic() - fit_started
     timings.update(progress.rates())
     if wall_clock_breakdown:
@@ -238,7 +238,7 @@ def fit(
               + ", ".join(f"{key} {value:.2f}" for key, value in timings.items()), flush=True)
     if error is not None:
         raise error
-    if history:
+    if last_metrics is not None:
         print(progress.line(), flush=True)
     record = final.checkpoint if final is not None else None
     if record is not None:
@@ -253,8 +253,8 @@ def fit(
         print(f"[rayzero] run {name} stopped: {where}. Rerun with the same name ({name}) and storage to resume.",
               flush=True)
     return Result(
-        metrics_history=history,
-        metrics=history[-1] if history else None,
+        metrics_history=metrics_log.history(),
+        metrics=last_metrics,
         checkpoint=last_checkpoint,
         path=run_uri,
         timings=timings,
@@ -334,12 +334,14 @@ def _resume_same_name(name: str, run_uri: str, checkpoint_dir: str, node_local: 
 def _stream(
     controller: Any, progress: Progress, metrics_log: MetricsLog, timings: dict[str, float], started_wall: float,
     stop_timeout_s: float,
-) -> tuple[list[dict[str, Any]], str | None, TrainingFailedError | None, ControllerUpdate | None]:
-    """Long-poll the controller until the run ends: (rank 0's history, last checkpoint, error, final update).
+) -> tuple[dict[str, Any] | None, str | None, TrainingFailedError | None, ControllerUpdate | None]:
+    """Long-poll the controller until the run ends: (rank 0's newest report, last checkpoint, error,
+    final update). Each report costs O(1) here ([Note: reporting never waits] in metrics_log.py).
     Ctrl-C / SIGTERM meanwhile are a planned stop ([Note: driver signals])."""
     import ray
 
-    history: list[dict[str, Any]] = []
+    last_metrics: dict[str, Any] | None = None
+    dropped_said = 0
     last_checkpoint: str | None = None
     with StopSignals() as signals:
         try:
@@ -359,17 +361,21 @@ def _stream(
                                               if found.attempt == update.attempt})
                 for line in update.events:
                     print(f"[rayzero] {line}", flush=True)
+                if update.dropped_reports > dropped_said:
+                    dropped_said = update.dropped_reports
+                    print(f"[rayzero] metrics: the controller dropped {dropped_said} report(s) the driver did not "
+                          "collect in time; training was not slowed", flush=True)
                 for item in update.reports:
                     if "fit_to_first_report_s" not in timings:
                         timings["fit_to_first_report_s"] = max(0.0, item.time - started_wall)
                     if item.rank == 0:
-                        history.append(item.metrics)
+                        last_metrics = item.metrics
                     progress.observe(item)
                     metrics_log.add(item)
                     last_checkpoint = item.checkpoint or last_checkpoint
                 if update.state.is_terminal:
                     timings.update(update.timings)
                     error = update.error if update.state is RunState.ERRORED else None
-                    return history, last_checkpoint, error, update
+                    return last_metrics, last_checkpoint, error, update
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as died:
-            return history, last_checkpoint, TrainingFailedError(f"the rayzero controller actor died: {died}"), None
+            return last_metrics, last_checkpoint, TrainingFailedError(f"the rayzero controller actor died: {died}"), None

@@ -11,9 +11,8 @@ import tempfile
 import textwrap
 import time
 
-import pyarrow.parquet as pq
-
 import rayzero
+from rayzero.driver.metrics_store import read_metrics
 
 DEAD = "127.0.0.1:9"  # discard port: nothing listens there
 
@@ -104,7 +103,7 @@ def test_re_run_steps_appear_once_in_metrics_history_and_the_log(local_ray, tmp_
                          failure=rayzero.FailureConfig(max_failures=1))
     assert [m["step"] for m in result.metrics_history] == [0, 1, 2, 3, 4]
     assert [m["attempt_seen"] for m in result.metrics_history] == [0, 0, 1, 1, 1]
-    table = pq.read_table(str(tmp_path / "r" / "metrics.parquet")).to_pydict()
+    table = read_metrics(str(tmp_path / "r")).to_pydict()
     rows = sorted(zip(table["rank"], table["step"], table["attempt"]))
     assert rows == [(rank, step, int(step >= 2)) for rank in (0, 1) for step in range(5)]
     assert "(resumed from step 2)" in capsys.readouterr().out

@@ -2,9 +2,8 @@
 that says why the step went back."""
 from __future__ import annotations
 
-import pyarrow.parquet as pq
-
 from rayzero.driver.metrics_log import MetricsLog
+from rayzero.driver.metrics_store import read_metrics
 from rayzero.driver.progress import Progress
 from rayzero.workers.session import Report
 
@@ -28,7 +27,7 @@ def test_re_run_steps_replace_their_rows_marked_by_attempt(tmp_path):
         log.add(item)
     log.flush()
     assert [m["step"] for m in log.history()] == [0, 1, 2, 3, 4, 5, 6]  # rank 0, each step once
-    table = pq.read_table(str(tmp_path / "metrics.parquet")).to_pydict()
+    table = read_metrics(str(tmp_path)).to_pydict()
     rows = sorted(zip(table["rank"], table["step"], table["attempt"], table["time"]))
     assert len(rows) == 14  # 7 steps x 2 ranks
     assert [(step, attempt) for rank, step, attempt, _ in rows if rank == 1] == [
@@ -47,7 +46,7 @@ def test_a_same_name_rerun_appends_replaces_re_run_steps_and_reports_only_its_ow
     rerun.flush()
     assert [m["step"] for m in rerun.history()] == [3, 4, 5, 6]  # this run's reports, each step once
     assert [m["step"] for m in rerun.history(rank=1)] == [3, 4, 5, 6]
-    table = pq.read_table(str(tmp_path / "metrics.parquet")).to_pydict()
+    table = read_metrics(str(tmp_path)).to_pydict()
     rows = sorted(zip(table["rank"], table["step"], table["attempt"]))
     assert [(step, attempt) for rank, step, attempt in rows if rank == 0] == [
         (0, 0), (1, 0), (2, 0), (3, 1), (4, 1), (5, 1), (6, 1)]
