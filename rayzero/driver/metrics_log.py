@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from collections import deque
 import time
 from collections.abc import Callable
 from typing import Any
@@ -87,7 +88,8 @@ class MetricsLog:
         self.parts_written = 0
         self.dropped = 0
         """Rows lost because the sink fell behind by more than `max_pending_rows`."""
-        self.write_seconds: list[float] = []  # per part, the newest few (the bench reads them)
+        # per written batch, the newest 10,000: rows written before it, its rows, seconds (bench/longrun.py)
+        self.flush_log: deque[dict[str, float]] = deque(maxlen=10_000)
         self._trouble: str | None = None  # the sink's current error, said once per streak
 
     # ---- the driver's side: O(1) per report -------------------------------------------------
@@ -181,7 +183,7 @@ class MetricsLog:
 
     def _write(self, rows: list[dict[str, Any]]) -> None:
         """Each attempt's rows of the batch as one new part (names sort in writing order)."""
-        started = time.monotonic()
+        started, rows_before = time.monotonic(), self.rows_written
         self._filesystem.create_dir(self._dir, recursive=True)
         start = 0
         while start < len(rows):
@@ -198,4 +200,4 @@ class MetricsLog:
             self.parts_written += 1
             self.rows_written += end - start
             start = end
-        self.write_seconds = [*self.write_seconds[-99:], time.monotonic() - started]
+        self.flush_log.append({"rows_before": rows_before, "rows": len(rows), "seconds": time.monotonic() - started})

@@ -2,6 +2,7 @@
 keeps a bounded window in memory, survives a dead sink, and reads back one row per (rank, step)."""
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import time
@@ -30,20 +31,26 @@ def _rss_bytes() -> int:
 
 
 def _best_of(repeats: int, function, *args) -> float:
+    """The fastest of `repeats` calls, the collector paused (its passes scale with every object alive)."""
     best = float("inf")
-    for _ in range(repeats):
-        started = time.perf_counter()
-        function(*args)
-        best = min(best, time.perf_counter() - started)
+    gc.disable()
+    try:
+        for _ in range(repeats):
+            started = time.perf_counter()
+            function(*args)
+            best = min(best, time.perf_counter() - started)
+    finally:
+        gc.enable()
     return best
 
 
 def test_rows_to_table_is_linear():
     rows = [report_row_dict(step) for step in range(40_000)]
-    small = _best_of(5, rows_to_table, rows[:10_000])
-    large = _best_of(5, rows_to_table, rows)
-    # the quadratic version took 0.3 s and 4.3 s here: 14x for 4x the rows
-    assert large < 5 * small, (small, large)
+    small = _best_of(7, rows_to_table, rows[:10_000])
+    large = _best_of(7, rows_to_table, rows)
+    # Linear, 4x the rows, measured 4-5.7x the time here (the larger working set misses caches more);
+    # the quadratic version took 0.3 s and 4.3 s: 14-16x.
+    assert large < 8 * small, (small, large)
 
 
 def report_row_dict(step: int) -> dict:
@@ -68,7 +75,7 @@ def test_200k_reports_keep_memory_and_flush_time_bounded(tmp_path):
     assert log.parts_written == 10  # each flush wrote only its new rows
     # every flush wrote 20,000 rows; the last ones cost what the first ones did (the quadratic
     # rewrite of everything took ~100 s at 200,000 rows)
-    assert max(log.write_seconds) < 10.0, log.write_seconds
+    assert max(flush["seconds"] for flush in log.flush_log) < 10.0, list(log.flush_log)
     # nothing of the run is kept in the driver: 160,000 more rows (~450 MB when every row was kept)
     assert rss_at[200_000] - rss_at[40_000] < 64 << 20, rss_at
     table = read_metrics(str(tmp_path), columns=["step", "loss"])
