@@ -36,12 +36,17 @@ class CheckpointTracker:
         self.reported[_save_directory(location)] = None
 
     def note_heartbeat(self, committed: tuple[int, str] | None) -> None:
-        """A rank's heartbeat named the newest checkpoint committed on its node (node-local runs)."""
-        if not self._node_local or committed is None:
+        """A rank's heartbeat named the newest checkpoint committed in its checkpoint directory: the
+        node's disk for node-local runs, else the run's own directory when it is a local path. So
+        `status()` sees a loop's own saves as they commit, not only at the end of an attempt."""
+        if committed is None:
             return
-        if self._from_heartbeats is None or committed[0] > self._from_heartbeats.step:
-            self._from_heartbeats = CheckpointRecord("node_local", committed[1], committed[0], time.time())
-            self.latest = self._from_heartbeats
+        if self._node_local:
+            if self._from_heartbeats is None or committed[0] > self._from_heartbeats.step:
+                self._from_heartbeats = CheckpointRecord("node_local", committed[1], committed[0], time.time())
+                self.latest = self._from_heartbeats
+        elif self.latest is None or committed[0] > self.latest.step:
+            self.latest = CheckpointRecord("durable", committed[1], committed[0], time.time())
 
     def locations(self) -> list[str]:
         """Where to list: the configured locations, then each reported tag directory's save directory."""
@@ -50,7 +55,7 @@ class CheckpointTracker:
     def refresh(self) -> CheckpointRecord | None:
         """List the locations again; the newest committed checkpoint known afterwards."""
         found = registry.newest(self.locations())
-        if found is not None:
+        if found is not None and (self.latest is None or found.record.step >= self.latest.step):
             self.latest = found.record
         return self.latest
 

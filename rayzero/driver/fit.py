@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 import pyarrow.fs as pafs
 
 from rayzero.checkpoint.manifest import RUN_SESSION_ENV
@@ -73,10 +74,28 @@ def _run_locations(run: RunConfig) -> tuple[str, str, str]:
     if "://" not in root:  # a plain path is a local directory
         root = Path(root).resolve().as_uri()
     run_uri = f"{root.rstrip('/')}/{name}"
-    filesystem, path = filesystem_from_uri(run_uri)
-    filesystem.create_dir(path, recursive=True)
+    _check_writable(root, run_uri)
+    path = filesystem_from_uri(run_uri)[1]
     checkpoint_dir = f"{path}/checkpoints" if run_uri.startswith("file://") else f"{run_uri}/checkpoints"
     return name, run_uri, checkpoint_dir
+
+
+def _check_writable(root: str, run_uri: str) -> None:
+    """Create the run's directory and write a probe file there, before any worker starts: an
+    unwritable `--storage` is named with its reason at once, not as a traceback from a worker."""
+    probe = f"{filesystem_from_uri(run_uri)[1]}/.rayzero-write-probe-{secrets.token_hex(4)}"
+    try:
+        filesystem, path = filesystem_from_uri(run_uri)
+        filesystem.create_dir(path, recursive=True)
+        with filesystem.open_output_stream(probe) as stream:
+            stream.write(b"rayzero checks that the run directory is writable\n")
+        filesystem.delete_file(probe)
+    except (OSError, ValueError, pa.ArrowException) as error:
+        raise RayZeroValueError(
+            f"storage {root!r} (RunConfig.storage / --storage): cannot write the run directory {run_uri}: "
+            f"{error}. Give a location this machine and every node can write: a directory (./runs, "
+            "file:///shared/runs) or an object store URI (s3://bucket/prefix) with its credentials set"
+        ) from None
 
 
 def resolve_resume_from(location: str | None, explicit: bool) -> str | None:
@@ -238,8 +257,9 @@ def fit(
               + ", ".join(f"{key} {value:.2f}" for key, value in timings.items()), flush=True)
     if error is not None:
         raise error
-    if last_metrics is not None:
-        print(progress.line(), flush=True)
+    final_line = progress.final_line() if last_metrics is not None else None
+    if final_line is not None:
+        print(final_line, flush=True)
     record = final.checkpoint if final is not None else None
     if record is not None:
         last_checkpoint = checkpoint_dir if record.location.startswith(checkpoint_dir) else record.location
@@ -357,6 +377,7 @@ def _stream(
                     controller.kill.remote(f"{signals.name} received twice on the driver")
                 update: ControllerUpdate = ray.get(controller.poll.remote(1.0), timeout=60)
                 progress.failures = update.failures
+                progress.checkpoint_step = update.checkpoint.step if update.checkpoint is not None else None
                 progress.stragglers = sorted({found.rank for found in update.stragglers
                                               if found.attempt == update.attempt})
                 for line in update.events:

@@ -59,11 +59,28 @@ def test_the_progress_line_says_resumed_when_the_step_goes_back():
         progress.observe(item)
     # the first report prints; the long interval prints nothing else, except the restart at once
     assert len(lines) == 2
-    assert lines[1].startswith("[rayzero] step 3 (resumed from step 3)")
+    assert lines[1].startswith("[rayzero] step 3 (restarted: no checkpoint known, the loop went back to step 3)")
     for item in _reports(0, range(7, 9), 104):
         progress.observe(item)
     assert "resumed" not in progress.line()
     assert progress.rates()["samples_per_s"] > 0  # measured within the new attempt, never negative
+
+
+def test_the_progress_line_names_the_checkpoint_a_restart_resumed_from():
+    lines: list[str] = []
+    progress = Progress(None, interval_s=3600, phase_keys=False, emit=lines.append)
+    progress.checkpoint_step = 2  # what the controller knew committed when the group restarted
+    for item in _two_attempts():
+        progress.observe(item)
+    assert lines[1].startswith("[rayzero] step 3 (restarted: resumed from the checkpoint of step 2)"), lines
+    assert progress.final_line() is not None  # newer reports came after the last line printed
+
+
+def test_the_summary_does_not_repeat_the_last_progress_line():
+    lines: list[str] = []
+    progress = Progress(None, interval_s=0, phase_keys=False, emit=lines.append)
+    progress.observe(Report(rank=0, seq=0, time=1.0, metrics={"step": 1}))
+    assert progress.final_line() is None
 
 
 def test_the_progress_line_says_where_offloaded_state_lives():
