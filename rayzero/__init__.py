@@ -28,6 +28,7 @@ _LAZY = {
     "FailureConfig": "rayzero.driver",
     "Result": "rayzero.driver",
     "TrainingFailedError": "rayzero.driver",
+    "read_metrics": "rayzero.driver.metrics_store",  # a run's metrics.parquet as one table
     # inside a train loop run by rayzero.fit (rayzero.workers)
     "get_context": "rayzero.workers",
     "report": "rayzero.workers",

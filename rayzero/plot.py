@@ -48,15 +48,10 @@ def metrics_uri(run: str, storage: str | None) -> str:
 
 
 def read_rows(uri: str) -> dict[str, list[Any]]:
-    import pyarrow.fs as pafs
-    import pyarrow.parquet as pq
+    """The run's rows, a re-run step once (its newest attempt), as columns ([Note: metrics in parts])."""
+    from rayzero.driver.metrics_store import read_metrics
 
-    filesystem, path = pafs.FileSystem.from_uri(uri if "://" in uri else os.path.abspath(uri))
-    if filesystem.get_file_info(path).type == pafs.FileType.NotFound:
-        raise RayZeroValueError(f"no metrics log at {uri}: give a run directory (<storage>/<name>, what "
-                                "rayzero.fit reports as Result.path), its metrics.parquet, or NAME --storage URI")
-    with filesystem.open_input_file(path) as handle:
-        return pq.read_table(handle).to_pydict()
+    return read_metrics(uri).to_pydict()
 
 
 def _numeric(value: Any) -> bool:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rayzero.config.errors import RayZeroRuntimeError
+from rayzero.controller import throughput
 from rayzero.controller.actor import ControllerActor  # re-exported: fit and the tests import it from here
 from rayzero.controller.checkpoints import CheckpointTracker
 from rayzero.controller.elastic import BatchPlan
@@ -39,6 +40,8 @@ from rayzero.workers.session import Report
 __all__ = ["Controller", "ControllerActor", "ControllerSettings", "ControllerUpdate"]
 
 logger = logging.getLogger("rayzero.controller")
+
+MAX_STRAGGLERS_KEPT = 1000  # every update carries the list: the newest this many
 
 # attempt number, resume point, number of workers -> a fresh (not yet started) worker group
 GroupFactory = Callable[[int, str | None, int], WorkerGroup]
@@ -67,6 +70,8 @@ class ControllerUpdate:
     attempt: int = 0
     stragglers: list[Straggler] = field(default_factory=list)
     """Every straggler reported so far in the run ([Note: stragglers] in health.py)."""
+    dropped_reports: int = 0
+    """Reports dropped so far because the driver did not collect them ([Note: reporting never waits])."""
 
 
 @dataclass(frozen=True)
@@ -79,6 +84,9 @@ class ControllerSettings:
     """Seconds between heartbeat rounds (hang detection and request progress)."""
     grow_interval_s: float = 5.0
     """Seconds between checks for room to grow back towards max_workers."""
+    checkpoint_scan_interval_s: float = 30.0
+    """Seconds between listings of the checkpoint locations while the group runs, so `status()` sees
+    the loop's own saves on storage the heartbeats cannot read (s3://, gs://)."""
     stop_timeout_s: float = 300.0
     """A planned stop or resize waits this long for the boundary checkpoint, then ends the group."""
     checkpoint_locations: tuple[str, ...] = ()
@@ -114,6 +122,7 @@ class Controller(PlannedStops):
         self.heartbeats: dict[int, Heartbeat | None] = {}  # newest per rank, for status()
         self.message = ""  # the newest event, for status()
         self.last_rank0_report: Report | None = None  # for status(): step, loss, time
+        self.first_rank0_report: Report | None = None  # of the current attempt: status()'s rates start here
         self.stragglers: list[Straggler] = []  # reported, in order ([Note: stragglers])
         self._slow_rounds: dict[int, int] = {}  # rank -> consecutive heartbeat rounds it was slow
         self._factory = group_factory
@@ -130,6 +139,8 @@ class Controller(PlannedStops):
         self._group: WorkerGroup | None = None
         self._target_workers = 0  # the size of the group being scheduled
         self._outbox: list[Report] = []  # reports not yet handed to the driver
+        self.max_outbox = 100_000  # the bound on that while the driver does not poll (it drops the rest)
+        self.dropped_reports = 0
         self._events: list[str] = []
         self._lock = threading.Lock()  # requests and take_update come from other threads
         self._requests: list[ControlRequest] = []  # recorded, not yet taken by step()
@@ -139,7 +150,8 @@ class Controller(PlannedStops):
         self._not_before = 0.0  # backoff: do not reschedule before this clock time
         self._next_heartbeat = 0.0
         self._next_grow_check = 0.0
-        self._silent_since: dict[int, float] = {}  # rank -> clock of its last heartbeat answer
+        self._next_checkpoint_scan = 0.0
+        self.heard_at: dict[int, float] = {}  # rank -> clock of its last heartbeat answer (status, hangs)
         self.checkpoints = CheckpointTracker(settings.checkpoint_locations, settings.node_local)
         self._size_cap: int | None = None  # an explicit scale(n) caps growing back at n
 
@@ -178,6 +190,8 @@ class Controller(PlannedStops):
 
     def _schedule(self) -> None:
         assert self._group is not None
+        self._event(f"attempt {self.attempt}: placing {self._target_workers} worker(s), then forming their "
+                    "process group")
         try:
             timings = self._group.start()
         except Exception as error:  # noqa: BLE001 - every start-up failure goes through the policy
@@ -193,7 +207,7 @@ class Controller(PlannedStops):
             return
         self.timings.update({f"attempt{self.attempt}_{k}" if self.attempt else k: v for k, v in timings.items()})
         self.world_size = self._target_workers
-        self._silent_since = {rank: self._clock() for rank in range(self.world_size)}
+        self.heard_at = {rank: self._clock() for rank in range(self.world_size)}
         self.heartbeats, self._slow_rounds = {}, {}
         self._group.launch(self._loop, self._loop_config)
         self.state = RunState.RUNNING
@@ -205,9 +219,13 @@ class Controller(PlannedStops):
         assert self._group is not None
         polled = self._group.poll(self._poll_timeout_s)
         with self._lock:
-            self._outbox.extend(polled.reports)
+            room = max(0, self.max_outbox - len(self._outbox))
+            self._outbox.extend(polled.reports[:room])
+            self.dropped_reports += max(0, len(polled.reports) - room)
         for item in polled.reports:
             if item.rank == 0:
+                if self.first_rank0_report is None or throughput.went_back(item, self.last_rank0_report):
+                    self.first_rank0_report = item
                 self.last_rank0_report = item
             if item.checkpoint:
                 self.checkpoints.note_reported(item.checkpoint)
@@ -275,23 +293,26 @@ class Controller(PlannedStops):
             return False
         for rank, beat in beats.items():
             if beat is not None:
-                self._silent_since[rank] = now
+                self.heard_at[rank] = now
                 self.heartbeats[rank] = beat
                 self.checkpoints.note_heartbeat(beat.committed)
+        if now >= self._next_checkpoint_scan:
+            self._next_checkpoint_scan = now + self._settings.checkpoint_scan_interval_s
+            self.checkpoints.refresh()
         self._progress_awaiting()
         self._watch_stragglers()
         if self.state is RunState.RUNNING and self._planned is None:
             self._check_drain()
-        silent = {rank: now - since for rank, since in self._silent_since.items()}
+        silent = {rank: now - since for rank, since in self.heard_at.items()}
         hang = find_hang({rank: self.heartbeats.get(rank) for rank in range(self.world_size)}, silent,
                          self._settings.hang)
         if hang is None:
             return True
         stacks = self._group.stacks(5.0)
-        message = hang.reason + "\n\n" + "\n".join(
+        message = hang.reason + "\n\n" + "\n".join(  # the hung rank first
             f"--- rank {rank} Python stacks{' (culprit)' if rank == hang.culprit else ''} ---\n{text}"
-            for rank, text in sorted(stacks.items()))
-        self._event(f"hang detected: {hang.reason}")
+            for rank, text in sorted(stacks.items(), key=lambda item: (item[0] != hang.culprit, item[0])))
+        self._event(f"hang detected: {message}")
         self._on_failure(Failure(FailureKind.HANG, message, hang.culprit, stacks.get(hang.culprit, "")))
         return False
 
@@ -304,7 +325,7 @@ class Controller(PlannedStops):
             beat = self.heartbeats.get(rank)
             if self._slow_rounds[rank] == policy.rounds and beat is not None:
                 found = Straggler(rank, beat.node_id, self.attempt, own, median, step_time)
-                self.stragglers.append(found)
+                self.stragglers = [*self.stragglers[-(MAX_STRAGGLERS_KEPT - 1):], found]
                 self._event(found.describe())
 
     def _check_drain(self) -> None:
@@ -375,6 +396,10 @@ class Controller(PlannedStops):
     def latest_checkpoint(self) -> CheckpointRecord | None:
         return self.checkpoints.latest
 
+    def clock(self) -> float:
+        """The controller's clock (what `heard_at` is measured on)."""
+        return self._clock()
+
     @property
     def plan(self) -> BatchPlan:
         return self._plan
@@ -394,6 +419,6 @@ class Controller(PlannedStops):
         with self._lock:
             update = ControllerUpdate(self.state, self._outbox, self.error, dict(self.timings), self._events,
                                       self.stopped, self.checkpoints.latest, self.failures, self.world_size,
-                                      self.attempt, list(self.stragglers))
+                                      self.attempt, list(self.stragglers), self.dropped_reports)
             self._outbox, self._events = [], []
         return update

@@ -11,7 +11,6 @@ read from the environment variables torchrun sets, `report` keeps the metrics in
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import queue
@@ -218,10 +217,3 @@ def get_dataset_shard(name: str = "train") -> Any:
         )
     return shards[name]
 
-
-def as_row(report_item: Report) -> dict[str, Any]:
-    """A flat dict for the metrics log: rank, seq, time, peak memory, then the metrics."""
-    row = {f.name: getattr(report_item, f.name) for f in dataclasses.fields(report_item) if f.name != "metrics"}
-    for key, value in report_item.metrics.items():
-        row[key if key not in row else f"metric_{key}"] = value
-    return row

@@ -4,11 +4,11 @@ from __future__ import annotations
 import os
 import time
 
-import pyarrow.parquet as pq
 import pytest
 
 import rayzero
 from rayzero.config import ConfigError
+from rayzero.driver.metrics_store import read_metrics
 
 CONFIG = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1}
 
@@ -53,7 +53,7 @@ def test_reports_reach_the_driver_in_order_with_the_worker_environment(local_ray
     assert last["config_micro_batch"] == 4
     assert result.path == f"{tmp_path.as_uri()}/order"
     # every rank's reports land in the Parquet log
-    table = pq.read_table(str(tmp_path / "order" / "metrics.parquet")).to_pydict()
+    table = read_metrics(str(tmp_path / "order")).to_pydict()
     for rank in (0, 1):
         seqs = [s for r, s in zip(table["rank"], table["seq"]) if r == rank]
         assert seqs == list(range(41))
@@ -151,7 +151,7 @@ def test_datasets_are_split_across_workers(local_ray, tmp_path):
 
     result = rayzero.fit(dataset_loop, scaling=_two(), run=_run(tmp_path, name="data"),
                          datasets={"train": ray.data.range(64)})
-    table = pq.read_table(str(tmp_path / "data" / "metrics.parquet")).to_pydict()
+    table = read_metrics(str(tmp_path / "data")).to_pydict()
     assert table["count"] == [32, 32]  # equal shares: no rank waits on another at the end
     assert sum(table["total"]) == sum(range(64))
     assert result.metrics["count"] == 32
