@@ -115,6 +115,8 @@ class Controller(PlannedStops):
         self.state = RunState.INITIALIZING
         self.error: TrainingFailedError | None = None
         self.failures = 0  # failures so far, the policy's budget counter
+        self._failures_in_a_row = 0  # failures since the newest committed checkpoint changed
+        self._checkpoint_at_last_failure: int | None = None  # its step at the previous failure
         self.attempt = 0  # incremented on each restart or resize; passed to the group factory
         self.timings: dict[str, float] = {}
         self.stopped = False  # ended by a planned stop
@@ -369,8 +371,14 @@ class Controller(PlannedStops):
         self._new_group(workers if workers is not None else self._smallest())
 
     def _on_failure(self, failure: Failure) -> None:
-        decision = self._policy.decide(failure, self.failures)
+        newest = self.checkpoints.refresh()
+        newest_step = newest.step if newest is not None else None
+        if newest_step != self._checkpoint_at_last_failure:  # progress since the previous failure
+            self._failures_in_a_row = 0
+        self._checkpoint_at_last_failure = newest_step
+        decision = self._policy.decide(failure, self.failures, self._failures_in_a_row)
         self.failures += 1
+        self._failures_in_a_row += 1
         self.world_size = 0
         self._resolve_awaiting(RayZeroRuntimeError(f"the worker group failed first: {failure.message.splitlines()[0]}"))
         if isinstance(decision, Retry):
@@ -384,12 +392,16 @@ class Controller(PlannedStops):
             self.state = RunState.RESTARTING
             return
         assert isinstance(decision, Fail)
-        self._end_errored(decision.failure)
+        self._end_errored(decision.failure, self._policy.ending(self.failures, self._failures_in_a_row - 1))
 
-    def _end_errored(self, failure: Failure) -> None:
+    def _end_errored(self, failure: Failure, why: str = "") -> None:
         if self._group is not None:
             self._group.shutdown()
-        self.error = training_failed(failure)
+        latest = self.checkpoints.latest
+        resume = (f"the checkpoint of step {latest.step} ({latest.location})" if latest is not None
+                  else "the start (no checkpoint was committed)")
+        self.error = training_failed(failure, (f"{why}. " if why else "")
+                                     + f"Run it again with the same name and storage to resume from {resume}.")
         self.state = RunState.ERRORED
 
     @property

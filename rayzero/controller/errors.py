@@ -31,11 +31,12 @@ def first_to_blame(failures: list[Failure]) -> Failure:
     return min(failures, key=lambda f: (order.index(f.kind), f.rank if f.rank is not None else 1 << 30))
 
 
-def training_failed(failure: Failure) -> TrainingFailedError:
+def training_failed(failure: Failure, what_next: str = "") -> TrainingFailedError:
+    """The error a run ends with; `what_next`: why no further restart, and how to resume."""
     if failure.kind is FailureKind.SCHEDULING:
-        return ResourcesUnavailableError(failure.message)
+        return ResourcesUnavailableError(failure.message + (f"\n{what_next}" if what_next else ""))
     where = f"rank {failure.rank}" if failure.rank is not None else "the worker group"
-    message = f"training failed on {where}: {failure.message}"
+    message = f"training failed on {where}: {failure.message}" + (f"\n{what_next}" if what_next else "")
     if failure.traceback_text and failure.kind is not FailureKind.HANG:
         message += f"\n\n--- traceback from {where} ---\n{failure.traceback_text.rstrip()}"
     return TrainingFailedError(message, failure.rank, failure.traceback_text)

@@ -26,7 +26,7 @@ def validated_config(
 
     name = str(config) if isinstance(config, (str, Path)) else "config"
     if trainer:  # HF semantics: TrainingArguments defaults, batch keys from the trainer
-        from rayzero.engine.config_resolution import with_trainer_semantics
+        from rayzero.config.trainer import with_trainer_semantics
 
         config, trainer = with_trainer_semantics(config, trainer)
     # The model's "auto"s are resolved in the engine from model.config.hidden_size; a stand-in width

@@ -213,7 +213,8 @@ def fit(
             return group
 
         return Controller(
-            make_group, train_loop, train_loop_config, FailurePolicy(failure.max_failures, failure.backoff_s),
+            make_group, train_loop, train_loop_config,
+            FailurePolicy(failure.max_failures, failure.backoff_s, failure.max_failures_without_progress),
             resume_from=resume_from, plan=plan, capacity=lambda: free_worker_slots(scaling.bundle()),
             draining=draining_nodes,
             settings=settings,

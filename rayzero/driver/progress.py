@@ -109,8 +109,7 @@ class Progress:
             parts.append("state r0 " + " ".join(f"{key[:-6]} {_human_bytes(where[key])}" for key in
                                                 ("device_bytes", "host_bytes", "nvme_bytes") if where.get(key)))
         if self.failures:
-            budget = "unlimited" if self.max_failures < 0 else str(self.max_failures)
-            parts.append(f"restarts {self.failures}/{budget}")
+            parts.append(f"restarts {self.failures}" + (f"/{self.max_failures}" if self.max_failures >= 0 else ""))
         if self.stragglers:
             parts.append("straggler " + " ".join(f"r{rank}" for rank in self.stragglers))
         return "[rayzero] " + " | ".join(parts)

@@ -126,3 +126,59 @@ def test_an_unwritable_storage_is_named_before_any_worker_starts(tmp_path):
     assert "--storage" in done.stderr and "/proc/x" in done.stderr and "cannot write" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr
     assert "starting a local Ray" not in done.stdout  # checked before Ray and the workers
+
+
+def _engine(config=None):
+    import torch
+
+    torch.manual_seed(0)
+    return rayzero.initialize(model=torch.nn.Linear(4, 1), config={
+        "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.01}},
+        "checkpoint": {"async_save": False}})[0]
+
+
+def flaky_loop(config):
+    import torch
+
+    context = rayzero.get_context()
+    engine = _engine()
+    for step in engine.steps(16):
+        engine.backward(engine(torch.ones(2, 4)).sum())
+        engine.step()
+        rayzero.report({"step": step + 1})
+        if (step + 1) % 2 == 0:
+            engine.save_checkpoint()
+        if context.rank == 1 and context.attempt < 3 and step + 1 == 4 * (context.attempt + 1):
+            raise RuntimeError(f"a flaky worker (attempt {context.attempt})")
+
+
+def broken_loop(config):
+    import torch
+
+    context = rayzero.get_context()
+    engine = _engine()
+    for step in engine.steps(16):
+        engine.backward(engine(torch.ones(2, 4)).sum())
+        engine.step()
+        if context.rank == 1 and step == 2:
+            raise RuntimeError("a bug that fails the same step every time")
+
+
+def test_by_default_a_run_keeps_going_through_failures_while_it_checkpoints(local_ray, tmp_path):
+    result = rayzero.fit(flaky_loop, scaling=rayzero.ScalingConfig(num_workers=2),
+                         run=rayzero.RunConfig(storage=tmp_path.as_uri(), name="flaky"),
+                         failure=rayzero.FailureConfig(backoff_s=0))  # the defaults, minus the wait
+    assert result.failures == 3 and result.checkpoint_step == 16
+    assert [m["step"] for m in result.metrics_history] == list(range(1, 17))
+
+
+def test_by_default_a_failure_that_keeps_coming_back_ends_the_run_saying_how_to_go_on(local_ray, tmp_path, capsys):
+    with pytest.raises(rayzero.TrainingFailedError) as raised:
+        rayzero.fit(broken_loop, scaling=rayzero.ScalingConfig(num_workers=2),
+                    run=rayzero.RunConfig(storage=tmp_path.as_uri(), name="broken"),
+                    failure=rayzero.FailureConfig(backoff_s=0))
+    message = str(raised.value)
+    assert "a bug that fails the same step every time" in message
+    assert "3 failures in a row came without a newer checkpoint" in message
+    assert "max_failures_without_progress" in message and "Run it again with the same name" in message
+    assert capsys.readouterr().out.count("restarting the worker group") == 2  # three tries in all

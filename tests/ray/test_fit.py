@@ -75,7 +75,8 @@ def raise_deep_inside(step):
 def test_a_worker_exception_names_its_rank_and_carries_its_traceback(local_ray, tmp_path):
     started = time.monotonic()
     with pytest.raises(rayzero.TrainingFailedError) as raised:
-        rayzero.fit(failing_loop, config=CONFIG, scaling=_two(), run=_run(tmp_path))
+        rayzero.fit(failing_loop, config=CONFIG, scaling=_two(), run=_run(tmp_path),
+                    failure=rayzero.FailureConfig(max_failures=0))
     error = raised.value
     assert error.rank == 1
     assert "rank 1" in str(error) and "ValueError: boom at step 3" in str(error)
@@ -87,7 +88,8 @@ def test_an_impossible_resource_request_fails_within_the_bounded_wait(local_ray,
     scaling = rayzero.ScalingConfig(num_workers=2, resources_per_worker={"CPU": 64}, placement_timeout_s=3)
     started = time.monotonic()
     with pytest.raises(rayzero.TrainingFailedError) as raised:
-        rayzero.fit(failing_loop, config=CONFIG, scaling=scaling, run=_run(tmp_path))
+        rayzero.fit(failing_loop, config=CONFIG, scaling=scaling, run=_run(tmp_path),
+                    failure=rayzero.FailureConfig(max_failures=0))
     elapsed = time.monotonic() - started
     assert 3 <= elapsed < 30
     message = str(raised.value)
