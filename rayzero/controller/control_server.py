@@ -187,7 +187,7 @@ class TlsFiles:
             raise RayZeroValueError(f"TLS for the control service needs both {TLS_CERT_ENV} and {TLS_KEY_ENV}; "
                                     f"got {TLS_CERT_ENV}={cert!r}, {TLS_KEY_ENV}={key!r}: set both or neither")
         for variable, path in ((TLS_CERT_ENV, cert), (TLS_KEY_ENV, key), (TLS_CA_ENV, ca)):
-            if path is not None and not os.path.isfile(path):
+            if path and not os.path.isfile(path):
                 raise RayZeroValueError(f"{variable}={path!r} is not a file; give a PEM file readable on the "
                                         "controller's node")
         return cls(cert, key, ca or None)

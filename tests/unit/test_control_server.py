@@ -41,7 +41,7 @@ def test_stubs_are_up_to_date():
 
 
 def test_control_json_names_the_address_not_the_token_which_goes_to_a_private_local_file(
-        tmp_path, monkeypatch, private_token_directory):
+        tmp_path, monkeypatch, private_token_directory):  # noqa: F811
     monkeypatch.setenv("RAYZERO_CONTROL_HOST", "127.0.0.1")
     run = FakeRun("exp1", str(tmp_path / "ck"))
     run_directory = (tmp_path / "exp1").as_uri()
