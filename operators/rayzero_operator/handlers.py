@@ -45,7 +45,10 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     memo.requeued = set()
     memo.crash_after = os.environ.get(CRASH_AFTER_ENV, "")
     # A wrong value stops the operator at start-up, naming the variable: better than guessing.
-    memo.allowed_host_paths = parse_allowed_host_paths(os.environ.get(ALLOWED_HOST_PATHS_ENV))
+    try:
+        memo.allowed_host_paths = parse_allowed_host_paths(os.environ.get(ALLOWED_HOST_PATHS_ENV))
+    except ValueError as error:
+        raise kopf.PermanentError(str(error)) from None
 
 
 @kopf.on.login()

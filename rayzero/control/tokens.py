@@ -45,12 +45,13 @@ def token_path(run_uri: str, run_name: str) -> Path:
 def _private_directory(directory: Path) -> int:
     """An O_DIRECTORY descriptor of `directory` (made 0700 if absent), refused unless it is a real
     directory of ours that nobody else can enter or write."""
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     try:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         descriptor = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as error:  # ELOOP/ENOTDIR: a symlink or a file in its place
-        raise RayZeroRuntimeError(f"token directory {directory} is not a plain directory ({error.strerror}); "
-                                  f"remove it, or set {TOKEN_DIR_ENV} to a private directory") from None
+    except OSError as error:  # read-only or foreign home; ELOOP/ENOTDIR: a symlink or a file in its place
+        raise RayZeroRuntimeError(
+            f"cannot use {directory} for the run's control token ({error.strerror}): set {TOKEN_DIR_ENV} to a "
+            f"private directory this user can write, or give the run a token in {TOKEN_ENV}") from None
     info = os.fstat(descriptor)
     if info.st_uid != os.geteuid() or info.st_mode & 0o077:
         os.close(descriptor)
@@ -86,6 +87,9 @@ def write_token_file(path: Path, token: str) -> Path:
                 os.unlink(path.name, dir_fd=directory)
         with os.fdopen(descriptor, "w") as handle:
             handle.write(token + "\n")
+    except OSError as error:
+        raise RayZeroRuntimeError(f"cannot write the run's control token to {path} ({error.strerror}): set "
+                                  f"{TOKEN_DIR_ENV} to a private directory this user can write") from None
     finally:
         os.close(directory)
     return path

@@ -87,12 +87,17 @@ def test_another_users_file_at_the_token_path_is_refused(tmp_path, run):
     assert path.read_text() == "theirs"
 
 
-def test_a_token_directory_others_can_enter_is_refused(tmp_path, run, private_token_directory):  # noqa: F811
+def test_a_token_directory_others_can_enter_or_none_at_all_is_refused(
+        tmp_path, run, monkeypatch, private_token_directory):  # noqa: F811
     private_token_directory.mkdir(mode=0o755)
     os.chmod(private_token_directory, 0o755)
     with pytest.raises(RayZeroRuntimeError, match=rf"chmod 700 {private_token_directory}"):
         ControlServer(run, "exp1", (tmp_path / "exp1").as_uri()).start()
     assert list(private_token_directory.iterdir()) == []
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("RAYZERO_CONTROL_TOKEN_DIR", str(tmp_path / "a-file" / "tokens"))  # cannot be made
+    with pytest.raises(RayZeroRuntimeError, match="set RAYZERO_CONTROL_TOKEN_DIR to a private directory"):
+        ControlServer(run, "exp1", (tmp_path / "exp1").as_uri()).start()
 
 
 def test_a_given_token_is_not_written_anywhere(tmp_path, run, monkeypatch, private_token_directory):  # noqa: F811
