@@ -24,8 +24,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import threading
-from collections import deque
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
