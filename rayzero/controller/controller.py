@@ -32,7 +32,7 @@ from rayzero.controller.health import HangPolicy, Straggler, StragglerPolicy, fi
 from rayzero.controller.planned import PlannedStops
 from rayzero.controller.requests import ControlRequest, RequestKind
 from rayzero.controller.state import Fail, Failure, FailureKind, FailurePolicy, Retry, RunState
-from rayzero.controller.status import CheckpointRecord
+from rayzero.controller.status import AttemptStart, CheckpointRecord
 from rayzero.controller.worker_group import WorkerGroup, setup_failure
 from rayzero.workers.boundary import Heartbeat
 from rayzero.workers.session import Report
@@ -41,6 +41,10 @@ __all__ = ["Controller", "ControllerActor", "ControllerSettings", "ControllerUpd
 
 logger = logging.getLogger("rayzero.controller")
 
+# what a restart after each kind of failure is called in the run's record (plots, status)
+RESTART_CAUSES = {FailureKind.WORKER_DIED: "worker died", FailureKind.HANG: "hang",
+                  FailureKind.LOOP_ERROR: "loop error", FailureKind.SETUP_ERROR: "setup error",
+                  FailureKind.SCHEDULING: "placement"}
 MAX_STRAGGLERS_KEPT = 1000  # every update carries the list: the newest this many
 
 # attempt number, resume point, number of workers -> a fresh (not yet started) worker group
@@ -72,6 +76,8 @@ class ControllerUpdate:
     """Every straggler reported so far in the run ([Note: stragglers] in health.py)."""
     dropped_reports: int = 0
     """Reports dropped so far because the driver did not collect them ([Note: reporting never waits])."""
+    attempts: list[AttemptStart] = field(default_factory=list)
+    """Attempts begun since the previous poll, with why (the driver records them beside the metrics)."""
 
 
 @dataclass(frozen=True)
@@ -141,6 +147,8 @@ class Controller(PlannedStops):
         self._group: WorkerGroup | None = None
         self._target_workers = 0  # the size of the group being scheduled
         self._outbox: list[Report] = []  # reports not yet handed to the driver
+        self._attempts: list[AttemptStart] = []  # attempts begun, not yet handed to the driver
+        self._restart_cause = "failure"  # why the next restart happens (the newest failure's kind)
         self.max_outbox = 100_000  # the bound on that while the driver does not poll (it drops the rest)
         self.dropped_reports = 0
         self._events: list[str] = []
@@ -180,12 +188,17 @@ class Controller(PlannedStops):
         if workers is None:
             workers = self._smallest()
             self._event(f"fewer than {workers} worker(s) fit now; waiting for room (placement_timeout_s)")
-        self._new_group(workers)
+        self._new_group(workers, "rerun" if self._resume_from else "start")
 
     def _smallest(self) -> int:
         return min(self._plan.valid_sizes() or [self._plan.min_workers])
 
-    def _new_group(self, workers: int) -> None:
+    def _new_group(self, workers: int, cause: str = "") -> None:
+        if cause:  # a new attempt (not a smaller try of the same one)
+            latest = self.checkpoints.latest
+            resumed = latest.step if latest is not None and self._resume_from else None
+            with self._lock:
+                self._attempts.append(AttemptStart(self.attempt, cause, time.time(), resumed, workers))
         self._target_workers = workers
         self._group = self._factory(self.attempt, self._resume_from, workers)
         self.state = RunState.SCHEDULING
@@ -264,7 +277,7 @@ class Controller(PlannedStops):
             self.attempt += 1
             self._resume_from = self.checkpoints.resume_location() or self._resume_from
             planned.resolve(None)
-            self._new_group(planned.workers)
+            self._new_group(planned.workers, f"resize {planned.reason}".strip())
             return
         self.stopped = stopped
         latest = self.checkpoints.refresh()  # what the run leaves behind, for Result and status()
@@ -284,7 +297,7 @@ class Controller(PlannedStops):
         step = self.checkpoints.latest.step if self.checkpoints.latest is not None else None
         self._event(f"rank(s) {ranks or '?'} preempted (SIGTERM): checkpoint committed at step {step}; regrouping")
         workers = self._plan.choose(self._capacity())
-        self._new_group(workers if workers is not None else self._smallest())
+        self._new_group(workers if workers is not None else self._smallest(), "preemption")
 
     def _check_heartbeats(self, now: float) -> bool:
         """Take a round of heartbeats; False when it ended the attempt (a failure)."""
@@ -344,7 +357,7 @@ class Controller(PlannedStops):
             return
         target = self._plan.choose(self.world_size - len(hit)) or self._smallest()
         self._event(f"node(s) of rank(s) {sorted(hit)} are draining: checkpointing, then regrouping with {target}")
-        self._begin_planned(ControlRequest(RequestKind.SCALE, workers=target, reason="grow"))
+        self._begin_planned(ControlRequest(RequestKind.SCALE, workers=target, reason="drain"))
 
     def _maybe_grow(self, now: float) -> None:
         ceiling = min(self._plan.max_workers, self._size_cap or self._plan.max_workers)
@@ -368,7 +381,7 @@ class Controller(PlannedStops):
         self.attempt += 1
         self._resume_from = self.checkpoints.resume_location() or self._resume_from
         workers = self._plan.choose(self._capacity())  # as many as fit now, not the old count
-        self._new_group(workers if workers is not None else self._smallest())
+        self._new_group(workers if workers is not None else self._smallest(), self._restart_cause)
 
     def _on_failure(self, failure: Failure) -> None:
         newest = self.checkpoints.refresh()
@@ -377,6 +390,7 @@ class Controller(PlannedStops):
             self._failures_in_a_row = 0
         self._checkpoint_at_last_failure = newest_step
         decision = self._policy.decide(failure, self.failures, self._failures_in_a_row)
+        self._restart_cause = RESTART_CAUSES.get(failure.kind, failure.kind.value)
         self.failures += 1
         self._failures_in_a_row += 1
         self.world_size = 0
@@ -431,6 +445,6 @@ class Controller(PlannedStops):
         with self._lock:
             update = ControllerUpdate(self.state, self._outbox, self.error, dict(self.timings), self._events,
                                       self.stopped, self.checkpoints.latest, self.failures, self.world_size,
-                                      self.attempt, list(self.stragglers), self.dropped_reports)
-            self._outbox, self._events = [], []
+                                      self.attempt, list(self.stragglers), self.dropped_reports, self._attempts)
+            self._outbox, self._events, self._attempts = [], [], []
         return update

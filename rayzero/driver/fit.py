@@ -383,6 +383,8 @@ def _stream(
                                               if found.attempt == update.attempt})
                 for line in update.events:
                     print(f"[rayzero] {line}", flush=True)
+                for start in update.attempts:
+                    metrics_log.add_attempt(start)
                 if update.dropped_reports > dropped_said:
                     dropped_said = update.dropped_reports
                     print(f"[rayzero] metrics: the controller dropped {dropped_said} report(s) the driver did not "

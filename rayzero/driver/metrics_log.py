@@ -12,31 +12,37 @@ retrying with a growing pause while rows wait; once `max_pending_rows` wait, fur
 dropped and counted, and the driver says so once per trouble (the error, the rows dropped so far)
 and again in the summary. `close()` writes what is left, waiting at most its timeout.
 
-A new attempt is recognised by a rank's report sequence number starting again (every attempt
-starts fresh worker processes, whose `seq` counts from 0). A same-name rerun continues the
-directory: its first attempt follows the newest one in the part names.
+Each row carries the run's attempt: the controller's attempt of the report (its worker group)
+after those of earlier `fit` calls of the same name, whose newest the part names give. Each
+attempt's start (why: start, rerun, worker died, hang, preemption, resize, ...) is written beside the
+rows as `<run>/attempts/attempt-<n>.json` ([Note: attempts on record]).
 
 Written through `pyarrow.fs`, so file://, s3://, gs://, hdfs:// all work.
 """
 from __future__ import annotations
 
 import dataclasses
+import json
 import threading
-from collections import deque
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
 import pyarrow.parquet as pq
 
 from rayzero.checkpoint.storage import filesystem_from_uri
+from rayzero.controller.status import AttemptStart
 from rayzero.driver.metrics_store import (
     METRICS_DIR,
     MetricsHistory,
     adopt_single_file,
+    attempt_file_name,
+    attempts_directory,
     list_parts,
     metric_column,
     part_name,
+    read_attempts,
     rows_to_table,
 )
 from rayzero.workers.session import Report
@@ -60,7 +66,7 @@ class MetricsLog:
     def __init__(self, run_uri: str, flush_interval_s: float = 30.0, rows_per_part: int = 20_000,
                  max_pending_rows: int = 100_000, emit: Callable[[str], None] = print) -> None:
         self._filesystem, run_path = filesystem_from_uri(run_uri)
-        self._run_uri = run_uri
+        self._run_uri, self._run_path = run_uri, run_path
         self._dir = f"{run_path}/{METRICS_DIR}"
         self.uri = f"{run_uri.rstrip('/')}/{METRICS_DIR}"
         self._flush_interval_s = flush_interval_s
@@ -69,16 +75,17 @@ class MetricsLog:
         self._emit = emit
         try:  # a rerun of the same name continues the directory with its next attempt
             adopt_single_file(self._filesystem, self._dir)
-            parts = list_parts(self._filesystem, self._dir)
+            newest = max([part[0] for part in list_parts(self._filesystem, self._dir)]
+                         + [record["attempt"] for record in read_attempts(run_uri)], default=-1)
         except OSError:
-            parts = []
-        self.first_attempt = parts[-1][0] + 1 if parts else 0
+            newest = -1
+        self.first_attempt = newest + 1
         """The attempt of this log's first report (0, or the one after a same-name predecessor's newest)."""
         self.attempt = self.first_attempt
         """The attempt the newest report came from (+1 on each restart seen)."""
         self._next_index = 0
-        self._last_seq: dict[int, int] = {}  # rank -> newest seq of the current attempt
         self._pending: list[dict[str, Any]] = []  # rows not yet handed to the writer
+        self._pending_attempts: list[dict[str, Any]] = []  # attempt records not yet written
         self._cond = threading.Condition()
         self._flush_now = False
         self._closing = False
@@ -94,10 +101,7 @@ class MetricsLog:
 
     # ---- the driver's side: O(1) per report -------------------------------------------------
     def add(self, item: Report) -> None:
-        if item.seq <= self._last_seq.get(item.rank, -1):  # a fresh worker process: the next attempt
-            self.attempt += 1
-            self._last_seq.clear()
-        self._last_seq[item.rank] = item.seq
+        self.attempt = self.first_attempt + item.attempt  # the run's attempt: this call's, after its predecessors'
         row = report_row(item, self.attempt)
         with self._cond:
             if len(self._pending) >= self._max_pending:
@@ -107,8 +111,20 @@ class MetricsLog:
             if len(self._pending) >= self._rows_per_part:
                 self._cond.notify()
         if self._writer is None:
+            with self._cond:
+                self._start_writer()
+
+    def _start_writer(self) -> None:
+        if self._writer is None:
             self._writer = threading.Thread(target=self._write_loop, name="rayzero-metrics", daemon=True)
             self._writer.start()
+
+    def add_attempt(self, start: AttemptStart) -> None:
+        """Record an attempt's start (written with the next batch: [Note: attempts on record])."""
+        record = dataclasses.asdict(start)
+        record["attempt"] = self.first_attempt + start.attempt
+        with self._cond:
+            self._pending_attempts.append(record)
 
     def history(self, rank: int = 0) -> MetricsHistory:
         """What `rank` reported in this log's attempts, one dict per step (a re-run step's newest
@@ -120,12 +136,12 @@ class MetricsLog:
         deadline = time.monotonic() + timeout_s
         with self._cond:
             if self._writer is None:
-                return not self._pending
+                self._start_writer()
             self._flush_now = True
             self._cond.notify()
-            while (self._pending or self._writing) and time.monotonic() < deadline:
+            while (self._pending or self._pending_attempts or self._writing) and time.monotonic() < deadline:
                 self._cond.wait(min(0.2, max(0.0, deadline - time.monotonic())))
-            return not self._pending and not self._writing
+            return not self._pending and not self._pending_attempts and not self._writing
 
     def close(self, timeout_s: float = 60.0) -> None:
         """Write what is left (at most `timeout_s`), stop the writer, and say what was lost."""
@@ -156,9 +172,13 @@ class MetricsLog:
                 if self._closing:
                     return
                 batch, self._pending = self._pending, []
+                attempts, self._pending_attempts = self._pending_attempts, []
                 self._flush_now = False
-                self._writing = bool(batch)
+                self._writing = bool(batch or attempts)
             try:
+                if attempts:
+                    self._write_attempts(attempts)
+                    attempts = []
                 if batch:
                     self._write(batch)
                     pause = 0.0
@@ -168,6 +188,7 @@ class MetricsLog:
             except Exception as error:  # noqa: BLE001 - storage trouble costs metrics, never the run
                 pause = min(60.0, max(1.0, pause * 2))
                 with self._cond:  # the batch goes back in front, within the bound
+                    self._pending_attempts = attempts + self._pending_attempts
                     room = max(0, self._max_pending - len(self._pending))
                     self.dropped += max(0, len(batch) - room)
                     self._pending = batch[:room] + self._pending
@@ -180,6 +201,15 @@ class MetricsLog:
                 with self._cond:
                     self._writing = False
                     self._cond.notify_all()
+
+    def _write_attempts(self, records: list[dict[str, Any]]) -> None:
+        directory = attempts_directory(self._run_path)
+        self._filesystem.create_dir(directory, recursive=True)
+        for record in records:
+            name = attempt_file_name(record["attempt"])
+            with self._filesystem.open_output_stream(f"{directory}/.{name}.tmp") as stream:
+                stream.write(json.dumps(record).encode())
+            self._filesystem.move(f"{directory}/.{name}.tmp", f"{directory}/{name}")
 
     def _write(self, rows: list[dict[str, Any]]) -> None:
         """Each attempt's rows of the batch as one new part (names sort in writing order)."""

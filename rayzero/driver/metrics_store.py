@@ -37,7 +37,7 @@ from rayzero.config.errors import RayZeroValueError
 METRICS_DIR = "metrics.parquet"
 PART = re.compile(r"^part-a(\d+)-(\d+)\.parquet$")
 
-REPORT_COLUMNS = ("rank", "seq", "time", "checkpoint", "peak_memory_bytes", "placement", "attempt")
+REPORT_COLUMNS = ("rank", "seq", "time", "checkpoint", "peak_memory_bytes", "placement", "attempt", "engine_lr")
 """Columns the runtime adds to every row; a loop's metric of the same name is stored as `metric_<name>`."""
 
 
@@ -127,6 +127,42 @@ def adopt_single_file(filesystem: pafs.FileSystem, directory: str) -> None:
     filesystem.move(moved, f"{directory}/{part_name(int(newest or 0), 0)}")
 
 
+# ---- attempts ------------------------------------------------------------------------------------
+# [Note: attempts on record]
+# Every attempt of a run (a worker group: the first, each restart, each resize, each same-name rerun)
+# is recorded as `<run>/attempts/attempt-<n>.json`: its run-wide number n (the `attempt` column of
+# the metrics), why it began, its Unix start time, the checkpoint step it resumed from and its size.
+# Plots label restarts with the cause, and time between attempts is attributed to it. One small file
+# per attempt, written once: no rewrite, any pyarrow.fs store.
+
+ATTEMPTS_DIR = "attempts"
+
+
+def attempts_directory(run_path: str) -> str:
+    return f"{run_path.rstrip('/')}/{ATTEMPTS_DIR}"
+
+
+def attempt_file_name(attempt: int) -> str:
+    return f"attempt-{attempt:06d}.json"
+
+
+def read_attempts(run: str) -> list[dict[str, Any]]:
+    """The run's attempt records, in attempt order ([] when there are none)."""
+    uri = run if "://" in run else f"file://{_absolute(run)}"
+    if uri.rstrip("/").endswith(".parquet"):
+        uri = uri.rstrip("/").rsplit("/", 1)[0]
+    filesystem, path = filesystem_from_uri(uri)
+    records = []
+    for info in filesystem.get_file_info(pafs.FileSelector(attempts_directory(path), allow_not_found=True)):
+        if info.type == pafs.FileType.File and re.match(r"^attempt-\d+\.json$", info.base_name):
+            try:
+                with filesystem.open_input_stream(info.path) as source:
+                    records.append(json.loads(source.read().decode()))
+            except (OSError, ValueError):
+                continue  # a record is advice for plots: a damaged one is skipped
+    return sorted(records, key=lambda record: record.get("attempt", 0))
+
+
 # ---- reading ---------------------------------------------------------------------------------
 
 def _unified(tables: list[pa.Table]) -> pa.Table:
@@ -187,7 +223,7 @@ def read_metrics(run: str, *, rank: int | None = None, columns: list[str] | None
     filesystem, directory = filesystem_from_uri(location)
     info = filesystem.get_file_info(directory)
     if info.type == pafs.FileType.NotFound:
-        raise RayZeroValueError(f"no metrics at {location}: give a run directory (<storage>/<name>, what "
+        raise RayZeroValueError(f"no metrics log at {location}: give a run directory (<storage>/<name>, what "
                                 "rayzero.fit reports as Result.path) or its metrics.parquet")
     if info.type == pafs.FileType.File:  # written by an earlier rayzero: one file
         sources = [(0, 0, directory)]

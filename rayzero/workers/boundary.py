@@ -178,6 +178,17 @@ class StepBoundary:
         stats = engine.memory_stats()
         return {key: int(stats[key]) for key in ("device_bytes", "host_bytes", "nvme_bytes")}
 
+    def learning_rate(self) -> float | None:
+        """The learning rate of the engine that stepped last, for the metrics (None before one did)."""
+        engine = self._engine() if self._engine is not None else None
+        if engine is None or engine.closed:
+            return None
+        try:
+            rates = engine.get_lr()
+            return float(rates[0]) if rates else None
+        except (AttributeError, IndexError, TypeError, ValueError):
+            return None
+
     def progressed(self) -> None:
         self._progress_at = time.monotonic()
 

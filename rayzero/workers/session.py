@@ -102,6 +102,10 @@ class Report:
     """Peak memory of the worker so far: GPU max allocated when on a GPU, else peak RSS."""
     placement: dict[str, int] | None = None
     """Where the rank's engine keeps its model state: device/host/nvme bytes (None: no engine)."""
+    attempt: int = 0
+    """The controller's attempt (worker group) this report came from (RAYZERO_ATTEMPT)."""
+    engine_lr: float | None = None
+    """The learning rate of the rank's engine when it reported (its `get_lr()[0]`; None: no engine)."""
 
 
 def peak_memory_bytes() -> int:
@@ -128,14 +132,17 @@ class WorkerSession:
     """Reports not yet collected by the controller; `None` wakes a waiting poll at the end."""
     boundary: Any = None
     """The engine step-boundary hook of this worker (rayzero.workers.boundary.StepBoundary)."""
+    attempt: int = field(default_factory=lambda: int(os.environ.get("RAYZERO_ATTEMPT", "0")))
+    """The controller's attempt this worker belongs to (stamped on every report)."""
     _seq: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def report(self, metrics: Mapping[str, Any], checkpoint: str | None = None) -> None:
         with self._lock:  # a loop may report from several threads; keep seq and queue order equal
             placement = self.boundary.placement() if self.boundary is not None else None
+            learning_rate = self.boundary.learning_rate() if self.boundary is not None else None
             item = Report(self.rank, self._seq, time.time(), dict(metrics), checkpoint, peak_memory_bytes(),
-                          placement)
+                          placement, self.attempt, learning_rate)
             self._seq += 1
             self.reports.put(item)
         if self.boundary is not None:

@@ -8,16 +8,16 @@ from rayzero.driver.progress import Progress
 from rayzero.workers.session import Report
 
 
-def _reports(rank: int, steps: range, start_time: float) -> list[Report]:
+def _reports(rank: int, steps: range, start_time: float, attempt: int = 0) -> list[Report]:
     # a fresh worker process numbers its reports from 0: seq restarts with each attempt
     return [Report(rank=rank, seq=seq, time=start_time + step, metrics={"step": step, "loss": 10.0 - step,
-                                                                         "samples": 4 * (step + 1)})
+                                                                         "samples": 4 * (step + 1)}, attempt=attempt)
             for seq, step in enumerate(steps)]
 
 
 def _two_attempts() -> list[Report]:
     first = [r for pair in zip(_reports(0, range(5), 0), _reports(1, range(5), 0)) for r in pair]
-    second = [r for pair in zip(_reports(0, range(3, 7), 100), _reports(1, range(3, 7), 100)) for r in pair]
+    second = [r for pair in zip(_reports(0, range(3, 7), 100, 1), _reports(1, range(3, 7), 100, 1)) for r in pair]
     return first + second  # the checkpoint was at step 3: steps 3 and 4 are run again
 
 
