@@ -41,20 +41,6 @@ def _rss(pid: int | str = "self") -> int:
         return 0
 
 
-def _processes(prefix: str) -> list[int]:
-    """pids whose command line starts with `prefix` (Ray names actor processes `ray::Class`)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/cmdline", "rb") as source:
-                    if source.read().startswith(prefix.encode()):
-                        found.append(int(entry))
-            except OSError:
-                continue
-    return found
-
-
 def _slope(xs: list[float], ys: list[float]) -> float | None:
     if len(xs) < 3:
         return None
@@ -84,9 +70,12 @@ def long_loop(config: dict[str, Any]) -> None:
         loss = torch.nn.functional.mse_loss(engine(inputs[index:index + 8]), targets[index:index + 8])
         engine.backward(loss)
         engine.step()
-        rayzero.report({"step": step, "loss": loss.item(), "lr": 1e-3, "samples": 16 * (step + 1),
-                        "tokens": 16 * 32 * (step + 1), "epoch": step // 1000, "elapsed_s": time.time() - started,
-                        "phase": "train"})
+        metrics = {"step": step, "loss": loss.item(), "lr": 1e-3, "samples": 16 * (step + 1),
+                   "tokens": 16 * 32 * (step + 1), "epoch": step // 1000, "elapsed_s": time.time() - started,
+                   "phase": "train"}
+        if step % 1000 == 0:  # the worker's own resident memory (other runs' workers share the machine)
+            metrics["rss_mib"] = _rss() / 2**20
+        rayzero.report(metrics)
 
 
 def run_real(steps: int, workers: int, storage: str | None, sample_s: float) -> dict[str, Any]:
@@ -101,12 +90,16 @@ def run_real(steps: int, workers: int, storage: str | None, sample_s: float) -> 
     done = threading.Event()
 
     def sample() -> None:
+        controller_pid = None
         while not done.wait(sample_s):
-            controller = _processes("ray::ControllerActor")
-            workers_ = _processes("ray::TrainWorker")
+            if controller_pid is None:  # this run's controller, not another session's on the machine
+                try:
+                    actor = ray.get_actor("rayzero-controller:longrun")
+                    controller_pid = ray.get(actor.__ray_call__.remote(lambda _: os.getpid()), timeout=10)
+                except Exception:  # noqa: BLE001 - not started yet: the next sample asks again
+                    controller_pid = None
             samples.append({"time": time.time(), "driver": _rss(),
-                            "controller": max((_rss(pid) for pid in controller), default=0),
-                            "workers": sorted(_rss(pid) for pid in workers_)})
+                            "controller": _rss(controller_pid) if controller_pid else 0})
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
@@ -119,6 +112,10 @@ def run_real(steps: int, workers: int, storage: str | None, sample_s: float) -> 
     wall = time.time() - started
     table = read_metrics(result.path, rank=0, columns=["step", "time"])
     report_steps, report_times = table.column("step").to_pylist(), table.column("time").to_pylist()
+    worker_rss = {}  # step -> [each rank's own resident MiB]
+    for row in read_metrics(result.path, columns=["step", "rss_mib"]).to_pylist():
+        if row.get("rss_mib") is not None:
+            worker_rss.setdefault(row["step"], []).append(row["rss_mib"])
     ray.shutdown()
 
     def step_at(moment: float) -> int:
@@ -133,9 +130,12 @@ def run_real(steps: int, workers: int, storage: str | None, sample_s: float) -> 
     points = [dict(sample_, step=step_at(sample_["time"])) for sample_ in samples
               if report_times and sample_["time"] >= report_times[0]]
     memory = {}
+    worker_steps = sorted(worker_rss)
     for process in ("driver", "controller", "workers"):
-        xs = [float(p["step"]) for p in points]
-        ys = [float(p[process] if process != "workers" else max(p["workers"] or [0])) for p in points]
+        if process == "workers":
+            xs, ys = [float(step) for step in worker_steps], [max(worker_rss[step]) * 2**20 for step in worker_steps]
+        else:
+            xs, ys = [float(p["step"]) for p in points], [float(p[process]) for p in points]
         slope = _slope(xs, ys)
         memory[process] = {"first_mib": ys[0] / 2**20 if ys else None, "last_mib": ys[-1] / 2**20 if ys else None,
                            "slope_mib_per_100k_steps": slope * 1e5 / 2**20 if slope is not None else None}
@@ -144,8 +144,9 @@ def run_real(steps: int, workers: int, storage: str | None, sample_s: float) -> 
         "kind": "real", "steps": steps, "workers": workers, "wall_s": wall, "reports": len(report_steps) * workers,
         "steps_per_s_first_5pct": rate(0, window - 1), "steps_per_s_last_5pct": rate(-window, -1),
         "memory": memory, "metrics_parts": len(parts),
-        "samples": [{"step": p["step"], "driver_mib": p["driver"] / 2**20, "controller_mib": p["controller"] / 2**20,
-                     "worker_mib": [w / 2**20 for w in p["workers"]]} for p in points],
+        "samples": [{"step": p["step"], "driver_mib": p["driver"] / 2**20, "controller_mib": p["controller"] / 2**20}
+                    for p in points],
+        "worker_samples": [{"step": step, "worker_mib": worker_rss[step]} for step in worker_steps],
         "rate_series": [{"step": report_steps[i], "steps_per_s": rate(i - window, i)}
                         for i in range(window, len(report_steps), window)],
     }
@@ -253,7 +254,7 @@ def plot(inputs: list[str], output: str) -> None:
                 for key in ("driver_mib", "controller_mib"):
                     axes[1].plot([p["step"] for p in item["samples"]], [p[key] for p in item["samples"]],
                                  label=key.replace("_mib", ""))
-                axes[1].plot([p["step"] for p in item["samples"]], [max(p["worker_mib"] or [0]) for p in item["samples"]],
+                axes[1].plot([p["step"] for p in item["worker_samples"]], [max(p["worker_mib"]) for p in item["worker_samples"]],
                              label="largest worker")
             elif item.get("kind") == "simulate":
                 axes[2].plot([f["rows_before"] for f in item["flush_series"]], [f["seconds"] for f in item["flush_series"]],
@@ -301,7 +302,8 @@ def main(argv: list[str] | None = None) -> int:
             simulate(int(rows), int(ranks)) for rows in args.rows.split(",") for ranks in args.ranks.split(",")]}
     text = json.dumps(result, indent=1)
     print(text if args.command != "real" else json.dumps({k: v for k, v in result.items()
-                                                           if k not in ("samples", "rate_series")}, indent=1))
+                                                           if k not in ("samples", "worker_samples", "rate_series")},
+                                                          indent=1))
     if args.json:
         Path(args.json).write_text(text)
     return 0

@@ -44,6 +44,11 @@ HOST_ENV, PORT_ENV = "RAYZERO_CONTROL_HOST", "RAYZERO_CONTROL_PORT"
 TLS_CERT_ENV, TLS_KEY_ENV, TLS_CA_ENV = "RAYZERO_CONTROL_TLS_CERT", "RAYZERO_CONTROL_TLS_KEY", "RAYZERO_CONTROL_TLS_CA"
 # TOKEN_ENV: a token to use instead of a generated one (the Kubernetes operator passes the job Secret's).
 WATCH_DEFAULT_INTERVAL_S, WATCH_MAX_INTERVAL_S, WATCH_MIN_INTERVAL_S = 0.5, 1.0, 0.05
+
+
+def watch_interval(requested_s: float) -> float:
+    """Seconds between a watch's updates: as asked, within [0.05, 1] (0: the default, 0.5)."""
+    return min(max(requested_s or WATCH_DEFAULT_INTERVAL_S, WATCH_MIN_INTERVAL_S), WATCH_MAX_INTERVAL_S)
 DEFAULT_WAIT_S = 600.0
 TERMINAL_STATES = ("finished", "errored")
 
@@ -111,8 +116,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
 
     def WatchStatus(self, request: control_pb2.WatchStatusRequest, context: grpc.ServicerContext
                     ) -> Iterator[control_pb2.Status]:
-        interval = request.interval_s or WATCH_DEFAULT_INTERVAL_S
-        interval = min(max(interval, WATCH_MIN_INTERVAL_S), WATCH_MAX_INTERVAL_S)
+        interval = watch_interval(request.interval_s)
         while context.is_active():
             try:
                 status = self._target.status()

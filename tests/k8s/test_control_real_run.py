@@ -15,14 +15,7 @@ import tempfile
 import textwrap
 
 import k8s_envtest
-import pytest
 from k8s_support import example, head_tls_files, wait_for
-
-from rayzero.controller.controller import ControllerActor
-
-pytestmark = pytest.mark.skipif(
-    not hasattr(ControllerActor, "status"),
-    reason="needs the controller's ControlTarget on ControllerActor (issue 11's controller side)")
 
 DRIVER = textwrap.dedent(
     """

@@ -16,12 +16,6 @@ import time
 import grpc
 import pytest
 
-from rayzero.controller.controller import ControllerActor
-
-pytestmark = pytest.mark.skipif(
-    not hasattr(ControllerActor, "status"),
-    reason="needs the controller's ControlTarget on ControllerActor (issue 11's controller side)")
-
 DRIVER = textwrap.dedent(
     """
     import sys, time

@@ -62,7 +62,9 @@ def stopping_loop(config):
         loss = engine(torch.ones(2, 4)).sum()
         engine.backward(loss)
         engine.step()
-        rayzero.report({"step": step + 1, "loss": loss.item()})
+        rayzero.report({"step": step + 1, "loss": loss.item(), "samples": 4 * (step + 1)})
+        if step + 1 == 5:
+            engine.save_checkpoint()  # the loop's own checkpoint: status must see it
         time.sleep(0.05)
 
 
@@ -75,7 +77,7 @@ def test_a_stopped_worker_shows_in_status_and_the_hang_report_leads_with_its_sta
                 stopping_loop, scaling=rayzero.ScalingConfig(num_workers=2),
                 run=rayzero.RunConfig(storage=tmp_path.as_uri(), name="sigstop"),
                 failure=rayzero.FailureConfig(max_failures=1, hang_timeout_s=8, backoff_s=0),
-                train_loop_config={"dir": str(tmp_path), "steps": 150})
+                train_loop_config={"dir": str(tmp_path), "steps": 400})
         except BaseException as error:  # noqa: BLE001 - reported by the assertions below
             outcome["error"] = error
 
@@ -85,11 +87,17 @@ def test_a_stopped_worker_shows_in_status_and_the_hang_report_leads_with_its_sta
     deadline = time.monotonic() + 180
     while not pid_file.exists() and time.monotonic() < deadline:
         time.sleep(0.2)
-    time.sleep(2.0)  # a few steps in
+    controller = ray.get_actor(controller_actor_name("sigstop"))
+    while time.monotonic() < deadline:  # status sees the loop's own checkpoint and measures throughput
+        status = ray.get(controller.status.remote())
+        if status.checkpoints and status.samples_per_s:
+            break
+        time.sleep(0.3)
+    assert [record.step for record in status.checkpoints] == [5], status
+    assert status.samples_per_s > 0 and status.step >= 5
     pid = int(pid_file.read_text())
     os.kill(pid, signal.SIGSTOP)
     try:
-        controller = ray.get_actor(controller_actor_name("sigstop"))
         seen = None
         while time.monotonic() < deadline:
             status = ray.get(controller.status.remote())

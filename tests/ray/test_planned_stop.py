@@ -22,8 +22,6 @@ import elastic_loop
 
 from rayzero.driver.metrics_store import read_metrics
 
-pytest.importorskip("rayzero.engine.api")
-
 
 def _finals(result) -> tuple[list[float], int]:
     final = [m for m in result.metrics_history if "final" in m][-1]
