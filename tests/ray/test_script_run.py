@@ -3,6 +3,7 @@
 of unmodified scripts ([Note: scripts on workers])."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -34,11 +35,16 @@ ENV_SCRIPT = textwrap.dedent(
             "ACCELERATE_USE_DEEPSPEED"]
     context = rayzero.get_context()
     spec = importlib.util.find_spec("deepspeed")
+    try:  # --config: Accelerate reads it as under `accelerate launch --use_deepspeed --deepspeed_config_file`
+        from accelerate.utils import DeepSpeedPlugin
+        accelerate_sees = DeepSpeedPlugin().deepspeed_config["zero_optimization"]
+    except ImportError:
+        accelerate_sees = None
     print("SEEN " + json.dumps({
         "name": __name__, "argv": sys.argv, "path0": sys.path[0], "cwd": os.getcwd(),
         "env": {key: os.environ.get(key) for key in keys}, "group_formed": dist.is_initialized(),
         "deepspeed_preloaded": "deepspeed" in sys.modules, "deepspeed": spec.origin if spec else None,
-        "attempt": context.attempt, "resuming": context.resuming}), flush=True)
+        "attempt": context.attempt, "resuming": context.resuming, "accelerate": accelerate_sees}), flush=True)
     print(f"to stderr from {context.rank}", file=sys.stderr, flush=True)
     if context.rank == int(sys.argv[sys.argv.index("--fail-rank") + 1]):
         sys.exit(int(sys.argv[sys.argv.index("--status") + 1]))
@@ -137,6 +143,7 @@ def test_a_script_runs_as_main_on_every_rank_and_its_exit_status_is_the_command_
     assert "the script exited with status 3 on rank 1" in err and "rank 1 raised SystemExit: 3" in err
     seen = _seen(out)
     assert sorted(seen) == [0, 1], out
+    accelerate_installed = importlib.util.find_spec("accelerate") is not None
     for rank, got in seen.items():
         assert got["name"] == "__main__" and got["argv"] == ["envscript.py", "--fail-rank", "1", "--status", "3",
                                                               "--two words"]
@@ -148,6 +155,8 @@ def test_a_script_runs_as_main_on_every_rank_and_its_exit_status_is_the_command_
         assert (env["GROUP_RANK"], env["GROUP_WORLD_SIZE"], env["TORCHELASTIC_RUN_ID"]) == ("0", "1", "env")
         assert env["TORCHELASTIC_RESTART_COUNT"] == "0" and env["RAYZERO_SCRIPT"] == "1"
         assert env["ACCELERATE_USE_DEEPSPEED"] == "true"  # --config: what accelerate launch --use_deepspeed sets
+        if accelerate_installed:
+            assert got["accelerate"] == elastic_loop.config()["zero_optimization"]
         assert got["group_formed"] is False  # the script forms its own group
         assert got["deepspeed_preloaded"] is False  # nothing imported the real one before the script
         compat = ROOT / "rayzero" / "compat" / "site"
