@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 ENV_SCRIPT = textwrap.dedent(
     """
-    import importlib.util, json, os, sys
+    import importlib.util, json, os, sys, time
     import torch.distributed as dist
     import rayzero
 
@@ -46,7 +46,13 @@ ENV_SCRIPT = textwrap.dedent(
         "deepspeed_preloaded": "deepspeed" in sys.modules, "deepspeed": spec.origin if spec else None,
         "attempt": context.attempt, "resuming": context.resuming, "accelerate": accelerate_sees}), flush=True)
     print(f"to stderr from {context.rank}", file=sys.stderr, flush=True)
+    if context.rank == 0:
+        open("rank0.printed", "w").close()
     if context.rank == int(sys.argv[sys.argv.index("--fail-rank") + 1]):
+        deadline = time.monotonic() + 120  # the failure ends the group: let rank 0 print first
+        while not os.path.exists("rank0.printed") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(1.0)
         sys.exit(int(sys.argv[sys.argv.index("--status") + 1]))
     """
 )
