@@ -143,7 +143,7 @@ def _wait_for(path: Path, timeout_s: float = 180.0) -> None:
 
 def test_a_script_runs_as_main_on_every_rank_and_its_exit_status_is_the_command_s(local_ray, project):
     driver = _start(local_ray, project, "envscript.py", "--workers", "2", "--config", "ds.json", "--name", "env",
-                    "--", "--fail-rank", "1", "--status", "3", "--two words")
+                    "--max-failures", "0", "--", "--fail-rank", "1", "--status", "3", "--two words")
     out, err = driver.communicate(timeout=300)
     assert driver.returncode == 3, f"{out}\n{err}"
     assert "the script exited with status 3 on rank 1" in err and "rank 1 raised SystemExit: 3" in err
@@ -246,8 +246,9 @@ def test_fit_a_script_that_never_builds_an_engine(local_ray, tmp_path, monkeypat
     with pytest.raises(rayzero.TrainingFailedError, match="rank [01] made no progress"):  # the detector is alive
         rayzero.fit(rayzero.Script("silent.py", args=["30"]), scaling=rayzero.ScalingConfig(num_workers=2),
                     run=rayzero.RunConfig(name="hung", storage=(tmp_path / "runs").as_uri()),
-                    failure=rayzero.FailureConfig(hang_timeout_s=1.0, startup_grace_s=2.0))
+                    failure=rayzero.FailureConfig(hang_timeout_s=1.0, startup_grace_s=2.0, max_failures=0))
     with pytest.raises(rayzero.TrainingFailedError) as failed:
         rayzero.fit(rayzero.Script("silent.py", args=["not-a-number"]), scaling=rayzero.ScalingConfig(num_workers=2),
-                    run=rayzero.RunConfig(name="broken", storage=(tmp_path / "runs").as_uri()))
+                    run=rayzero.RunConfig(name="broken", storage=(tmp_path / "runs").as_uri()),
+                    failure=rayzero.FailureConfig(max_failures=0))
     assert failed.value.exit_code == 1 and "ValueError: could not convert string to float" in str(failed.value)
