@@ -13,8 +13,15 @@ rayzero/driver/cli.py. From `rayzero.fit(rayzero.Script(...))` the lines arrive 
 front of ours, as any worker output does.
 
 A line ended by `\\r` (a progress bar redrawing itself) is written at most once a second, so a tqdm
-bar shows its progress without a line per redraw. Every line counts as progress for hang detection
-until the rank's engine first steps ([Note: scripts on workers] in script.py).
+bar shows its progress without a line per redraw. When the script ends, the worker waits a second
+before it reports the end, so the end of the run does not overtake the script's last lines: Ray
+forwards them asynchronously (its log monitor polls the worker's file, publishes through the GCS,
+the driver prints) and the driver exits soon after the run ends (Ray gives pending lines 0.5 s); the
+controller also kills the worker processes right away, and a log monitor watching more than
+RAY_LOG_MONITOR_MAX_OPEN_FILES (200) files moves a dead worker's file aside without reading its end.
+On the loaded 2-core test machine a rank's last line ("FINAL ...") was missing in about one run in
+six without the wait. Every line counts as progress for hang detection until the rank's engine first
+steps ([Note: scripts on workers] in script.py).
 """
 from __future__ import annotations
 
@@ -32,6 +39,7 @@ _RAY_MAGIC = re.compile(rb"^:[a-z_]+:")
 _LINE_ENDS = re.compile(rb"(\r\n|\n|\r)")
 _REDRAW_INTERVAL_S = 1.0
 _DRAIN_TIMEOUT_S = 2.0  # how long the end of a run waits for the last lines of the pipes
+_SETTLE_S = 1.0  # then for Ray's log monitor to read them while this process lives (see the note)
 
 
 class RankOutput:
@@ -79,6 +87,7 @@ class RankOutput:
         for (fd, saved), thread in zip(self._saved.items(), self._threads):
             if not thread.is_alive():
                 os.close(saved)
+        time.sleep(_SETTLE_S)
 
     def _pump(self, read_fd: int, out_fd: int) -> None:
         pending = b""
