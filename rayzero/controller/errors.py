@@ -6,12 +6,15 @@ from rayzero.workers.errors import RayZeroRuntimeError
 
 
 class TrainingFailedError(RayZeroRuntimeError):
-    """The run ended because a worker failed. `rank` is the failing rank (None if not one rank)."""
+    """The run ended because a worker failed. `rank` is the failing rank (None if not one rank);
+    `exit_code` the exit status of a script that ended with one (`rayzero run` exits with it)."""
 
-    def __init__(self, message: str, rank: int | None = None, traceback_text: str = "") -> None:
-        super().__init__(message, rank, traceback_text)
+    def __init__(self, message: str, rank: int | None = None, traceback_text: str = "",
+                 exit_code: int | None = None) -> None:
+        super().__init__(message, rank, traceback_text, exit_code)
         self.rank = rank
         self.traceback_text = traceback_text
+        self.exit_code = exit_code
 
 
 class ResourcesUnavailableError(TrainingFailedError):
@@ -39,4 +42,4 @@ def training_failed(failure: Failure, what_next: str = "") -> TrainingFailedErro
     message = f"training failed on {where}: {failure.message}" + (f"\n{what_next}" if what_next else "")
     if failure.traceback_text and failure.kind is not FailureKind.HANG:
         message += f"\n\n--- traceback from {where} ---\n{failure.traceback_text.rstrip()}"
-    return TrainingFailedError(message, failure.rank, failure.traceback_text)
+    return TrainingFailedError(message, failure.rank, failure.traceback_text, failure.exit_code)

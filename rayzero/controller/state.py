@@ -60,6 +60,8 @@ class Failure:
     """The rank that failed, when one did."""
     traceback_text: str = ""
     """The failing rank's traceback, when there is one."""
+    exit_code: int | None = None
+    """A script's exit status, when a script ended with one ([Note: scripts on workers])."""
 
 
 @dataclass(frozen=True)

@@ -203,6 +203,9 @@ class RayWorkerGroup:
         shards = self._split_datasets()
         backend = "nccl" if self._scaling.use_gpu else "gloo"
         setups = []
+        # torchrun's GROUP_RANK: the node's index, nodes in rank order (ranks are contiguous per node)
+        nodes = list(dict.fromkeys(infos[index].node_id for index in sorted(range(len(ranks)),
+                                                                            key=lambda i: ranks[i][0])))
         for index, (rank, local_rank, local_world) in enumerate(ranks):
             env = dict(self._run_env)
             env.update(
@@ -210,6 +213,9 @@ class RayWorkerGroup:
                 LOCAL_RANK=str(local_rank),
                 WORLD_SIZE=str(len(actors)),
                 LOCAL_WORLD_SIZE=str(local_world),
+                GROUP_RANK=str(nodes.index(infos[index].node_id)),
+                NODE_RANK=str(nodes.index(infos[index].node_id)),
+                GROUP_WORLD_SIZE=str(len(nodes)),
                 MASTER_ADDR=master_addr,
                 MASTER_PORT=str(master_port),
                 RAYZERO_NODE_ID=infos[index].node_id,
@@ -370,6 +376,7 @@ class RayWorkerGroup:
                     f"rank {rank} raised {outcome.error}",
                     rank,
                     outcome.traceback_text,
+                    outcome.exit_code,
                 )
             )
 

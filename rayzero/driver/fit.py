@@ -31,9 +31,11 @@ from rayzero.driver.cluster import check_fits, connect
 from rayzero.driver.config_check import validated_config
 from rayzero.driver.metrics_log import MetricsLog
 from rayzero.driver.progress import Progress
+from rayzero.driver.scripts import prepare_script, script_environment
 from rayzero.driver.shipping import ship
 from rayzero.driver.signals import StopSignals
 from rayzero.workers.boundary import CHECKPOINT_TIER_ENV, NODE_LOCAL_RESUME
+from rayzero.workers.script import ScriptTarget
 
 
 @dataclass
@@ -65,8 +67,9 @@ class Result:
 
 
 
-def _run_locations(run: RunConfig) -> tuple[str, str, str]:
-    """(run name, run URI, checkpoint dir: a local path for file://, else a URI)."""
+def _run_locations(run: RunConfig) -> tuple[str, str, str, bool]:
+    """(run name, run URI, checkpoint dir: a local path for file://, else a URI, whether the run's
+    directory existed already: a rerun under the same name)."""
     name = run.name or (
         f"rayzero-{datetime.datetime.now():%Y%m%d-%H%M%S}-{secrets.token_hex(2)}"
     )
@@ -74,10 +77,14 @@ def _run_locations(run: RunConfig) -> tuple[str, str, str]:
     if "://" not in root:  # a plain path is a local directory
         root = Path(root).resolve().as_uri()
     run_uri = f"{root.rstrip('/')}/{name}"
+    filesystem, path = filesystem_from_uri(run_uri)
+    try:
+        existed = filesystem.get_file_info(path).type != pafs.FileType.NotFound
+    except OSError:
+        existed = False  # _check_writable names the trouble
     _check_writable(root, run_uri)
-    path = filesystem_from_uri(run_uri)[1]
     checkpoint_dir = f"{path}/checkpoints" if run_uri.startswith("file://") else f"{run_uri}/checkpoints"
-    return name, run_uri, checkpoint_dir
+    return name, run_uri, checkpoint_dir, existed
 
 
 def _check_writable(root: str, run_uri: str) -> None:
@@ -143,7 +150,9 @@ def fit(
     datasets: Mapping[str, Any] | None = None,
     trainer: Mapping[str, Any] | None = None,
 ) -> Result:
-    """Run `train_loop(train_loop_config)` on `scaling.num_workers` Ray actors forming one process group.
+    """Run `train_loop(train_loop_config)` on `scaling.num_workers` Ray actors forming one process group,
+    or with a `rayzero.Script(...)` run that script as `__main__` on each of them, as torchrun would
+    ([Note: scripts on workers]; `config` then optional, `train_loop_config` unused).
 
     `config` is the run's DeepSpeed config (JSON path, dict or RayZeroConfig); it is validated here,
     before any worker starts, and `rayzero.initialize(model=...)` without `config=` uses it.
@@ -157,11 +166,17 @@ def fit(
     raw = _raw_config(config)
     plan = _batch_plan(raw, scaling)
     first_size = plan.choose(None) or scaling.max_workers
+    script = isinstance(train_loop, ScriptTarget)
+    if script:  # checked before anything starts
+        if train_loop_config is not None:
+            raise RayZeroValueError("a Script takes its arguments as Script(path, args=[...]), not train_loop_config")
+        train_loop = prepare_script(train_loop, first_size)
     elastic_batch = bool(((raw or {}).get("elasticity") or {}).get("enabled"))
     # An elastic run is validated with the batch keys of its largest size ([Note: elastic batch]).
     to_check = plan.config_for(raw, first_size) if scaling.elastic or elastic_batch else config
-    ds_config, validated, trainer = validated_config(to_check, first_size, trainer)
-    name, run_uri, checkpoint_dir = _run_locations(run)
+    # a script's trainer (HF, Accelerate) fills the "auto"s no fact given here resolves
+    ds_config, validated, trainer = validated_config(to_check, first_size, trainer, allow_unresolved=script)
+    name, run_uri, checkpoint_dir, rerun = _run_locations(run)
     explicit = run.resume_from or os.environ.get("RAYZERO_RESUME_FROM") or None
     resume_from = resolve_resume_from(explicit, explicit=bool(run.resume_from))
     node_local = bool((validated.get("checkpoint") or {}).get("use_node_local_storage"))
@@ -184,6 +199,10 @@ def fit(
     }
     if trainer:
         run_env["RAYZERO_TRAINER"] = json.dumps(dict(trainer))  # HF trainer arguments for "auto"s
+    if script:
+        run_env.update(script_environment(failure))
+    if rerun:
+        run_env["RAYZERO_RESUMING"] = "1"  # get_context().resuming: a rerun under the same name
     run_env[NOTES_SHOWN_ENV] = json.dumps(logged_notes())  # [Note: config notes once]
     datasets = dict(datasets or {})
     locations = [checkpoint_dir] + ([validated["checkpoint"]["durable_uri"]]

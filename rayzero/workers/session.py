@@ -50,6 +50,11 @@ class TrainContext:
     """Checkpoint to resume from (`--resume-from`, or the newest committed one on a restart)."""
     attempt: int = 0
     """0 for the first attempt, incremented each time the controller restarts the worker group."""
+    resuming: bool = False
+    """True when this process continues earlier training of the same run: a restart after a failure
+    or a resize (`attempt > 0`), a rerun under the same name and storage, or a resume point given
+    (`resume_from`). A training script whose trainer keeps its own checkpoints (HF `checkpoint-N`,
+    Lightning `.ckpt`) resumes from its newest one when this is true ([Note: scripts on workers])."""
 
     def should_stop(self) -> bool:
         """True once the run was told to stop (driver Ctrl-C/SIGTERM, `rayzero stop`, a resize or a
@@ -81,6 +86,8 @@ def context_from_environment(environ: Mapping[str, str] | None = None) -> TrainC
         node_local_dir=env.get("RAYZERO_NODE_LOCAL_DIR", ""),
         resume_from=env.get("RAYZERO_RESUME_FROM") or None,
         attempt=int(env.get("RAYZERO_ATTEMPT", "0")),
+        resuming=bool(env.get("RAYZERO_RESUME_FROM")) or int(env.get("RAYZERO_ATTEMPT", "0")) > 0
+        or env.get("RAYZERO_RESUMING") == "1",
     )
 
 
