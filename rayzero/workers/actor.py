@@ -100,8 +100,10 @@ class TrainWorker:
         if self._running and boundary is not None and not self.preempted:
             self.preempted = True
             boundary.preempt()
-            logging.getLogger("rayzero.workers").warning(
-                "rank %d got SIGTERM: checkpointing at the next step boundary, then stopping", boundary.rank)
+            # Nothing is announced yet: Ray's own teardown of the group (`rayzero kill`, another rank
+            # failed) also sends SIGTERM, and then no checkpoint comes. The boundary says so when the
+            # checkpoint is actually being written (StepBoundary.after_step).
+            logging.getLogger("rayzero.workers").debug("rank %d got SIGTERM", boundary.rank)
             return
         previous = self._previous_sigterm
         if callable(previous):
