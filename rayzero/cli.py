@@ -6,6 +6,7 @@ only when chosen, so `rayzero config validate` never pays for importing torch or
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 # sub-command -> (module exposing `main(argv) -> int`, or "module:function", one-line help)
@@ -60,7 +61,13 @@ def main(argv: list[str] | None = None) -> int:
     if name == "checkpoint" and rest[:1] == ["now"]:
         target, rest = CHECKPOINT_NOW, rest[1:]
     module_name, _, function = target.partition(":")
-    return int(getattr(importlib.import_module(module_name), function or "main")(rest) or 0)
+    try:
+        return int(getattr(importlib.import_module(module_name), function or "main")(rest) or 0)
+    except BrokenPipeError:
+        # `rayzero status | head`: the reader went away. Python's advice: point stdout at devnull so
+        # the interpreter's final flush does not raise again, and end quietly as `head` expects.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

@@ -165,8 +165,11 @@ def entrypoint(spec: RayZeroJobSpec, job_name: str) -> str:
     """The `rayzero run` command line the RayJob submits (shell-quoted: KubeRay runs it in a shell).
 
     `--workers` is the world size: one rank per GPU of every worker pod (one per pod without GPUs).
-    `--max-failures` stays at its default 0: a failure ends the RayJob and the operator's restart
-    budget decides what happens next ([Note: one retry budget])."""
+    `--max-failures` is left to `rayzero run`'s default: inside the RayJob the controller restarts
+    its worker group after a lost worker or node as long as the run keeps committing checkpoints (no
+    total limit; 3 failures in a row without a newer checkpoint end it), on the Ray cluster it
+    already has; what ends the RayJob is left to the operator's restart budget ([Note: one retry
+    budget] in plan.py)."""
     command = ["rayzero", "run", spec.entrypoint.target,
                "--config", f"{CONFIG_MOUNT_DIR}/{CONFIG_FILE_NAME}",
                "--workers", str(spec.world_size())]

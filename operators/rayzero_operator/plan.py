@@ -6,10 +6,15 @@ RayJob patch, the status to write, Events to post and when to look again. Runnin
 changes nothing the second time (see [Note: one RayJob per attempt]).
 
 [Note: one retry budget]
-The only retry budget is `spec.failurePolicy.maxRestarts`: every RayJob is created with KubeRay's
-`backoffLimit: 0`, and when attempt n fails with restarts left (n - 1 < maxRestarts) the operator
-waits `backoffSeconds` and creates attempt n + 1, which resumes from the run's durable checkpoints
-through RAYZERO_RESUME_FROM. `status.restarts` is n - 1 of the newest attempt.
+Two levels, each with one budget. Inside a RayJob, `rayzero run`'s controller restarts the worker
+group from the newest checkpoint after a lost worker, hang or node, with its default policy (no
+total limit while the run keeps committing checkpoints; 3 failures in a row without a newer one end
+the RayJob; `status.failures` counts them): cheap, on the Ray cluster it has. When a RayJob itself
+fails (the policy gave up, the head pod was lost), `spec.failurePolicy.maxRestarts` decides: every
+RayJob is created with KubeRay's `backoffLimit: 0`, and when attempt n fails with restarts left
+(n - 1 < maxRestarts) the operator waits `backoffSeconds` and creates attempt n + 1, which resumes
+from the run's durable checkpoints through RAYZERO_RESUME_FROM. `status.restarts` is n - 1 of the
+newest attempt.
 """
 from __future__ import annotations
 

@@ -48,8 +48,8 @@ class ScalingConfig(_Settings):
     def _worker_range_is_valid(self) -> ScalingConfig:
         if self.min_workers < 1 or self.max_workers < self.min_workers:
             raise ValueError(
-                f"num_workers={self.num_workers!r}: give a count >= 1 or a range (min, max) with "
-                "1 <= min <= max, e.g. (2, 8)")
+                f"num_workers={self.num_workers!r}: give a count >= 1 or a range with 1 <= min <= max: "
+                "(2, 8) in Python, --workers 2:8 on the command line")
         return self
 
     @model_validator(mode="after")

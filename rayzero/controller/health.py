@@ -79,7 +79,7 @@ def find_hang(beats: dict[int, Heartbeat | None], silent_for: dict[int, float], 
         where += (f" and stopped answering its heartbeats {silent:.0f}s ago (the process is stopped, e.g. "
                   "SIGSTOP or a debugger, or wedged outside Python)")
     reason = (f"rank {culprit} made no progress for {ages[culprit]:.0f}s {where} (limit {limit:.0f}s: "
-              f"FailureConfig.hang_timeout_s, at least {policy.multiple:g}x the median step time); "
+              f"FailureConfig.hang_timeout_s / --hang-timeout, at least {policy.multiple:g}x the median step time); "
               f"seconds without progress per rank: " + ", ".join(f"{r}: {a:.0f}" for r, a in sorted(ages.items())))
     return Hang(culprit, ages, reason)
 

@@ -58,7 +58,16 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--storage", default=None, help="root URI for runs (default ./runs)")
     parser.add_argument("--name", default=None, help="run name (default rayzero-<date>-<time>)")
     parser.add_argument("--resume-from", default=None, help="checkpoint URI/path to resume from")
-    parser.add_argument("--max-failures", type=int, default=0, help="worker failures to retry (-1: always)")
+    parser.add_argument("--max-failures", type=int, default=None,
+                        help="worker failures the run may restart from in all (default: no total limit; "
+                             "3 in a row without a newer checkpoint end it; 0: fail at the first)")
+    parser.add_argument("--max-failures-without-progress", type=int, default=None, metavar="N",
+                        help="failures in a row with no newer committed checkpoint that end the run (default 3; "
+                             "0: no such limit)")
+    parser.add_argument("--hang-timeout", type=float, default=None, metavar="SECONDS",
+                        help="a rank with no progress this long after its first step is hung: its stacks are "
+                             "printed and the group restarts (default 60; at least 10x the median step time; "
+                             "0: off)")
     parser.add_argument("--trainer", type=_trainer_arg, action="append", default=[], metavar="KEY=VALUE",
                         help="an HF trainer argument for the config's \"auto\" values (repeatable), e.g. "
                              "--trainer per_device_train_batch_size=4 --trainer learning_rate=3e-5")
@@ -119,7 +128,8 @@ _FLAGS = {
     "num_workers": "--workers", "min_workers": "--workers", "max_workers": "--workers",
     "resources_per_worker": "--cpus-per-worker/--gpus-per-worker", "use_gpu": "--gpus-per-worker",
     "placement_timeout_s": "--placement-timeout", "name": "--name", "storage": "--storage",
-    "resume_from": "--resume-from", "max_failures": "--max-failures",
+    "resume_from": "--resume-from", "max_failures": "--max-failures", "hang_timeout_s": "--hang-timeout",
+    "max_failures_without_progress": "--max-failures-without-progress",
 }
 
 
@@ -129,10 +139,13 @@ def _flag_problems(error: ValidationError, args: argparse.Namespace) -> str:
     for item in error.errors():
         field = str(item["loc"][0]) if item.get("loc") else ""
         message = str(item.get("msg", "")).removeprefix("Value error, ").replace("Input should be", "must be")
-        if not field and "=" in message.split(":")[0]:  # a whole-model check: "num_workers=0: give ..."
+        if not field and ":" in message and "=" in message.split(":")[0]:  # "num_workers=0: give ..."
             field, _, message = message.partition(":")
             field, message = field.split("=")[0].strip(), message.strip()
-        flag = _FLAGS.get(field, field)
+        if not field:  # a whole-model check whose message names its field itself: say it as it is
+            lines.append(message)
+            continue
+        flag = _FLAGS.get(field.rpartition(".")[2], field)
         value = getattr(args, flag.lstrip("-").split("/")[0].replace("-", "_"), item.get("input"))
         lines.append(f"{flag} {value}: {message}")
     return "; ".join(lines)
@@ -202,7 +215,9 @@ def main(argv: list[str] | None = None, script_type: type[ScriptTarget] = Script
             placement_timeout_s=args.placement_timeout,
         )
         run = RunConfig(name=args.name, storage=args.storage, resume_from=args.resume_from)
-        failure = FailureConfig(max_failures=args.max_failures)
+        given = {"max_failures": args.max_failures, "hang_timeout_s": args.hang_timeout,
+                 "max_failures_without_progress": args.max_failures_without_progress}
+        failure = FailureConfig(**{key: value for key, value in given.items() if value is not None})
         result = fit(
             target,
             config=args.config,

@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -73,6 +74,9 @@ def _takes_an_argument(function: Callable[..., Any]) -> bool:
         return True
 
 
+REPORT_BATCH_S = 0.1
+
+
 class TrainWorker:
     """One training process of a run (a Ray actor; created by the controller's worker group)."""
 
@@ -81,6 +85,7 @@ class TrainWorker:
         self._session: WorkerSession | None = None
         # Set when run() returns so a poll waiting on an empty queue returns at once.
         self._finished = threading.Event()
+        self._polled_at = 0.0  # when poll() last answered (REPORT_BATCH_S)
         # The node's own node-local directory (e.g. the Kubernetes operator mounts a volume and exports
         # RAYZERO_NODE_LOCAL_DIR in the pod), read before setup() overwrites the environment.
         self._node_local_root = os.environ.get("RAYZERO_NODE_LOCAL_DIR")
@@ -100,8 +105,10 @@ class TrainWorker:
         if self._running and boundary is not None and not self.preempted:
             self.preempted = True
             boundary.preempt()
-            logging.getLogger("rayzero.workers").warning(
-                "rank %d got SIGTERM: checkpointing at the next step boundary, then stopping", boundary.rank)
+            # Nothing is announced yet: Ray's own teardown of the group (`rayzero kill`, another rank
+            # failed) also sends SIGTERM, and then no checkpoint comes. The boundary says so when the
+            # checkpoint is actually being written (StepBoundary.after_step).
+            logging.getLogger("rayzero.workers").debug("rank %d got SIGTERM", boundary.rank)
             return
         previous = self._previous_sigterm
         if callable(previous):
@@ -227,8 +234,17 @@ class TrainWorker:
         """Reports made since the last poll, waiting up to `timeout_s` for the first one."""
         if self._session is None:
             return []
+        # Batched like the controller's own poll (POLL_BATCH_S there): at most one answer per
+        # REPORT_BATCH_S while the loop runs, so a loop reporting every step costs the controller
+        # a few Ray calls a second per rank, not one per step.
+        pause = self._polled_at + REPORT_BATCH_S - time.monotonic()
+        if pause > 0 and not self._finished.is_set():
+            self._finished.wait(pause)
         wait = 0.0 if self._finished.is_set() else timeout_s
-        return self._session.drain(wait)
+        try:
+            return self._session.drain(wait)
+        finally:
+            self._polled_at = time.monotonic()
 
     def heartbeat(self) -> Heartbeat | None:
         """This rank's progress now (None before setup). Served while the loop runs."""

@@ -15,6 +15,7 @@ microseconds on gloo (it is a sync point of the CPU side only: no GPU tensor is 
 from __future__ import annotations
 
 import enum
+import logging
 import os
 import statistics
 import sys
@@ -222,6 +223,9 @@ class StepBoundary:
         if kind is BoundaryRequest.NONE:
             return
         self.saving = True
+        if self.preempted and kind is BoundaryRequest.STOP:  # said now that it happens, not at the signal
+            logging.getLogger("rayzero.workers").warning(
+                "rank %d got SIGTERM: saving the checkpoint of step %d, then stopping", self.rank, engine.global_steps)
         try:
             engine.save_checkpoint()
             engine.wait_for_checkpoint()  # committed before anyone hears it is done

@@ -135,7 +135,7 @@ def torchelastic_environment(env: Mapping[str, str]) -> dict[str, str]:
         "ROLE_WORLD_SIZE": env["WORLD_SIZE"],
         "TORCHELASTIC_RUN_ID": env.get("RAYZERO_RUN_NAME", "none"),
         "TORCHELASTIC_RESTART_COUNT": env.get("RAYZERO_ATTEMPT", "0"),
-        "TORCHELASTIC_MAX_RESTARTS": env.get("TORCHELASTIC_MAX_RESTARTS", "0"),
+        "TORCHELASTIC_MAX_RESTARTS": env.get("TORCHELASTIC_MAX_RESTARTS", "-1"),  # -1: no total limit
         # torchrun's agent hosts the store and sets True; here rank 0 hosts it (env:// as by hand)
         "TORCHELASTIC_USE_AGENT_STORE": "False",
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),

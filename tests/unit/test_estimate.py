@@ -3,6 +3,8 @@ results (oracle: deepspeed, when installed), its own rows follow [the table in e
 prints a table and JSON and marks what fits. The check against real runs is tests/dist/test_offload.py."""
 from __future__ import annotations
 
+import os
+
 import json
 
 import pytest
@@ -69,3 +71,17 @@ def test_model_is_counted_on_the_meta_device(capsys) -> None:
     out = json.loads(capsys.readouterr().out)
     assert out["params"] == 40_000 * 50_000 + 50_000 + 50_000 * 10 + 10
     assert out["largest_layer"] == 40_000 * 50_000 + 50_000
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly():
+    """`rayzero estimate | head -1` (issue 21): the pipe closes before the table is written."""
+    import subprocess
+    import sys
+
+    read, write = os.pipe()
+    child = subprocess.Popen([sys.executable, "-m", "rayzero.cli", "estimate", "--params", "7e9"], stdout=write,
+                             stderr=subprocess.PIPE, text=True)
+    os.close(write)
+    os.close(read)  # the reader is gone before the first line
+    _, err = child.communicate(timeout=120)
+    assert child.returncode == 0 and "Traceback" not in err and "BrokenPipe" not in err, err
