@@ -143,7 +143,7 @@ def run_transfers(comm: CheckpointComm, transfers: Sequence[Transfer],
             try:
                 writers[id(t)] = open(target_path(t) + ".part", "wb")  # noqa: SIM115
             except OSError as error:
-                refused.append(error)
+                refused.append(_naming(error, target_path(t)))
                 writers[id(t)] = None
     digests = {id(t): xxhash.xxh3_128() for t in mine if t.target == comm.rank}
     try:
@@ -171,15 +171,18 @@ def run_transfers(comm: CheckpointComm, transfers: Sequence[Transfer],
                     try:
                         writers[id(t)].write(data)
                     except OSError as error:
-                        refused.append(error)
+                        refused.append(_naming(error, target_path(t)))
                         _close_and_remove(writers.pop(id(t)), target_path(t) + ".part")
                         writers[id(t)] = None
     finally:
-        for handle in list(readers.values()) + [writer for writer in writers.values() if writer is not None]:
+        for handle in readers.values():
+            handle.close()
+        for handle in writers.values():
             try:
-                handle.close()
+                if handle is not None:
+                    handle.close()
             except OSError as error:  # a buffered write that meets a full disk fails at close
-                refused.append(error)
+                refused.append(_naming(error, handle.name.removesuffix(".part")))
     if refused:
         for t in mine:
             if t.target == comm.rank:
@@ -193,6 +196,11 @@ def run_transfers(comm: CheckpointComm, transfers: Sequence[Transfer],
             os.remove(partial)
             raise CorruptShardError(f"{t.name} (received from rank {t.source})", t.checksum, digests[id(t)].hexdigest())
         os.replace(partial, target_path(t))
+
+
+def _naming(error: OSError, path: str) -> OSError:
+    """`error` with the file it concerns (a failed write() names none)."""
+    return error if error.filename else OSError(error.errno, error.strerror or str(error), path)
 
 
 def _remove(path: str) -> None:

@@ -65,5 +65,8 @@ def noting(problems: list[StorageProblem], rank: int, path: str) -> Iterator[Non
     exception, for the next exchange to share with every rank."""
     try:
         yield
-    except (OSError, ForeignDirectoryError) as error:
+    except OSError as error:  # the file it names, where it names one, else the path the block writes
+        where = error.filename if isinstance(error.filename, str) else path
+        problems.append(StorageProblem(rank, where, error.strerror or str(error)))
+    except ForeignDirectoryError as error:
         problems.append(StorageProblem(rank, path, str(error)))

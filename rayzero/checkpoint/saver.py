@@ -184,7 +184,7 @@ class CheckpointSaver:
             _IN_FLIGHT.add(self)
         else:
             self._run(job, until_commit=True)
-            self.settle()  # raises if the save failed other than on storage (that is reported, not raised)
+            self._raise_fatal()  # a storage failure is reported, not raised (an explicit wait() raises it)
             if job.manifest is None:
                 return os.path.join(root, tag)
             # Committed and durable on local disk: retention and the upload need not hold the caller.
@@ -245,12 +245,16 @@ class CheckpointSaver:
         return self._lineage
 
     def settle(self) -> None:
-        """Wait for the save in flight; re-raise a failure other than on storage. A storage failure
-        was reported when it happened and does not stop training ([Note: a save that fails on storage])."""
+        """Before a new save or a load: wait for the save in flight and re-raise a failure other than
+        on storage. A storage failure was reported when it happened; it does not stop training and
+        is forgotten here ([Note: a save that fails on storage])."""
+        self._raise_fatal()
+        self._unraised_failure = None
+
+    def _raise_fatal(self) -> None:
         self.join()
         self._thread = None
         _IN_FLIGHT.discard(self)
-        self._unraised_failure = None
         if self._error is not None:
             error, self._error = self._error, None
             raise RayZeroRuntimeError(f"the previous checkpoint save failed on rank {self.comm.rank}: {error}") from error
@@ -261,7 +265,7 @@ class CheckpointSaver:
         timings at once."""
         self.join()
         failure, self._unraised_failure = self._unraised_failure, None
-        self.settle()
+        self._raise_fatal()
         if failure is not None:
             raise failure
         return self.timings
