@@ -24,7 +24,7 @@ import torch
 
 from rayzero.checkpoint.comm import CheckpointComm, Topology, Transfer, run_transfers
 from rayzero.checkpoint.durable import DurableStore
-from rayzero.checkpoint.manifest import Manifest, committed_tags, read_manifest
+from rayzero.checkpoint.manifest import Manifest, NoCheckpointError, committed_tags, read_manifest
 from rayzero.checkpoint.reshard import files_for, plan_read
 from rayzero.checkpoint.retention import ForeignDirectoryError, claim_tag_dir, new_lineage
 from rayzero.checkpoint.shard_file import (
@@ -35,14 +35,11 @@ from rayzero.checkpoint.shard_file import (
     scatter_file,
 )
 from rayzero.checkpoint.types import ShardSpec
-from rayzero.config.errors import RayZeroError, RayZeroValueError
+from rayzero.config.errors import RayZeroValueError
 
 log = logging.getLogger(__name__)
+__all__ = ["LoadedCheckpoint", "NoCheckpointError", "load"]  # NoCheckpointError: its home is manifest.py
 _MAX_REPAIRS = 4  # re-plans per candidate after corrupt copies were found
-
-
-class NoCheckpointError(RayZeroError, FileNotFoundError):
-    """No committed, complete and intact checkpoint was found in any tier."""
 
 
 @dataclass

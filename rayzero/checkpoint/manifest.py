@@ -29,7 +29,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from rayzero.config.errors import RayZeroValueError
+from rayzero.config.errors import RayZeroError, RayZeroValueError
 from rayzero.config.names import check_name, name_problem
 
 log = logging.getLogger(__name__)
@@ -41,6 +41,10 @@ LATEST = "latest"
 
 def shard_file_name(rank: int) -> str:
     return f"rank{rank:05d}.safetensors"
+
+
+class NoCheckpointError(RayZeroError, FileNotFoundError):
+    """No committed, complete and intact checkpoint was found (in any tier, for a load)."""
 
 
 class NotAManifestError(RayZeroValueError):
@@ -250,6 +254,23 @@ def commit(tag_dir: str, manifest: Manifest) -> None:
     write_atomic(os.path.join(tag_dir, MANIFEST), manifest.to_json())
 
 
+def load_manifest(tag_dir: str) -> Manifest:
+    """The manifest of a tag directory; NoCheckpointError when it has none, RayZeroValueError naming
+    the file when it is unreadable or malformed (what a tool reading one checkpoint reports)."""
+    path = os.path.join(tag_dir, MANIFEST)
+    try:
+        with open(path, "rb") as source:
+            text = source.read()
+    except FileNotFoundError:
+        raise NoCheckpointError(f"{tag_dir} is not a committed checkpoint (no {MANIFEST})") from None
+    except OSError as error:
+        raise RayZeroValueError(f"{path}: cannot read it ({error.strerror or error})") from None
+    try:
+        return Manifest.from_json(text)
+    except RayZeroValueError as error:
+        raise RayZeroValueError(f"{path}: {error}") from None
+
+
 def read_manifest(tag_dir: str) -> Manifest | None:
     """The manifest of a tag directory, or None when it was never committed or is unreadable."""
     try:
@@ -303,5 +324,5 @@ def resolve_tag_dir(path: str) -> str:
         return os.path.join(path, tag)
     tags = committed_tags(path)
     if not tags:
-        raise FileNotFoundError(f"{path} holds no committed checkpoint (no {MANIFEST} in it or below it)")
+        raise NoCheckpointError(f"{path} holds no committed checkpoint (no {MANIFEST} in it or below it)")
     return os.path.join(path, tags[0][1])

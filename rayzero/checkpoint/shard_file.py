@@ -125,6 +125,10 @@ class SafetensorsWriter:
                              f"{expected_name!r} ({expected_size} bytes)")
         self._emit(data, tensor.data_ptr() if tensor.numel() and keep else None)
 
+    def abort(self) -> None:
+        """Give up: the temporary file is removed, the target never appears."""
+        self.out.abort()
+
     def close(self) -> WrittenFile:
         if self.order:
             raise RayZeroValueError(f"safetensors writer closed before {self.order[0][0]!r} was written")
@@ -146,12 +150,16 @@ def write_shard_file(path: str, tensors: Iterable[tuple[str, torch.Tensor]], fsy
     items.sort(key=lambda item: -item[1].element_size())
     writer = SafetensorsWriter(path, [(name, tensor.dtype, (tensor.numel(),)) for name, tensor in items], fsync,
                                align_large=True)
-    for name, tensor in items:
-        if isinstance(tensor, LazyPiece):  # copied into the writer's staging: the piece is freed now
-            writer.write(name, tensor.materialize(), keep=False)
-        else:
-            writer.write(name, tensor)
-    return writer.close()
+    try:
+        for name, tensor in items:
+            if isinstance(tensor, LazyPiece):  # copied into the writer's staging: the piece is freed now
+                writer.write(name, tensor.materialize(), keep=False)
+            else:
+                writer.write(name, tensor)
+        return writer.close()
+    except BaseException:
+        writer.abort()  # a full disk or a failed read: no temporary left behind
+        raise
 
 
 def file_checksum(path: str) -> str:
