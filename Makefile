@@ -65,8 +65,9 @@ test-ray: $(STAMP) s3-venv
 test-k8s: $(STAMP) k8s-envtest
 	$(BIN)/python -m pytest -m k8s $(PYTEST_ARGS)
 
-# The property-based fuzz targets of tests/fuzz, long: 50x the examples `make test` runs, random
-# (not derandomized), failures kept in .hypothesis/ and replayed first. Prints examples per target.
+# The property-based fuzz targets of tests/fuzz, long: RAYZERO_FUZZ_FACTOR (default 50) times the
+# examples `make test` runs, random (not derandomized), failures kept in .hypothesis/ and replayed
+# first. Prints examples per target.
 fuzz: $(STAMP)
 	RAYZERO_FUZZ_PROFILE=fuzz $(BIN)/python -m pytest tests/fuzz --timeout=0 --hypothesis-show-statistics $(PYTEST_ARGS)
 

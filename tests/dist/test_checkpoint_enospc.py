@@ -34,45 +34,38 @@ def _attempt(checkpointer: Checkpointer, root: str | None, step: int, rank: int,
             "problems": [(p.rank, os.path.basename(p.path)) for p in failure.problems] if failure else []}
 
 
-def _cases(rank: int, world: int, payload: dict) -> dict:
-    disk = SmallDisk(payload["small"], payload["kind"])
-    results = {}
-    # 1. shared storage on the small disk: rank 1's shard does not fit, rank 0's does
-    shared = str(disk.path / "shared")
-    checkpointer = Checkpointer(CheckpointOptions(keep_last=3, timeout_s=60))
-    results["first"] = _attempt(checkpointer, shared, 1, rank, big_rank=-1)
+def _fill_save_release(checkpointer: Checkpointer, root: str | None, listed: str, rank: int, big_rank: int,
+                       disk: SmallDisk, prefix: str) -> dict:
+    """Save with room, save with the disk full (the big piece cannot fit), save with room again."""
+    results = {f"{prefix}first": _attempt(checkpointer, root, 1, rank, big_rank=-1)}
     if rank == 0:
         disk.fill(leave_bytes=1 << 20)
     dist.barrier()
-    results["full"] = _attempt(checkpointer, shared, 2, rank, big_rank=1)
-    results["shared_latest"] = read_latest(shared)
-    results["shared_tags"] = [tag for _, tag in committed_tags(shared)]
+    results[f"{prefix}full"] = _attempt(checkpointer, root, 2, rank, big_rank=big_rank)
+    results[f"{prefix}latest"] = read_latest(listed)
+    results[f"{prefix}tags"] = [tag for _, tag in committed_tags(listed)]
     dist.barrier()
     if rank == 0:
         disk.release()
     dist.barrier()
-    results["again"] = _attempt(checkpointer, shared, 3, rank, big_rank=1)
+    results[f"{prefix}again"] = _attempt(checkpointer, root, 3, rank, big_rank=big_rank)
     checkpointer.wait()
+    return results
 
+
+def _cases(rank: int, world: int, payload: dict) -> dict:
+    disk = SmallDisk(payload["small"], payload["kind"])
+    # 1. shared storage on the small disk: rank 1's shard does not fit, rank 0's does
+    shared = str(disk.path / "shared")
+    results = _fill_save_release(Checkpointer(CheckpointOptions(keep_last=3, timeout_s=60)), shared, shared, rank,
+                                 1, disk, "shared_")
     # 2. node-local storage: node a (rank 0) on the big disk, node b (rank 1) on the small one;
     #    rank 0's big shard is replicated to node b, where it does not fit
     os.environ[NODE_ID_ENV] = f"node-{'ab'[rank]}"
     os.environ[NODE_LOCAL_DIR_ENV] = payload["big"] if rank == 0 else str(disk.path / "node-b")
     local = Checkpointer(CheckpointOptions(node_local=True, replicas=1, keep_last=3, timeout_s=60))
-    results["local_first"] = _attempt(local, None, 1, rank, big_rank=-1)
-    if rank == 0:
-        disk.fill(leave_bytes=1 << 20)
-    dist.barrier()
-    results["local_full"] = _attempt(local, None, 2, rank, big_rank=0)
-    mine = os.path.join(os.environ[NODE_LOCAL_DIR_ENV], "checkpoints")
-    results["local_latest"] = read_latest(mine)
-    results["local_tags"] = [tag for _, tag in committed_tags(mine)]
-    dist.barrier()
-    if rank == 0:
-        disk.release()
-    dist.barrier()
-    results["local_again"] = _attempt(local, None, 3, rank, big_rank=0)
-    local.wait()
+    results.update(_fill_save_release(local, None, os.path.join(os.environ[NODE_LOCAL_DIR_ENV], "checkpoints"), rank,
+                                      0, disk, "local_"))
     return results
 
 
@@ -80,14 +73,13 @@ def test_a_disk_full_on_one_rank_fails_the_save_everywhere_and_the_next_one_comm
     results = spawn(2, _cases, {"small": str(small_disk.path), "kind": small_disk.kind, "big": str(tmp_path / "node-a")},
                     timeout_s=240)
     for rank, result in enumerate(results):
-        assert not result["first"]["failed"] and not result["local_first"]["failed"], (rank, result)
+        assert not result["shared_first"]["failed"] and not result["local_first"]["failed"], (rank, result)
         # shared: rank 1's shard did not fit; both ranks know, nothing of step 2 is committed
-        assert result["full"] == {"failed": True, "problems": [(1, "rank00001.safetensors")]}, result
-        assert result["shared_latest"] == "global_step1" and result["shared_tags"] == ["global_step1"]
-        assert not result["again"]["failed"]
+        assert result["shared_full"] == {"failed": True, "problems": [(1, "rank00001.safetensors")]}, result
         # node-local: the replica of rank 0's shard did not fit on node b; neither node committed
         assert result["local_full"] == {"failed": True, "problems": [(1, "rank00000.safetensors")]}, result
-        assert result["local_latest"] == "global_step1" and result["local_tags"] == ["global_step1"]
-        assert not result["local_again"]["failed"]
+        for prefix in ("shared_", "local_"):
+            assert result[f"{prefix}latest"] == "global_step1" and result[f"{prefix}tags"] == ["global_step1"]
+            assert not result[f"{prefix}again"]["failed"], (prefix, result)
     assert [tag for _, tag in committed_tags(str(small_disk.path / "shared"))] == ["global_step3", "global_step1"]
     assert not os.path.exists(small_disk.path / "shared" / "global_step2")

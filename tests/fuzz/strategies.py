@@ -3,12 +3,13 @@ model's keys, and mutations of existing JSON documents and byte strings."""
 from __future__ import annotations
 
 import os
-import typing
 from typing import Any
 
 from hypothesis import settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
+
+from rayzero.config.convert import _model_in  # the pydantic model an annotation holds
 
 # Scalars a config or manifest meets in the wild, edge cases first: DeepSpeed's "auto", numbers as
 # strings, huge and negative numbers, NaN/Infinity (Python's json reads them), empty things.
@@ -25,24 +26,13 @@ JSON = st.recursive(SCALARS, lambda children: st.lists(children, max_size=4)
                     | st.dictionaries(st.text(max_size=8), children, max_size=4), max_leaves=8)
 
 
-def _model_of(annotation: Any) -> type[BaseModel] | None:
-    """The pydantic model an annotation holds (through Optional/Union/Annotated), if any."""
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    for argument in typing.get_args(annotation):
-        found = _model_of(argument)
-        if found is not None:
-            return found
-    return None
-
-
 def model_tree(model: type[BaseModel], depth: int = 3) -> st.SearchStrategy[dict[str, Any]]:
     """Dicts whose keys are mostly `model`'s JSON keys (aliases and attribute names) and whose values
     are mostly sections of the nested models (else arbitrary JSON), with an unknown key now and then."""
     sections: dict[str, st.SearchStrategy[Any]] = {}
     scalars: list[str] = []
     for name, info in model.model_fields.items():
-        nested = _model_of(info.annotation)
+        nested = _model_in(info.annotation)
         for key in {name, info.alias or name}:
             if nested is not None and depth > 0:
                 sections[key] = st.one_of(model_tree(nested, depth - 1), model_tree(nested, depth - 1), JSON)
@@ -56,12 +46,10 @@ def model_tree(model: type[BaseModel], depth: int = 3) -> st.SearchStrategy[dict
 
 
 def examples(count: int) -> settings:
-    """`count` examples in the normal run; FUZZ_FACTOR times more under `make fuzz`."""
-    factor = FUZZ_FACTOR if os.environ.get("RAYZERO_FUZZ_PROFILE") == "fuzz" else 1
-    return settings(max_examples=count * factor)
-
-
-FUZZ_FACTOR = 50
+    """`count` examples in the normal run; under `make fuzz` RAYZERO_FUZZ_FACTOR (default 50) times more."""
+    fuzzing = os.environ.get("RAYZERO_FUZZ_PROFILE") == "fuzz"
+    factor = float(os.environ.get("RAYZERO_FUZZ_FACTOR", "50")) if fuzzing else 1
+    return settings(max_examples=max(1, round(count * factor)))
 
 
 @st.composite
