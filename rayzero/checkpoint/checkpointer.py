@@ -130,7 +130,7 @@ class Checkpointer:
         loaded = load(self.comm, self.topology, root, needed, tag=tag, durable=durable,
                       destinations=destinations, lineage=self.saver.lineage())
         if restore_rng:
-            rng.restore([state["rng"] for state in loaded.manifest.rank_states], self.comm.rank)
+            rng.restore([state.get("rng") for state in loaded.manifest.rank_states], self.comm.rank)
         return loaded
 
     def _validate_tag(self, tag: str) -> None:

@@ -74,6 +74,9 @@ def _parse(state: dict[str, Any], rank: int) -> list[Callable[[], None]]:
     Nothing is applied until all of them parsed, so a bad state leaves the generators as they were."""
     setters: list[Callable[[], None]] = []
     part = "torch"
+    if not isinstance(state, dict):
+        raise RayZeroValueError(f"checkpoint RNG state of rank {rank} is missing or not an object ({state!r:.60}); "
+                                "the checkpoint's manifest was damaged or edited")
     try:
         torch_state = _decode(state["torch"])
         if torch_state.numel() != torch.get_rng_state().numel():

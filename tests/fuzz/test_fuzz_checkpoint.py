@@ -179,6 +179,14 @@ def test_regression_a_malformed_rng_state_is_refused_before_touching_a_generator
     assert torch.equal(torch.get_rng_state(), before)  # nothing applied
 
 
+def test_regression_a_rank_state_without_rng_is_refused(template, tmp_path):
+    """Found by the long run (make fuzz): KeyError 'rng' when a manifest's rank state lacked it."""
+    root, tag_dir = _copy_template(template, tmp_path)
+    _edit_manifest(tag_dir, lambda body: body["rank_states"][0].pop("rng"))
+    with pytest.raises(RayZeroError, match="checkpoint RNG state of rank 0 is missing"):
+        Checkpointer().load(root, SPECS)
+
+
 def test_regression_consolidate_names_a_rejected_manifest(template, tmp_path):
     """Found: AttributeError ('NoneType' has no attribute 'tensors') when the manifest was refused."""
     _, tag_dir = _copy_template(template, tmp_path)
