@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: venv s3-venv demo test test-unit test-dist test-ray test-k8s lint docs-check crd-check k8s-envtest bench clean
+.PHONY: venv s3-venv demo test test-unit test-dist test-ray test-k8s fuzz lint docs-check crd-check k8s-envtest bench clean
 
 venv: $(STAMP)
 
@@ -65,6 +65,12 @@ test-ray: $(STAMP) s3-venv
 
 test-k8s: $(STAMP) k8s-envtest
 	$(BIN)/python -m pytest -m k8s $(PYTEST_ARGS)
+
+# The property-based fuzz targets of tests/fuzz, long: RAYZERO_FUZZ_FACTOR (default 50) times the
+# examples `make test` runs, random (not derandomized), failures kept in .hypothesis/ and replayed
+# first. Prints examples per target.
+fuzz: $(STAMP)
+	RAYZERO_FUZZ_PROFILE=fuzz $(BIN)/python -m pytest tests/fuzz --timeout=0 --hypothesis-show-statistics $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	DS_BUILD_OPS=0 $(BIN)/pip install -q -e ".[bench]"

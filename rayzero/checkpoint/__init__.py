@@ -10,5 +10,7 @@ Entry points:
 Notes: [Note: commit protocol] manifest.py, [Note: checkpoint process group] comm.py,
 [Note: choosing what to load] loader.py, [Note: snapshot fence] saver.py, [Note: direct I/O] direct_io.py,
 [Note: data position] data_position.py, [Note: async save completion] saver.py,
-[Note: checkpoint settings precedence] options.py.
+[Note: checkpoint settings precedence] options.py, [Note: retention owns only its own] retention.py,
+[Note: a save that fails on storage] save_failure.py; names: [Note: names that become paths] in
+rayzero/config/names.py.
 """

@@ -17,10 +17,13 @@ from rayzero.checkpoint import rng
 from rayzero.checkpoint.comm import CheckpointComm, Topology
 from rayzero.checkpoint.durable import DurableStore
 from rayzero.checkpoint.loader import LoadedCheckpoint, load
+from rayzero.checkpoint.manifest import LATEST
 from rayzero.checkpoint.options import NODE_LOCAL_DIR_ENV, CheckpointOptions, default_save_dir
+from rayzero.checkpoint.save_failure import CheckpointSaveError
 from rayzero.checkpoint.saver import CheckpointSaver, SaveTimings
 from rayzero.checkpoint.types import ShardedTensor, ShardSpec
 from rayzero.config.errors import RayZeroValueError
+from rayzero.config.names import check_name
 
 log = logging.getLogger(__name__)
 
@@ -74,16 +77,25 @@ class Checkpointer:
              extra_state: dict[str, Any] | None = None, client_state: dict[str, Any] | None = None,
              config_digest: str = "", asynchronous: bool | None = None) -> str:
         """Snapshot and save (in the background unless `asynchronous=False`); returns the tag directory."""
+        check_name(tag, "save_checkpoint(tag=...)")  # [Note: names that become paths]
         root, durable = self.locate(save_dir)
         os.makedirs(root, exist_ok=True)
-        self.wait()  # the background save uses the checkpoint group; never run two collectives on it at once
+        # the background save uses the checkpoint group; never run two collectives on it at once. A
+        # save that failed on storage was reported and does not stop this one ([Note: a save that fails on storage])
+        self.saver.settle()
         self._validate_tag(tag)
         return self.saver.save(root, tag, step, stage, config_digest, shards, extra_state or {},
                                client_state or {}, asynchronous, durable=durable)
 
     def wait(self) -> SaveTimings:
-        """Block until the save in flight has committed (and uploaded); its timings."""
+        """Block until the save in flight has committed (and uploaded); its timings. Raises its
+        failure, once, a full disk included."""
         return self.saver.wait() if self._saver is not None else SaveTimings()
+
+    @property
+    def last_save_failure(self) -> CheckpointSaveError | None:
+        """Why the newest save (or its durable copy) was not written, if storage refused it."""
+        return self._saver.last_failure if self._saver is not None else None
 
     def complete_pending(self, reason: str) -> None:
         """Finish the save in flight, logging instead of raising a failure: for finalizers and
@@ -111,17 +123,20 @@ class Checkpointer:
              restore_rng: bool = True, destinations: dict[str, Any] | None = None) -> LoadedCheckpoint:
         """Choose, fetch and verify the checkpoint to resume from; restores this rank's RNG state.
         `destinations`: see `loader.load` (stream straight into the live state, bounded memory)."""
-        self.wait()
+        if tag is not None:
+            check_name(tag, "load_checkpoint(tag=...)")
+        self.saver.settle()
         root, durable = self.locate(load_dir)
         loaded = load(self.comm, self.topology, root, needed, tag=tag, durable=durable,
-                      destinations=destinations)
+                      destinations=destinations, lineage=self.saver.lineage())
         if restore_rng:
-            rng.restore([state["rng"] for state in loaded.manifest.rank_states], self.comm.rank)
+            rng.restore([state.get("rng") for state in loaded.manifest.rank_states], self.comm.rank)
         return loaded
 
     def _validate_tag(self, tag: str) -> None:
-        if not tag or os.sep in tag or tag in (".", "..") or tag == "latest":
-            raise RayZeroValueError(f"checkpoint tag {tag!r} is not a usable directory name; use e.g. 'global_step100'")
+        if tag == LATEST:
+            raise RayZeroValueError("save_checkpoint(tag='latest'): that name is the file naming the newest "
+                                    "checkpoint; use another tag, e.g. 'global_step100'")
         mode = self.options.tag_validation
         if mode == "Ignore" or self.comm.world_size == 1:
             return

@@ -12,6 +12,7 @@ import sys
 import time
 
 from rayzero.checkpoint.manifest import committed_tags, read_latest, read_manifest, resolve_tag_dir
+from rayzero.config.errors import RayZeroError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -188,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         count = consolidate(args.checkpoint, args.output, dtype, args.format)
         print(f"wrote {count} tensors to {args.output} ({args.format})")
         return 0
-    except (FileNotFoundError, ValueError) as error:
+    except (RayZeroError, OSError, ValueError) as error:  # a checkpoint that cannot be read says why, no traceback
         print(f"rayzero checkpoint {args.command}: {error}", file=sys.stderr)
         return 1
 

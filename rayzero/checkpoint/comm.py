@@ -133,7 +133,18 @@ def run_transfers(comm: CheckpointComm, transfers: Sequence[Transfer],
     mine = [t for t in transfers if comm.rank in (t.source, t.target) and t.source != t.target]
     # many files open at once, closed together in the finally below
     readers = {id(t): open(source_path(t), "rb") for t in mine if t.source == comm.rank}  # noqa: SIM115
-    writers = {id(t): open(target_path(t) + ".part", "wb") for t in mine if t.target == comm.rank}  # noqa: SIM115
+    # A receiver whose disk refuses (full, read-only) keeps receiving and drops the bytes: raising
+    # before the rounds end would leave its senders blocked in isend ([Note: a save that fails on
+    # storage] in save_failure.py). The first such error is raised once every round is done.
+    refused: list[OSError] = []
+    writers: dict[int, Any] = {}
+    for t in mine:
+        if t.target == comm.rank:
+            try:
+                writers[id(t)] = open(target_path(t) + ".part", "wb")  # noqa: SIM115
+            except OSError as error:
+                refused.append(_naming(error, target_path(t)))
+                writers[id(t)] = None
     digests = {id(t): xxhash.xxh3_128() for t in mine if t.target == comm.rank}
     try:
         rounds = max((-(-t.size // _CHUNK) for t in mine), default=0)
@@ -156,10 +167,27 @@ def run_transfers(comm: CheckpointComm, transfers: Sequence[Transfer],
             for t, buffer in received:
                 data = memoryview(buffer.numpy()).cast("B")
                 digests[id(t)].update(data)
-                writers[id(t)].write(data)
+                if writers[id(t)] is not None:
+                    try:
+                        writers[id(t)].write(data)
+                    except OSError as error:
+                        refused.append(_naming(error, target_path(t)))
+                        _close_and_remove(writers.pop(id(t)), target_path(t) + ".part")
+                        writers[id(t)] = None
     finally:
-        for handle in list(readers.values()) + list(writers.values()):
+        for handle in readers.values():
             handle.close()
+        for handle in writers.values():
+            try:
+                if handle is not None:
+                    handle.close()
+            except OSError as error:  # a buffered write that meets a full disk fails at close
+                refused.append(_naming(error, handle.name.removesuffix(".part")))
+    if refused:
+        for t in mine:
+            if t.target == comm.rank:
+                _remove(target_path(t) + ".part")
+        raise refused[0]
     for t in mine:
         if t.target != comm.rank:
             continue
@@ -168,3 +196,23 @@ def run_transfers(comm: CheckpointComm, transfers: Sequence[Transfer],
             os.remove(partial)
             raise CorruptShardError(f"{t.name} (received from rank {t.source})", t.checksum, digests[id(t)].hexdigest())
         os.replace(partial, target_path(t))
+
+
+def _naming(error: OSError, path: str) -> OSError:
+    """`error` with the file it concerns (a failed write() names none)."""
+    return error if error.filename else OSError(error.errno, error.strerror or str(error), path)
+
+
+def _remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass
+
+
+def _close_and_remove(handle: Any, path: str) -> None:
+    try:
+        handle.close()
+    except OSError:
+        pass
+    _remove(path)

@@ -10,14 +10,19 @@ from __future__ import annotations
 import json
 import math
 import os
-import struct
 from dataclasses import dataclass
 
 import torch
 
-from rayzero.checkpoint.manifest import Manifest, read_manifest, resolve_tag_dir
+from rayzero.checkpoint.manifest import Manifest, load_manifest, resolve_tag_dir
 from rayzero.checkpoint.reshard import plan_read
-from rayzero.checkpoint.shard_file import _FROM_CODE, SafetensorsWriter, dtype_from_name
+from rayzero.checkpoint.shard_file import (
+    _FROM_CODE,
+    SafetensorsWriter,
+    ShardMismatchError,
+    dtype_from_name,
+    read_header,
+)
 from rayzero.config.errors import RayZeroValueError
 
 
@@ -26,24 +31,28 @@ class ShardFileIndex:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self.fd = os.open(path, os.O_RDONLY)
-        (length,) = struct.unpack("<Q", os.pread(self.fd, 8, 0))
-        self.header = json.loads(os.pread(self.fd, length, 8))
-        self.header.pop("__metadata__", None)
-        self.data_start = 8 + length
+        try:
+            self.header, self.data_start = read_header(path)  # checked against the file: ShardMismatchError
+            self.fd = os.open(path, os.O_RDONLY)
+        except OSError as error:
+            raise ShardMismatchError(path, f"it cannot be read ({error.strerror or error}); run "
+                                           "`rayzero checkpoint verify`") from None
 
     def read_into(self, name: str, begin: int, end: int, out: torch.Tensor) -> None:
         """Elements [begin, end) of stored tensor `name` into `out` (same dtype, end - begin elements)."""
-        entry = self.header[name]
-        dtype = _FROM_CODE[entry["dtype"]]
-        size = dtype.itemsize
+        entry = self.header.get(name)
+        dtype = _FROM_CODE[entry["dtype"]] if entry is not None else None
+        size = dtype.itemsize if dtype is not None else 1
+        if dtype != out.dtype or not 0 <= begin <= end <= (entry["data_offsets"][1] - entry["data_offsets"][0]) // size:
+            raise ShardMismatchError(self.path, f"it holds no {out.dtype} elements [{begin}, {end}) of {name!r}")
         target = memoryview(out.view(torch.uint8).numpy()).cast("B")
         position = self.data_start + entry["data_offsets"][0] + begin * size
         done = 0
         while done < (end - begin) * size:
             count = os.preadv(self.fd, [target[done:]], position + done)
             if count <= 0:
-                raise OSError(f"{self.path}: short read of {name!r} (file truncated? run `rayzero checkpoint verify`)")
+                raise ShardMismatchError(self.path, f"short read of {name!r} (file truncated? run "
+                                                    "`rayzero checkpoint verify`)")
             done += count
 
     def close(self) -> None:
@@ -84,7 +93,7 @@ def consolidate(checkpoint: str, output: str, dtype: torch.dtype | None = None, 
     if fmt not in ("safetensors", "torch"):
         raise RayZeroValueError(f"--format {fmt!r}: use safetensors or torch")
     tag_dir = resolve_tag_dir(checkpoint)
-    manifest = read_manifest(tag_dir)
+    manifest = load_manifest(tag_dir)
     tensors = [t for t in plan(manifest) if keys is None or t.key in keys]
     if not tensors:
         raise RayZeroValueError(f"{tag_dir} holds no module/ tensors to consolidate")
@@ -107,6 +116,9 @@ def consolidate(checkpoint: str, output: str, dtype: torch.dtype | None = None, 
             writer.write(t.key, full.to(out_dtypes[t.key]))
             del full
         writer.close()
+    except BaseException:
+        writer.abort()  # nothing partial: the output appears whole or not at all
+        raise
     finally:
         for index in files.values():
             index.close()
@@ -148,7 +160,7 @@ def consolidate_hf(checkpoint: str, out_dir: str, dtype: torch.dtype | None = No
     `hf_config` or, else, the one the engine recorded in the checkpoint (`model.config`). Streams
     one tensor at a time like `consolidate`. Returns the files written."""
     tag_dir = resolve_tag_dir(checkpoint)
-    manifest = read_manifest(tag_dir)
+    manifest = load_manifest(tag_dir)
     config = hf_config or manifest.extra_state.get("hf_config")
     if not config:
         raise RayZeroValueError(

@@ -21,6 +21,7 @@ pieces, each rank's pieces concatenated (over `sub_group_size` groups) in `param
 from __future__ import annotations
 
 import glob
+import json
 import math
 import os
 import re
@@ -32,7 +33,8 @@ import torch
 from rayzero.checkpoint.checkpointer import Checkpointer
 from rayzero.checkpoint.options import CheckpointOptions
 from rayzero.checkpoint.types import ShardedTensor, ShardSpec
-from rayzero.config.errors import RayZeroValueError
+from rayzero.config.errors import RayZeroError, RayZeroValueError
+from rayzero.config.names import check_name
 
 
 # ---- inert stand-ins for DeepSpeed's pickled globals ([Note: reading DeepSpeed's pickles]) -----
@@ -91,12 +93,16 @@ def _natural(text: str) -> list[Any]:
 
 
 def resolve_tag_dir(location: str, tag: str | None = None) -> str:
-    """A DeepSpeed save dir (with `latest`) or one `global_stepN` dir -> the tag dir to read."""
+    """A DeepSpeed save dir (with `latest`) or one `global_stepN` dir -> the tag dir to read. The tag
+    (`--tag`, or what `latest` says) is checked as a name ([Note: names that become paths]): it
+    becomes the imported checkpoint's tag directory."""
     if tag is not None:
-        location = os.path.join(location, tag)
+        location = os.path.join(location, check_name(tag, "--tag"))
     elif os.path.isfile(os.path.join(location, "latest")):
-        with open(os.path.join(location, "latest")) as handle:
-            location = os.path.join(location, handle.read().strip())
+        latest = os.path.join(location, "latest")
+        with open(latest, "rb") as handle:
+            named = handle.read(1024).decode("utf-8", "replace").strip()
+        location = os.path.join(location, check_name(named, f"the tag in {latest}"))
     if not glob.glob(os.path.join(location, "*_optim_states.pt")):
         raise RayZeroValueError(
             f"{location}: no DeepSpeed *_optim_states.pt files; give the directory passed to "
@@ -131,7 +137,10 @@ def read_checkpoint(tag_dir: str) -> DeepSpeedCheckpoint:
         raise RayZeroValueError(f"{tag_dir}: the checkpoint was written by {world} ranks but holds "
                                 f"{len(optim)} optimizer files; a rank's save is missing")
     models = [load_deepspeed_file(path) for path in model_paths]
-    return DeepSpeedCheckpoint(stage, world, models[0], models, optim, os.path.basename(tag_dir.rstrip("/")))
+    if not models:
+        raise RayZeroValueError(f"{tag_dir}: no DeepSpeed *_model_states.pt file; a DeepSpeed save always writes one")
+    tag = check_name(os.path.basename(tag_dir.rstrip("/")), f"the tag directory name of {tag_dir}")
+    return DeepSpeedCheckpoint(stage, world, models[0], models, optim, tag)
 
 
 # ---- reassembling whole tensors ------------------------------------------------------------------
@@ -139,7 +148,18 @@ def _elementwise_keys(state: dict[str, Any], numel: int) -> list[str]:
     return sorted(k for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == numel)
 
 
-def _stage12(ds: DeepSpeedCheckpoint) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, Any]]:
+def _consumed(tag_dir: str, group: int, used: int, available: int, align: int = 1) -> None:
+    """DeepSpeed's zero_to_fp32 sanity check: the parameter shapes account for every element of the
+    flat partition (aligned as DeepSpeed aligns it); anything else would misplace every later weight."""
+    def aligned(count: int) -> int:
+        return align * math.ceil(count / align)
+
+    if aligned(used) != aligned(available):
+        raise RayZeroValueError(f"{tag_dir}: param group {group}: the parameter shapes use {used} elements of the "
+                                f"{available} in the fp32 partitions; the model states and optimizer files do not match")
+
+
+def _stage12(ds: DeepSpeedCheckpoint, tag_dir: str) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, Any]]:
     """name -> {"master": fp32, "<state key>": ...}, and the base optimizer state of rank 0."""
     out: dict[str, dict[str, torch.Tensor]] = {}
     base0 = ds.optim[0]["base_optimizer_state"]
@@ -154,10 +174,11 @@ def _stage12(ds: DeepSpeedCheckpoint) -> tuple[dict[str, dict[str, torch.Tensor]
             numel = math.prod(shape)
             out[name] = {key: flat[offset:offset + numel].reshape(tuple(shape)).clone() for key, flat in flats.items()}
             offset += numel + (paddings[group][index] if paddings else 0)
+        _consumed(tag_dir, group, offset, flats["master"].numel(), align=2 * ds.world_size)
     return out, base0
 
 
-def _stage3(ds: DeepSpeedCheckpoint) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, Any]]:
+def _stage3(ds: DeepSpeedCheckpoint, tag_dir: str) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, Any]]:
     base0 = ds.optim[0]["optimizer_state_dict"]
     per_rank: dict[str, list[torch.Tensor]] = {"master": [torch.cat(list(o["fp32_flat_groups"])) for o in ds.optim]}
     sub_groups = sorted(base0["state"])
@@ -173,6 +194,7 @@ def _stage3(ds: DeepSpeedCheckpoint) -> tuple[dict[str, dict[str, torch.Tensor]]
             out[name] = {key: torch.cat([flat[offset:offset + piece] for flat in flats])[:numel].reshape(tuple(shape))
                          for key, flats in per_rank.items()}
             offset += piece
+    _consumed(tag_dir, 0, offset, per_rank["master"][0].numel())
     return out, base0
 
 
@@ -215,8 +237,27 @@ def import_deepspeed(location: str, output: str, tag: str | None = None) -> str:
     """Convert the DeepSpeed checkpoint at `location` into a rayzero checkpoint under save dir
     `output`; returns the written tag directory."""
     tag_dir = resolve_tag_dir(location, tag)
+    try:
+        shards, steps, extra, ds = _convert(tag_dir)
+    except RayZeroError:
+        raise
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError, RuntimeError, OverflowError) as error:
+        # DeepSpeed's files are nested pickled dicts; one of another layout (or damaged) fails somewhere
+        # in the reassembly: say where and what, never a bare traceback ([Note: reading DeepSpeed's pickles])
+        what = f"missing key {error.args[0]!r}" if isinstance(error, KeyError) else f"{type(error).__name__}: {error}"
+        raise RayZeroValueError(
+            f"{tag_dir}: not a DeepSpeed ZeRO 1-3 checkpoint rayzero can import ({what}); check that DeepSpeed's "
+            "zero_to_fp32.py reads it, or re-save it with DeepSpeed 0.19") from None
+    checkpointer = Checkpointer(CheckpointOptions())
+    written = checkpointer.save(output, ds.tag, steps, ds.stage, shards, extra, {}, "", asynchronous=False)
+    checkpointer.wait()
+    return written
+
+
+def _convert(tag_dir: str) -> tuple[list[ShardedTensor], int, dict[str, Any], DeepSpeedCheckpoint]:
+    """Read and reassemble: (whole-tensor shards, global steps, the engine's extra state, the checkpoint)."""
     ds = read_checkpoint(tag_dir)
-    tensors, base = _stage12(ds) if ds.stage <= 2 else _stage3(ds)
+    tensors, base = _stage12(ds, tag_dir) if ds.stage <= 2 else _stage3(ds, tag_dir)
     ds_config = ds.model.get("ds_config") or {}
     dtype = _compute_dtype(ds_config)
     module_state = ds.model.get("module") or {}
@@ -266,7 +307,5 @@ def import_deepspeed(location: str, output: str, tag: str | None = None) -> str:
         "imported_from": {"deepspeed_checkpoint": os.path.abspath(tag_dir),
                           "ds_version": str(ds.model.get("ds_version", "")), "ds_config": ds_config},
     }
-    checkpointer = Checkpointer(CheckpointOptions())
-    written = checkpointer.save(output, ds.tag, steps, ds.stage, shards, extra, {}, "", asynchronous=False)
-    checkpointer.wait()
-    return written
+    json.dumps(extra, allow_nan=True)  # TypeError for anything a manifest cannot hold (caught above)
+    return shards, steps, extra, ds

@@ -113,6 +113,21 @@ class DirectWriter:
                 os.fsync(self.fd)
         finally:
             os.close(self.fd)
+            self.fd = -1  # closed: never close the number again (it may name another file by then)
+
+
+    def abort(self) -> None:
+        """Stop writing, close, and remove the file (after a failure: nothing partial is left)."""
+        self._error = self._error or OSError("aborted")
+        self._full.put(None)
+        self._thread.join()
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        try:
+            os.remove(self.path)
+        except OSError:
+            pass
 
 
 def read_file(path: str, on_data=None) -> torch.Tensor:

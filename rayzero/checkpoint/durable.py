@@ -8,15 +8,26 @@ parallel instead of one object at a time. Each rank uploads the files it wrote; 
 """
 from __future__ import annotations
 
+import logging
 import posixpath
 import threading
 from collections.abc import Callable, Iterable
 
 import pyarrow.fs as pafs
 
-from rayzero.checkpoint.manifest import LATEST, MANIFEST, Manifest
+from rayzero.checkpoint.manifest import LATEST, MANIFEST, Manifest, NotAManifestError
+from rayzero.checkpoint.retention import (
+    OWNER_FILE,
+    ForeignDirectoryError,
+    is_own_file,
+    owner_text,
+    parse_owner,
+)
 from rayzero.checkpoint.storage import filesystem_from_uri
 from rayzero.config.errors import RayZeroValueError
+from rayzero.config.names import name_problem
+
+log = logging.getLogger(__name__)
 
 _CHUNK = 16 << 20
 
@@ -84,44 +95,125 @@ class DurableStore:
             while chunk := reader.read(_CHUNK):
                 writer.write(chunk)
 
+    def location(self, *parts: str) -> str:
+        """The URI of a path in the durable copy, for messages."""
+        return posixpath.join(self.uri.rstrip("/"), *parts)
+
     def _write_text(self, path: str, text: str) -> None:
         # Write then move: a reader never sees a torn manifest (object stores PUT atomically anyway).
-        with self.filesystem.open_output_stream(path + ".tmp") as writer:
-            writer.write(text.encode())
-        self.filesystem.move(path + ".tmp", path)
-
-    def commit(self, manifest: Manifest) -> None:
-        self._write_text(self._path(manifest.tag, MANIFEST), manifest.to_json())
-        self._write_text(self._path(LATEST), manifest.tag + "\n")
-
-    def read_manifest(self, tag: str) -> Manifest | None:
         try:
-            with self.filesystem.open_input_stream(self._path(tag, MANIFEST)) as reader:
-                return Manifest.from_json(reader.read().decode())
-        except (OSError, ValueError, KeyError, TypeError):
+            with self.filesystem.open_output_stream(path + ".tmp") as writer:
+                writer.write(text.encode())
+            self.filesystem.move(path + ".tmp", path)
+        except BaseException:
+            self._delete_quietly(path + ".tmp")
+            raise
+
+    def _delete_quietly(self, path: str) -> None:
+        try:
+            self.filesystem.delete_file(path)
+        except OSError:
+            pass
+
+    def _read_small(self, path: str) -> bytes | None:
+        try:
+            with self.filesystem.open_input_stream(path) as reader:
+                return reader.read(1 << 26)
+        except OSError:
             return None
 
-    def committed(self) -> list[Manifest]:
-        """Manifests of every committed checkpoint in the durable copy, newest first."""
+    def _names(self, tag: str = "") -> dict[str, pafs.FileType]:
+        """Base name -> type of what lies directly under the root (or under `tag`)."""
+        selector = pafs.FileSelector(self._path(tag) if tag else self.root, allow_not_found=True)
+        return {info.base_name: info.type for info in self.filesystem.get_file_info(selector)}
+
+    def owner(self, tag: str) -> str | None:
+        """The lineage whose marker the durable `tag` holds ([Note: retention owns only its own])."""
+        text = self._read_small(self._path(tag, OWNER_FILE))
+        return parse_owner(text) if text is not None else None
+
+    def claim(self, tag: str, lineage: str) -> None:
+        """Mark the durable `tag` as this lineage's before any upload into it; refuse a directory
+        holding files rayzero did not write (ForeignDirectoryError)."""
+        present = self._names(tag)
+        if present and OWNER_FILE not in present and MANIFEST not in present:
+            raise ForeignDirectoryError(self.location(tag))
+        if self.owner(tag) != lineage:
+            self.filesystem.create_dir(self._path(tag), recursive=True)
+            self._write_text(self._path(tag, OWNER_FILE), owner_text(lineage))
+
+    def discard(self, tag: str, lineage: str) -> None:
+        """Remove the durable `tag` if this lineage owns it: the manifest first, then every file
+        rayzero writes, the marker last, the directory only if nothing else is left. Never raises."""
         try:
-            infos = self.filesystem.get_file_info(pafs.FileSelector(self.root, allow_not_found=True))
+            if self.owner(tag) != lineage:
+                return
+            self._delete_quietly(self._path(tag, MANIFEST))
+            names = sorted(self._names(tag).items(), key=lambda item: item[0] == OWNER_FILE)
+            for name, kind in names:
+                if kind == pafs.FileType.File and is_own_file(name):
+                    self.filesystem.delete_file(self._path(tag, name))
+            if not self._names(tag):
+                self.filesystem.delete_dir(self._path(tag))
+            else:
+                log.warning("kept %s: it holds files rayzero did not write", self.location(tag))
+        except OSError as error:
+            log.warning("could not remove %s: %s", self.location(tag), error)
+
+    def commit(self, manifest: Manifest) -> None:
+        """The manifest, then `latest`; if `latest` cannot be written the manifest is taken back,
+        so the durable copy is committed with its `latest` or not at all."""
+        self._write_text(self._path(manifest.tag, MANIFEST), manifest.to_json())
+        try:
+            self._write_text(self._path(LATEST), manifest.tag + "\n")
+        except BaseException:
+            self._delete_quietly(self._path(manifest.tag, MANIFEST))
+            raise
+
+    def read_manifest(self, tag: str) -> Manifest | None:
+        text = self._read_small(self._path(tag, MANIFEST))
+        if text is None:
+            return None
+        try:
+            return Manifest.from_json(text)
+        except NotAManifestError:
+            return None
+        except RayZeroValueError as error:  # ours, damaged or tampered with
+            log.warning("ignoring %s: %s", self.location(tag, MANIFEST), error)
+            return None
+
+    def _tags(self) -> list[str]:
+        """Tag directories under the root (names that could not be tags are skipped)."""
+        try:
+            names = self._names()
         except OSError:
             return []
-        manifests = [self.read_manifest(info.base_name) for info in infos if info.type == pafs.FileType.Directory]
-        found = [manifest for manifest in manifests if manifest is not None]
-        return sorted(found, key=lambda manifest: (manifest.step, manifest.created_unix), reverse=True)
+        return [name for name, kind in names.items() if kind == pafs.FileType.Directory and name_problem(name) is None]
+
+    def committed(self) -> list[tuple[str, Manifest]]:
+        """(tag, manifest) of every committed checkpoint in the durable copy, newest first. The tag is
+        the directory's name, never what the manifest says ([Note: names that become paths])."""
+        found = [(tag, manifest) for tag in self._tags() if (manifest := self.read_manifest(tag)) is not None]
+        return sorted(found, key=lambda item: (item[1].step, item[1].created_unix), reverse=True)
 
     def file_sizes(self, tag: str) -> dict[str, int]:
         infos = self.filesystem.get_file_info(pafs.FileSelector(self._path(tag), allow_not_found=True))
         return {info.base_name: info.size for info in infos if info.type == pafs.FileType.File}
 
-    def apply_retention(self, keep_last: int, owned: Callable[[Manifest], bool] | None = None) -> None:
-        """Delete committed checkpoints past the newest `keep_last`, only those `owned` allows
-        ([Note: retention owns only its own] in manifest.py)."""
-        if keep_last <= 0:
-            return
-        for manifest in self.committed()[keep_last:]:
-            if owned is not None and not owned(manifest):
+    def apply_retention(self, keep_last: int, lineage: str, keep: frozenset[str] | set[str] = frozenset()) -> None:
+        """The same rule as on local disk ([Note: retention owns only its own] in retention.py): keep the
+        newest `keep_last` committed checkpoints of `lineage`, remove its older and its uncommitted
+        ones (except `keep`), never look at another lineage's or a user's."""
+        committed, uncommitted = [], []
+        for tag in self._tags():
+            if self.owner(tag) != lineage:
                 continue
-            self.filesystem.delete_file(self._path(manifest.tag, MANIFEST))
-            self.filesystem.delete_dir(self._path(manifest.tag))
+            manifest = self.read_manifest(tag)
+            if manifest is not None:
+                committed.append((manifest.step, manifest.created_unix, tag))
+            elif tag not in keep:
+                uncommitted.append(tag)
+        committed.sort(reverse=True)
+        doomed = [tag for _, _, tag in committed[keep_last:]] if keep_last > 0 else []
+        for tag in doomed + uncommitted:
+            self.discard(tag, lineage)

@@ -24,8 +24,9 @@ import torch
 
 from rayzero.checkpoint.comm import CheckpointComm, Topology, Transfer, run_transfers
 from rayzero.checkpoint.durable import DurableStore
-from rayzero.checkpoint.manifest import Manifest, committed_tags, read_manifest
+from rayzero.checkpoint.manifest import Manifest, NoCheckpointError, committed_tags, read_manifest
 from rayzero.checkpoint.reshard import files_for, plan_read
+from rayzero.checkpoint.retention import ForeignDirectoryError, claim_tag_dir, new_lineage
 from rayzero.checkpoint.shard_file import (
     CorruptShardError,
     LoadedShardFile,
@@ -34,14 +35,11 @@ from rayzero.checkpoint.shard_file import (
     scatter_file,
 )
 from rayzero.checkpoint.types import ShardSpec
-from rayzero.config.errors import RayZeroError, RayZeroValueError
+from rayzero.config.errors import RayZeroValueError
 
 log = logging.getLogger(__name__)
+__all__ = ["LoadedCheckpoint", "NoCheckpointError", "load"]  # NoCheckpointError: its home is manifest.py
 _MAX_REPAIRS = 4  # re-plans per candidate after corrupt copies were found
-
-
-class NoCheckpointError(RayZeroError, FileNotFoundError):
-    """No committed, complete and intact checkpoint was found in any tier."""
 
 
 @dataclass
@@ -74,12 +72,15 @@ class LoadedCheckpoint:
                              f"has {tuple(spec.global_shape)}; load into the same model architecture")
         stored = dtype_from_name(entry.dtype)
         steps = plan_read(spec.name, entry, spec.flat_start, spec.flat_end)
+        def piece(step):  # checked against the manifest: a mismatched file raises, naming itself
+            data = self.files[step.piece.file].tensor(spec.name, stored, step.piece.end - step.piece.start)
+            return data[step.source_start:step.source_end]
+
         if len(steps) == 1 and stored == spec.dtype:  # the common case: a view, no copy (caller copies)
-            step = steps[0]
-            return self.files[step.piece.file].tensor(spec.name)[step.source_start:step.source_end]
+            return piece(steps[0])
         out = torch.empty(spec.flat_end - spec.flat_start, dtype=spec.dtype)
         for step in steps:
-            source = self.files[step.piece.file].tensor(spec.name)[step.source_start:step.source_end]
+            source = piece(step)
             target = out[step.target_start:step.target_start + (step.source_end - step.source_start)]
             target.copy_(source if stored == spec.dtype else source.to(spec.dtype))
         return out
@@ -105,20 +106,23 @@ def _local_inventory(root: str) -> dict[str, tuple[int, float, dict[str, int]]]:
 
 def load(comm: CheckpointComm, topology: Topology, root: str, needed: Iterable[ShardSpec],
          tag: str | None = None, durable: DurableStore | None = None,
-         destinations: dict[str, torch.Tensor] | None = None) -> LoadedCheckpoint:
+         destinations: dict[str, torch.Tensor] | None = None, lineage: str | None = None) -> LoadedCheckpoint:
     """Choose, fetch and verify a checkpoint for this rank. Collective over all ranks.
 
     `destinations` (spec name -> 1-D tensor for exactly that range, e.g. views of the live state)
     lets files be streamed straight into place, checksummed on the way, in bounded memory; files
     are otherwise read whole. On a corrupt candidate the destinations are overwritten by the next.
+    `lineage` owns a tag directory the load creates to hold fetched files ([Note: retention owns
+    only its own]); None: a fresh one (nobody's retention removes it).
     """
+    lineage = lineage or new_lineage()
     needed = list(needed)
     here = topology.locations[comm.rank]
     local = _local_inventory(root)
     inventories = comm.all_gather_object(local)
     durable_manifests: dict[str, Manifest] = {}
     if durable is not None and comm.rank == 0:
-        durable_manifests = {m.tag: m for m in durable.committed()}
+        durable_manifests = dict(durable.committed())
     durable_index = comm.broadcast_object({tag: (m.step, m.created_unix) for tag, m in durable_manifests.items()})
 
     present: dict[str, dict[str, set[str]]] = {}  # tag -> location -> files
@@ -135,7 +139,7 @@ def load(comm: CheckpointComm, topology: Topology, root: str, needed: Iterable[S
     tried = []
     for candidate in candidates:
         loaded = _try_candidate(comm, topology, root, candidate, present.get(candidate, {}), needed,
-                                durable, durable_manifests.get(candidate), here, destinations)
+                                durable, durable_manifests.get(candidate), here, destinations, lineage)
         if loaded is not None:
             if tried and comm.rank == 0:
                 warnings.warn(f"loaded checkpoint {candidate!r} instead of the newer {tried}: "
@@ -151,7 +155,7 @@ def load(comm: CheckpointComm, topology: Topology, root: str, needed: Iterable[S
 def _try_candidate(comm: CheckpointComm, topology: Topology, root: str, tag: str,
                    present: dict[str, set[str]], needed: list[ShardSpec], durable: DurableStore | None,
                    durable_manifest: Manifest | None, here: str,
-                   destinations: dict[str, torch.Tensor] | None) -> LoadedCheckpoint | None:
+                   destinations: dict[str, torch.Tensor] | None, lineage: str) -> LoadedCheckpoint | None:
     tag_dir = os.path.join(root, tag)
     # The manifest: from the lowest rank holding it locally, else from the durable copy (rank 0).
     holders = [rank for rank in range(comm.world_size) if topology.locations[rank] in present]
@@ -178,7 +182,8 @@ def _try_candidate(comm: CheckpointComm, topology: Topology, root: str, tag: str
             break  # a needed file has no good copy left
         used_peer |= bool(transfers)
         used_durable |= bool(downloads)
-        os.makedirs(tag_dir, exist_ok=True)
+        if not _claimed_for_fetching(comm, topology, tag_dir, lineage, transfers, downloads):
+            break
         failures: list[tuple[str, str]] = []
         try:
             in_tag = lambda transfer: os.path.join(tag_dir, transfer.name)
@@ -226,6 +231,25 @@ def _try_candidate(comm: CheckpointComm, topology: Topology, root: str, tag: str
     if comm.rank == 0:
         log.warning("checkpoint %s has a needed shard with no intact copy in any tier; trying an older one", tag)
     return None
+
+
+def _claimed_for_fetching(comm: CheckpointComm, topology: Topology, tag_dir: str, lineage: str,
+                          transfers: list[Transfer], downloads: list[tuple[int, str]]) -> bool:
+    """Each location that will receive files has its tag directory, claimed by its leader before any
+    byte arrives ([Note: retention owns only its own]); False on every rank if any location could not."""
+    here = topology.locations[comm.rank]
+    receives = (any(topology.locations[transfer.target] == here for transfer in transfers)
+                or any(topology.locations[rank] == here for rank, _ in downloads))
+    problem = None
+    if receives and topology.leader(here) == comm.rank:
+        try:
+            claim_tag_dir(tag_dir, lineage, take_over=False)
+        except (OSError, ForeignDirectoryError) as error:
+            problem = f"rank {comm.rank}: {error}"
+    problems = [found for found in comm.all_gather_object(problem) if found]
+    if problems and comm.rank == 0:
+        log.warning("cannot fetch the missing files of %s: %s", tag_dir, "; ".join(problems))
+    return not problems
 
 
 def _scatter_plan(manifest: Manifest, needed: list[ShardSpec], destinations: dict[str, torch.Tensor]

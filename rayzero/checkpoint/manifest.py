@@ -11,42 +11,44 @@
 Shard files are written under a temporary name and renamed; the manifest is written the same way
 and only after every rank's files are durable (a barrier on the checkpoint process group). `latest`
 is rewritten (tmp + rename) only after the manifest. A save killed at any point therefore leaves at
-worst a tag directory without a manifest, which listing ignores and the next save's retention pass
-deletes. With node-local storage every node holds its own copy of the tag directory (its ranks'
+worst a tag directory without a manifest, which listing ignores and the retention pass of the next
+save of the same run deletes. With node-local storage every node holds its own copy of the tag directory (its ranks'
 files plus the replicas it keeps for peers) and its own manifest; the checkpoint is complete when
 the union of the nodes' copies, or the durable copy, holds every file the manifest names.
 
-[Note: retention owns only its own]
-`keep_last` deletes old checkpoints, but only ones the running job wrote: a same-name rerun of a
-run (Ray Train's contract: it resumes where the earlier run stopped) must never delete the earlier
-run's checkpoints, which may be the only copy of weeks of work and were kept by a setting of that
-run. Each manifest records the run session that wrote it (`rayzero.fit` sets RAYZERO_RUN_SESSION
-once per call, the same for every attempt of that call, so restarts after a failure still rotate
-their own checkpoints); retention deletes a committed checkpoint past `keep_last` only when it is
-of the saver's own session, or — outside a session — one this process committed itself. Older
-checkpoints still count towards `keep_last`, so a rerun keeps its newest `keep_last` minus theirs.
+Which tag directories retention may delete: [Note: retention owns only its own] in retention.py.
+Every name read back from a manifest or from `latest` is checked before it is joined into a path
+([Note: names that become paths] in rayzero/config/names.py).
 """
 from __future__ import annotations
 
 import json
+import logging
 import os
-import shutil
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from rayzero.config.errors import RayZeroValueError
+from rayzero.config.errors import RayZeroError, RayZeroValueError
+from rayzero.config.names import check_name, name_problem
+
+log = logging.getLogger(__name__)
 
 FORMAT = "rayzero-checkpoint/1"
 MANIFEST = "manifest.json"
 LATEST = "latest"
-RUN_SESSION_ENV = "RAYZERO_RUN_SESSION"
-"""Set by `rayzero.fit` once per call: the `Manifest.run_session` of what it writes."""
 
 
 def shard_file_name(rank: int) -> str:
     return f"rank{rank:05d}.safetensors"
+
+
+class NoCheckpointError(RayZeroError, FileNotFoundError):
+    """No committed, complete and intact checkpoint was found (in any tier, for a load)."""
+
+
+class NotAManifestError(RayZeroValueError):
+    """A `manifest.json` that is not a rayzero manifest at all (another tool's file, not JSON)."""
 
 
 @dataclass(frozen=True)
@@ -99,9 +101,9 @@ class Manifest:
     client_state: dict[str, Any] = field(default_factory=dict)
     created_unix: float = field(default_factory=time.time)
     format: str = FORMAT
-    run_session: str = ""
-    """The run session that wrote it (one `rayzero.fit` call, RAYZERO_RUN_SESSION; "" outside one):
-    retention deletes only checkpoints of its own session ([Note: retention owns only its own])."""
+    lineage: str = ""
+    """The run lineage that wrote it (for people reading it; ownership is the tag directory's
+    marker, [Note: retention owns only its own] in retention.py)."""
 
     def to_json(self) -> str:
         body = asdict(self)
@@ -113,32 +115,125 @@ class Manifest:
         return json.dumps(body, indent=1, sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str) -> Manifest:
-        body = json.loads(text)
-        if body.get("format") != FORMAT:
-            raise RayZeroValueError(f"not a rayzero checkpoint manifest (format {body.get('format')!r}, expected {FORMAT!r})")
-        body["files"] = {name: FileEntry(**entry) for name, entry in body["files"].items()}
-        body["tensors"] = {
-            name: TensorEntry(tuple(entry["shape"]), entry["dtype"],
-                              tuple(Piece(*piece) for piece in entry["pieces"]))
-            for name, entry in body["tensors"].items()
-        }
-        return cls(**body)
+    def from_json(cls, text: str | bytes) -> Manifest:
+        """Parse and check a manifest; anything malformed raises RayZeroValueError naming the field.
+        Names that become paths (the tag, every file) are checked like user input, so a tampered
+        manifest cannot point a load or a delete outside its directory."""
+        try:
+            body = json.loads(text)
+        except (ValueError, TypeError) as error:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+            raise NotAManifestError(f"checkpoint manifest is not JSON ({error})") from None
+        if not isinstance(body, dict) or body.get("format") != FORMAT:
+            found = body.get("format") if isinstance(body, dict) else type(body).__name__
+            raise NotAManifestError(f"not a rayzero checkpoint manifest (format {found!r}, expected {FORMAT!r})")
+        return _parse(body)
 
     @property
     def total_bytes(self) -> int:
         return sum(entry.size for entry in self.files.values())
 
 
+STORED_DTYPES = ("float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool")
+"""dtype names a manifest may record (shard_file.py stores exactly these)."""
+
+
+def _bad(field: str, value: Any, expected: str) -> RayZeroValueError:
+    shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
+    return RayZeroValueError(f"checkpoint manifest: {field} = {shown} is not {expected}")
+
+
+def _int(value: Any, field: str, low: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise _bad(field, value, f"an integer >= {low}")
+    return value
+
+
+def _text(value: Any, field: str) -> str:
+    if not isinstance(value, str):
+        raise _bad(field, value, "a string")
+    return value
+
+
+def _object(value: Any, field: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise _bad(field, value, "a JSON object")
+    return value
+
+
+def _array(value: Any, field: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise _bad(field, value, "a JSON array")
+    return value
+
+
+def _parse(body: dict[str, Any]) -> Manifest:
+    """A Manifest from its JSON body, every field checked (see Manifest.from_json)."""
+    tag = check_name(body.get("tag"), "checkpoint manifest: tag")
+    files = {}
+    for name, entry in _object(body.get("files"), "files").items():
+        check_name(name, "checkpoint manifest: a file name in `files`")
+        entry = _object(entry, f"files[{name!r}]")
+        files[name] = FileEntry(_int(entry.get("size"), f"files[{name!r}].size"),
+                                _text(entry.get("checksum"), f"files[{name!r}].checksum"),
+                                _int(entry.get("rank"), f"files[{name!r}].rank"),
+                                _text(entry.get("node"), f"files[{name!r}].node"))
+    tensors = {}
+    for name, entry in _object(body.get("tensors"), "tensors").items():
+        where = f"tensors[{name!r}]"
+        entry = _object(entry, where)
+        shape = tuple(_int(dim, f"{where}.shape") for dim in _array(entry.get("shape"), f"{where}.shape"))
+        dtype = _text(entry.get("dtype"), f"{where}.dtype")
+        if dtype not in STORED_DTYPES:
+            raise _bad(f"{where}.dtype", dtype, f"one of {', '.join(STORED_DTYPES)}")
+        numel = 1
+        for dim in shape:
+            numel *= dim
+        pieces = []
+        for piece in _array(entry.get("pieces"), f"{where}.pieces"):
+            if not isinstance(piece, list) or len(piece) != 3:
+                raise _bad(f"{where}.pieces", piece, "a [file, start, end] triple")
+            file, start, end = piece
+            if file not in files:
+                raise _bad(f"{where}.pieces", piece, "a piece of a file listed in `files`")
+            if not _int(start, f"{where}.pieces") <= _int(end, f"{where}.pieces") <= numel:
+                raise _bad(f"{where}.pieces", piece, f"a range inside the tensor's {numel} elements")
+            pieces.append(Piece(file, start, end))
+        tensors[name] = TensorEntry(shape, dtype, tuple(pieces))
+    created = body.get("created_unix", 0.0)
+    if isinstance(created, bool) or not isinstance(created, (int, float)):
+        raise _bad("created_unix", created, "a number")
+    return Manifest(
+        tag=tag, step=_int(body.get("step"), "step"), world_size=_int(body.get("world_size"), "world_size", 1),
+        stage=_int(body.get("stage"), "stage"), config_digest=_text(body.get("config_digest", ""), "config_digest"),
+        files=files, tensors=tensors,
+        rank_states=[_object(state, "rank_states[]") for state in _array(body.get("rank_states"), "rank_states")],
+        extra_state=_object(body.get("extra_state", {}), "extra_state"),
+        client_state=_object(body.get("client_state", {}), "client_state"),
+        created_unix=float(created),
+        # manifests written before lineages recorded the run session instead
+        lineage=_text(body.get("lineage", body.get("run_session", "")), "lineage"))
+
+
 def write_atomic(path: str, text: str) -> None:
     """Write a small text file so readers see the old or the new content, never a torn one."""
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as out:
-        out.write(text)
-        out.flush()
-        os.fsync(out.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as out:
+            out.write(text)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        _remove_quietly(tmp)  # a full disk must not leave the temporary behind
+        raise
     _fsync_dir(os.path.dirname(path) or ".")
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass
 
 
 def _fsync_dir(path: str) -> None:
@@ -159,12 +254,32 @@ def commit(tag_dir: str, manifest: Manifest) -> None:
     write_atomic(os.path.join(tag_dir, MANIFEST), manifest.to_json())
 
 
+def load_manifest(tag_dir: str) -> Manifest:
+    """The manifest of a tag directory; NoCheckpointError when it has none, RayZeroValueError naming
+    the file when it is unreadable or malformed (what a tool reading one checkpoint reports)."""
+    path = os.path.join(tag_dir, MANIFEST)
+    try:
+        with open(path, "rb") as source:
+            text = source.read()
+    except FileNotFoundError:
+        raise NoCheckpointError(f"{tag_dir} is not a committed checkpoint (no {MANIFEST})") from None
+    except OSError as error:
+        raise RayZeroValueError(f"{path}: cannot read it ({error.strerror or error})") from None
+    try:
+        return Manifest.from_json(text)
+    except RayZeroValueError as error:
+        raise RayZeroValueError(f"{path}: {error}") from None
+
+
 def read_manifest(tag_dir: str) -> Manifest | None:
     """The manifest of a tag directory, or None when it was never committed or is unreadable."""
     try:
-        with open(os.path.join(tag_dir, MANIFEST)) as source:
+        with open(os.path.join(tag_dir, MANIFEST), "rb") as source:
             return Manifest.from_json(source.read())
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, NotAManifestError):
+        return None
+    except RayZeroValueError as error:  # ours, but damaged or tampered with
+        log.warning("ignoring %s: %s", os.path.join(tag_dir, MANIFEST), error)
         return None
 
 
@@ -173,11 +288,17 @@ def set_latest(root: str, tag: str) -> None:
 
 
 def read_latest(root: str) -> str | None:
+    """The tag `latest` names, or None when there is none or it is not a usable tag name."""
     try:
-        with open(os.path.join(root, LATEST)) as source:
-            return source.read().strip() or None
+        with open(os.path.join(root, LATEST), "rb") as source:
+            tag = source.read(1024).decode("utf-8", "replace").strip()
     except OSError:
         return None
+    if tag and name_problem(tag) is None:
+        return tag
+    if tag:
+        log.warning("ignoring %s: it names %r, not a checkpoint tag", os.path.join(root, LATEST), tag)
+    return None
 
 
 def committed_tags(root: str) -> list[tuple[int, str]]:
@@ -194,31 +315,6 @@ def committed_tags(root: str) -> list[tuple[int, str]]:
     return [(step, tag) for step, _, tag in found]
 
 
-def apply_retention(root: str, keep_last: int, keep: set[str] = frozenset(),
-                    owned: Callable[[Manifest], bool] | None = None) -> list[str]:
-    """Delete all but the newest `keep_last` committed tags and every uncommitted tag directory
-    except those in `keep` (a save in flight). Returns the deleted tags.
-
-    `owned` (default: every checkpoint) says which committed checkpoints this saver may delete; the
-    others count towards `keep_last` but are never deleted ([Note: retention owns only its own])."""
-    committed = [tag for _, tag in committed_tags(root)]
-    doomed = committed[keep_last:] if keep_last > 0 else []
-    if owned is not None:
-        doomed = [tag for tag in doomed if (manifest := read_manifest(os.path.join(root, tag))) and owned(manifest)]
-    for entry in os.scandir(root) if os.path.isdir(root) else []:
-        uncommitted = entry.is_dir() and entry.name not in committed and entry.name not in keep
-        if uncommitted and any(name.endswith((".safetensors", ".tmp")) for name in os.listdir(entry.path)):
-            doomed.append(entry.name)  # a save that died before its commit
-    for tag in doomed:
-        # Remove the manifest first so a crash halfway through deletion leaves an invisible tag.
-        try:
-            os.remove(os.path.join(root, tag, MANIFEST))
-        except OSError:
-            pass
-        shutil.rmtree(os.path.join(root, tag), ignore_errors=True)
-    return doomed
-
-
 def resolve_tag_dir(path: str) -> str:
     """A save directory (follow `latest`, else the newest committed tag) or one tag directory."""
     if os.path.isfile(os.path.join(path, MANIFEST)):
@@ -228,5 +324,5 @@ def resolve_tag_dir(path: str) -> str:
         return os.path.join(path, tag)
     tags = committed_tags(path)
     if not tags:
-        raise FileNotFoundError(f"{path} holds no committed checkpoint (no {MANIFEST} in it or below it)")
+        raise NoCheckpointError(f"{path} holds no committed checkpoint (no {MANIFEST} in it or below it)")
     return os.path.join(path, tags[0][1])

@@ -43,17 +43,26 @@ from rayzero.checkpoint.comm import CheckpointComm, Topology, Transfer, run_tran
 from rayzero.checkpoint.direct_io import aligned_empty
 from rayzero.checkpoint.durable import DurableStore
 from rayzero.checkpoint.manifest import (
+    LATEST,
     MANIFEST,
-    RUN_SESSION_ENV,
     FileEntry,
     Manifest,
-    apply_retention,
     commit,
+    read_latest,
     set_latest,
     shard_file_name,
 )
 from rayzero.checkpoint.options import CheckpointOptions
 from rayzero.checkpoint.reshard import build_tensor_entries, choose_writers
+from rayzero.checkpoint.retention import (
+    RUN_LINEAGE_ENV,
+    apply_retention,
+    claim_tag_dir,
+    new_lineage,
+    owner_of,
+    remove_tag_dir,
+)
+from rayzero.checkpoint.save_failure import CheckpointSaveError, StorageProblem, noting
 from rayzero.checkpoint.shard_file import write_shard_file
 from rayzero.checkpoint.types import LazyPiece, ShardedTensor
 from rayzero.config.errors import RayZeroRuntimeError
@@ -109,6 +118,9 @@ class _SaveJob:
     deferred_snapshot: bool = False
     """The live tensors still have to be copied (by the background thread, before writing)."""
     timings: SaveTimings = field(default_factory=SaveTimings)
+    previous_latest: str | None = None
+    """What `latest` named before this save (put back if the save fails after moving it)."""
+    latest_moved: bool = False
 
 
 class CheckpointSaver:
@@ -127,8 +139,9 @@ class CheckpointSaver:
         self._snapshot_ready: threading.Event | None = None  # set when the save in flight has its copy
         self._copy_after: Any = None  # CUDA event: the background copy starts after it
         self._job_timings = SaveTimings()
-        self._session = os.environ.get(RUN_SESSION_ENV, "")  # [Note: retention owns only its own]
-        self._committed_here: set[str] = set()  # tags this process committed (deletable outside a session)
+        self._lineage: str | None = None  # who owns what this saver writes ([Note: retention owns only its own])
+        self.last_failure: CheckpointSaveError | None = None  # of the newest save, if storage refused it
+        self._unraised_failure: CheckpointSaveError | None = None  # for an explicit wait() to raise once
         if options.node_local and options.replicas and len(self.topology.ordered_locations) < 2 and comm.rank == 0:
             log.warning("checkpoint.use_node_local_storage with replicas=%d but the job runs on one node: "
                         "no peer replicas can be kept, losing this node loses its checkpoints unless a "
@@ -140,7 +153,8 @@ class CheckpointSaver:
         """Save a checkpoint under root/tag; returns the tag directory. Collective over all ranks.
         `durable`: where the copy goes (default: the configured durable_uri)."""
         started = time.perf_counter()
-        self.wait()
+        self.settle()
+        self.lineage()  # collective the first time: before any background thread uses the group
         asynchronous = self.options.async_save if asynchronous is None else asynchronous
         if asynchronous and any(isinstance(shard.local, LazyPiece) for shard in shards):
             # [Note: streamed save]: a background snapshot would hold every piece in memory at once;
@@ -170,7 +184,9 @@ class CheckpointSaver:
             _IN_FLIGHT.add(self)
         else:
             self._run(job, until_commit=True)
-            self.wait()  # raises if the commit failed
+            self._raise_fatal()  # a storage failure is reported, not raised (an explicit wait() raises it)
+            if job.manifest is None:
+                return os.path.join(root, tag)
             # Committed and durable on local disk: retention and the upload need not hold the caller.
             self._thread = threading.Thread(target=self._finish, args=(job,), name="rayzero-checkpoint", daemon=False)
             self._thread.start()
@@ -221,15 +237,37 @@ class CheckpointSaver:
         if thread is not None and thread is not threading.current_thread():
             thread.join()
 
-    def wait(self) -> SaveTimings:
-        """Block until the save in flight (if any) has committed and uploaded; re-raise its error
-        once. Idempotent: with nothing in flight it returns the last timings at once."""
+    def lineage(self) -> str:
+        """The run lineage owning what this saver writes: RAYZERO_RUN_LINEAGE (set by `rayzero.fit`),
+        else rank 0's fresh id. Collective on first use ([Note: retention owns only its own])."""
+        if self._lineage is None:
+            self._lineage = self.comm.broadcast_object(os.environ.get(RUN_LINEAGE_ENV) or new_lineage())
+        return self._lineage
+
+    def settle(self) -> None:
+        """Before a new save or a load: wait for the save in flight and re-raise a failure other than
+        on storage. A storage failure was reported when it happened; it does not stop training and
+        is forgotten here ([Note: a save that fails on storage])."""
+        self._raise_fatal()
+        self._unraised_failure = None
+
+    def _raise_fatal(self) -> None:
         self.join()
         self._thread = None
         _IN_FLIGHT.discard(self)
         if self._error is not None:
             error, self._error = self._error, None
             raise RayZeroRuntimeError(f"the previous checkpoint save failed on rank {self.comm.rank}: {error}") from error
+
+    def wait(self) -> SaveTimings:
+        """Block until the save in flight (if any) has committed and uploaded; re-raise its error
+        once, a storage failure included. Idempotent: with nothing in flight it returns the last
+        timings at once."""
+        self.join()
+        failure, self._unraised_failure = self._unraised_failure, None
+        self._raise_fatal()
+        if failure is not None:
+            raise failure
         return self.timings
 
     @property
@@ -245,63 +283,124 @@ class CheckpointSaver:
                     self._snapshot_ready.set()  # never leave the training thread waiting at the fence
                     self._copy_after = None
             self._write(job)
+        except CheckpointSaveError as failure:
+            job.shards.clear()
+            self._undo_local(job)
+            self._report(failure)
+            return
         except BaseException as error:  # surfaced by wait() in the training thread
             log.exception("checkpoint save of %s failed on rank %d", job.tag, self.comm.rank)
             self._error = error
             return
+        self.last_failure = None
         if not until_commit:
             self._finish(job)
 
-    def _owns(self, manifest: Manifest) -> bool:
-        """May retention delete this checkpoint? ([Note: retention owns only its own] in manifest.py)"""
-        if self._session:
-            return manifest.run_session == self._session
-        return manifest.tag in self._committed_here
+    def _report(self, failure: CheckpointSaveError) -> None:
+        """[Note: a save that fails on storage]: said once (rank 0 names every rank's problem), kept
+        for an explicit wait(), never raised into the training thread by the next save."""
+        self.last_failure = self._unraised_failure = failure
+        if self.comm.rank == 0:
+            log.error("%s", failure)
+
+    def _exchange(self, tag: str, tier: str, payload: Any, problems: list[StorageProblem]) -> list[Any]:
+        """All-gather `payload`, and every rank's storage problems with it; if any rank had one,
+        every rank raises the same CheckpointSaveError here ([Note: a save that fails on storage])."""
+        gathered = self.comm.all_gather_object((payload, problems))
+        everyone = [problem for _, theirs in gathered for problem in theirs]
+        if everyone:
+            raise CheckpointSaveError(tag, tier, everyone)
+        return [mine for mine, _ in gathered]
+
+    def _undo_local(self, job: _SaveJob) -> None:
+        """After a failed save: each location's leader removes its partial tag directory (only if its
+        marker names our lineage) and puts `latest` back where this save moved it."""
+        topology = self.topology
+        if self.comm.rank != topology.leader(topology.locations[self.comm.rank]):
+            return
+        tag_dir = os.path.join(job.root, job.tag)
+        try:
+            if job.latest_moved and job.previous_latest:
+                set_latest(job.root, job.previous_latest)
+            elif job.latest_moved:
+                os.remove(os.path.join(job.root, LATEST))
+            if os.path.isdir(tag_dir) and owner_of(tag_dir) == self.lineage():
+                remove_tag_dir(tag_dir)
+        except OSError as error:
+            log.warning("could not clean up after the failed save of %s: %s", tag_dir, error)
 
     def _finish(self, job: _SaveJob) -> None:
         """After the commit: retention, then the durable copy (its manifest once every rank uploaded)."""
         comm, options, topology = self.comm, self.options, self.topology
         try:
             if comm.rank == topology.leader(topology.locations[comm.rank]):
-                apply_retention(job.root, options.keep_last, keep={job.tag}, owned=self._owns)
+                apply_retention(job.root, options.keep_last, self.lineage(), keep={job.tag})
             if job.durable is not None:
                 phase = time.perf_counter()
-                written = shard_file_name(comm.rank)
-                job.durable.upload(job.tag, [(os.path.join(job.root, job.tag, written), written)])
-                comm.barrier()
-                if comm.rank == 0:
-                    job.durable.commit(job.manifest)
-                    job.durable.apply_retention(options.keep_last, owned=self._owns)
-                comm.barrier()  # so wait() on any rank means: durably committed
+                self._upload(job)
                 job.timings.upload = time.perf_counter() - phase
             self.timings = job.timings
+        except CheckpointSaveError as failure:
+            self._report(failure)
         except BaseException as error:  # surfaced by wait() in the training thread
             log.exception("checkpoint retention/upload of %s failed on rank %d", job.tag, comm.rank)
             self._error = error
+
+    def _upload(self, job: _SaveJob) -> None:
+        """The durable copy: claimed by rank 0, each rank uploads its file, rank 0 commits (manifest,
+        then `latest`) and rotates; a failure anywhere removes the partial copy
+        ([Note: a save that fails on storage])."""
+        comm, durable, lineage = self.comm, job.durable, self.lineage()
+        problems: list[StorageProblem] = []
+        if comm.rank == 0:
+            with noting(problems, 0, durable.location(job.tag)):
+                durable.claim(job.tag, lineage)
+        self._exchange(job.tag, "durable", None, problems)
+        written = shard_file_name(comm.rank)
+        try:
+            with noting(problems, comm.rank, durable.location(job.tag, written)):
+                durable.upload(job.tag, [(os.path.join(job.root, job.tag, written), written)])
+            self._exchange(job.tag, "durable", None, problems)
+            if comm.rank == 0:
+                with noting(problems, 0, durable.location(job.tag, MANIFEST)):
+                    durable.commit(job.manifest)
+                if not problems:
+                    durable.apply_retention(self.options.keep_last, lineage, keep={job.tag})
+            self._exchange(job.tag, "durable", None, problems)  # so wait() on any rank means: durably committed
+        except CheckpointSaveError:
+            if comm.rank == 0:
+                durable.discard(job.tag, lineage)
+            raise
 
     def _write(self, job: _SaveJob) -> None:
         comm, options, topology = self.comm, self.options, self.topology
         tag_dir = os.path.join(job.root, job.tag)
         leader = comm.rank == topology.leader(topology.locations[comm.rank])
-        os.makedirs(tag_dir, exist_ok=True)
+        problems: list[StorageProblem] = []  # [Note: a save that fails on storage]
         if leader:
-            # Re-saving an existing tag: un-commit it before overwriting any of its files.
-            try:
-                os.remove(os.path.join(tag_dir, MANIFEST))
-            except FileNotFoundError:
-                pass
-        specs_by_rank = comm.all_gather_object([shard.spec for shard in job.shards])
+            with noting(problems, comm.rank, tag_dir):
+                # [Note: retention owns only its own]: the marker goes in before any shard byte
+                claim_tag_dir(tag_dir, self.lineage())
+                # Re-saving an existing tag: un-commit it before overwriting any of its files.
+                try:
+                    os.remove(os.path.join(tag_dir, MANIFEST))
+                except FileNotFoundError:
+                    pass
+        specs_by_rank = self._exchange(job.tag, "local", [shard.spec for shard in job.shards], problems)
         writers = choose_writers(specs_by_rank)
         tensors = build_tensor_entries(specs_by_rank, writers)
         mine = [(shard.spec.name, shard.local) for shard in job.shards if shard.spec.name in writers[comm.rank]]
 
         phase = time.perf_counter()
-        written = write_shard_file(os.path.join(tag_dir, shard_file_name(comm.rank)), mine, fsync=options.fsync)
+        path = os.path.join(tag_dir, shard_file_name(comm.rank))
+        written = None
+        with noting(problems, comm.rank, path):
+            written = write_shard_file(path, mine, fsync=options.fsync)
         job.shards.clear()  # the snapshot is on disk: free its memory before replicating
         job.timings.write = time.perf_counter() - phase
-        job.timings.bytes_written = written.size
+        job.timings.bytes_written = written.size if written is not None else 0
 
-        gathered = comm.all_gather_object((written, job.rng_state))
+        gathered = self._exchange(job.tag, "local", (written, job.rng_state), problems)
         files = {file.name: FileEntry(file.size, file.checksum, rank, comm.node_ids[rank])
                  for rank, (file, _) in enumerate(gathered)}
         phase = time.perf_counter()
@@ -310,7 +409,8 @@ class CheckpointSaver:
                                   files[shard_file_name(rank)].checksum)
                          for rank in range(comm.world_size) for target in topology.replica_targets(rank, options.replicas)]
             in_tag = lambda transfer: os.path.join(tag_dir, transfer.name)
-            run_transfers(comm, transfers, in_tag, in_tag)
+            with noting(problems, comm.rank, tag_dir):
+                run_transfers(comm, transfers, in_tag, in_tag)
         job.timings.replicate = time.perf_counter() - phase
 
         manifest = Manifest(
@@ -318,14 +418,19 @@ class CheckpointSaver:
             config_digest=job.config_digest, files=files, tensors=tensors,
             rank_states=[{"rank": rank, "node": comm.node_ids[rank], "rng": state}
                          for rank, (_, state) in enumerate(gathered)],
-            extra_state=job.extra_state, client_state=job.client_state, run_session=self._session)
+            extra_state=job.extra_state, client_state=job.client_state, lineage=self.lineage())
         phase = time.perf_counter()
-        comm.barrier()  # every shard and replica is on disk everywhere: now commit
+        self._exchange(job.tag, "local", None, problems)  # every shard and replica is on disk everywhere: commit
         if leader:
-            commit(tag_dir, manifest)
-            set_latest(job.root, job.tag)
-        comm.barrier()  # load_checkpoint right after save_checkpoint sees the commit on every node
+            job.previous_latest = read_latest(job.root)
+            with noting(problems, comm.rank, os.path.join(tag_dir, MANIFEST)):
+                commit(tag_dir, manifest)
+        self._exchange(job.tag, "local", None, problems)  # committed at every location, or nowhere
+        if leader:
+            with noting(problems, comm.rank, os.path.join(job.root, LATEST)):
+                set_latest(job.root, job.tag)
+                job.latest_moved = True
+        self._exchange(job.tag, "local", None, problems)  # load_checkpoint right after save_checkpoint sees the commit
         job.timings.commit = time.perf_counter() - phase
         job.timings.total = time.perf_counter() - job.started
         job.manifest = manifest
-        self._committed_here.add(job.tag)

@@ -47,7 +47,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 def dtype_from_name(name: str) -> torch.dtype:
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
-        raise RayZeroValueError(f"unknown dtype {name!r} in a checkpoint manifest")  # noqa: TRY004 - a bad value
+        raise RayZeroValueError(f"unknown dtype {name!r} in a checkpoint manifest")
     return dtype
 
 
@@ -125,6 +125,10 @@ class SafetensorsWriter:
                              f"{expected_name!r} ({expected_size} bytes)")
         self._emit(data, tensor.data_ptr() if tensor.numel() and keep else None)
 
+    def abort(self) -> None:
+        """Give up: the temporary file is removed, the target never appears."""
+        self.out.abort()
+
     def close(self) -> WrittenFile:
         if self.order:
             raise RayZeroValueError(f"safetensors writer closed before {self.order[0][0]!r} was written")
@@ -146,12 +150,16 @@ def write_shard_file(path: str, tensors: Iterable[tuple[str, torch.Tensor]], fsy
     items.sort(key=lambda item: -item[1].element_size())
     writer = SafetensorsWriter(path, [(name, tensor.dtype, (tensor.numel(),)) for name, tensor in items], fsync,
                                align_large=True)
-    for name, tensor in items:
-        if isinstance(tensor, LazyPiece):  # copied into the writer's staging: the piece is freed now
-            writer.write(name, tensor.materialize(), keep=False)
-        else:
-            writer.write(name, tensor)
-    return writer.close()
+    try:
+        for name, tensor in items:
+            if isinstance(tensor, LazyPiece):  # copied into the writer's staging: the piece is freed now
+                writer.write(name, tensor.materialize(), keep=False)
+            else:
+                writer.write(name, tensor)
+        return writer.close()
+    except BaseException:
+        writer.abort()  # a full disk or a failed read: no temporary left behind
+        raise
 
 
 def file_checksum(path: str) -> str:
@@ -161,6 +169,56 @@ def file_checksum(path: str) -> str:
         while chunk := source.read(_CHUNK):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+class ShardMismatchError(RayZeroValueError):
+    """A shard file whose header does not describe what its manifest (or its own size) says."""
+
+    def __init__(self, path: str, detail: str) -> None:
+        self.path, self.detail = path, detail
+        super().__init__(f"checkpoint file {path} does not match its manifest: {detail}")
+
+    def __reduce__(self):
+        return (type(self), (self.path, self.detail))
+
+
+def parse_header(path: str, header_bytes: bytes, data_size: int) -> dict[str, dict]:
+    """A safetensors header, every entry checked against the file: a known dtype, a shape of
+    non-negative integers, and data offsets inside the data whose length matches the shape.
+    Raises ShardMismatchError naming the file and the entry."""
+    try:
+        header = json.loads(header_bytes)
+    except ValueError as error:
+        raise ShardMismatchError(path, f"its header is not JSON ({error})") from None
+    if not isinstance(header, dict):
+        raise ShardMismatchError(path, "its header is not a JSON object")
+    header.pop("__metadata__", None)
+    for name, entry in header.items():
+        try:
+            dtype = _FROM_CODE[entry["dtype"]]
+            shape, (begin, end) = entry["shape"], entry["data_offsets"]
+            numel = 1
+            for dim in shape:
+                if isinstance(dim, bool) or not isinstance(dim, int) or dim < 0:
+                    raise TypeError(dim)
+                numel *= dim
+            valid = (all(isinstance(x, int) and not isinstance(x, bool) for x in (begin, end))
+                     and 0 <= begin <= end <= data_size and end - begin == numel * dtype.itemsize)
+        except (KeyError, TypeError, ValueError):
+            valid = False
+        if not valid:
+            raise ShardMismatchError(path, f"header entry {name!r} = {str(entry)[:120]} is not a tensor inside the file")
+    return header
+
+
+def _split_header(path: str, prefix: bytes, file_size: int) -> int:
+    """The header length from a file's first 8 bytes, checked against the file's size."""
+    if len(prefix) < 8:
+        raise ShardMismatchError(path, f"it is {file_size} bytes long, too short for a safetensors header")
+    (length,) = struct.unpack("<Q", prefix[:8])
+    if length > file_size - 8:
+        raise ShardMismatchError(path, f"its header claims {length} bytes, the file has {file_size - 8} after the length")
+    return length
 
 
 class LoadedShardFile:
@@ -173,10 +231,9 @@ class LoadedShardFile:
     def __init__(self, name: str, data: torch.Tensor) -> None:
         self.name = name
         self.data = data  # uint8, the whole file
-        (header_len,) = struct.unpack("<Q", data[:8].numpy().tobytes())
-        self.header = json.loads(data[8:8 + header_len].numpy().tobytes())
-        self.header.pop("__metadata__", None)
+        header_len = _split_header(name, data[:8].numpy().tobytes(), data.numel())
         self.data_start = 8 + header_len
+        self.header = parse_header(name, data[8:8 + header_len].numpy().tobytes(), data.numel() - self.data_start)
 
     @classmethod
     def read(cls, path: str, expected_checksum: str | None = None) -> LoadedShardFile:
@@ -198,9 +255,17 @@ class LoadedShardFile:
             raise CorruptShardError(name, expected_checksum, actual)
         return cls(name, data)
 
-    def tensor(self, name: str) -> torch.Tensor:
-        """The 1-D tensor stored under `name` (a view into the file's bytes)."""
-        entry = self.header[name]
+    def tensor(self, name: str, dtype: torch.dtype | None = None, numel: int | None = None) -> torch.Tensor:
+        """The 1-D tensor stored under `name` (a view into the file's bytes); ShardMismatchError when
+        the file lacks it or it is not of the `dtype` / `numel` the manifest says."""
+        entry = self.header.get(name)
+        if entry is None:
+            raise ShardMismatchError(self.name, f"it holds no tensor {name!r}")
+        stored = _FROM_CODE[entry["dtype"]]
+        count = (entry["data_offsets"][1] - entry["data_offsets"][0]) // stored.itemsize
+        if (dtype is not None and stored != dtype) or (numel is not None and count != numel):
+            raise ShardMismatchError(self.name, f"tensor {name!r} is {count} x {dtype_name(stored)}, the manifest "
+                                                f"says {numel} x {dtype_name(dtype) if dtype else '?'}")
         begin, end = entry["data_offsets"]
         raw = self.data[self.data_start + begin:self.data_start + end]
         dtype = _FROM_CODE[entry["dtype"]]
@@ -221,11 +286,12 @@ class CorruptShardError(RayZeroRuntimeError):
 
 
 def read_header(path: str) -> tuple[dict, int]:
-    """A shard file's safetensors header (padding entries included) and where its data starts."""
+    """A shard file's safetensors header (padding entries included, every entry checked against the
+    file) and where its data starts."""
+    size = os.path.getsize(path)
     with open(path, "rb") as source:
-        (length,) = struct.unpack("<Q", source.read(8))
-        header = json.loads(source.read(length))
-    header.pop("__metadata__", None)
+        length = _split_header(path, source.read(8), size)
+        header = parse_header(path, source.read(length), size - 8 - length)
     return header, 8 + length
 
 
@@ -237,11 +303,18 @@ def scatter_file(path: str, expected_checksum: str | None,
     Memory stays bounded by two read buffers. The destinations are written before the checksum is
     known: on CorruptShardError their contents are garbage and the caller must load them again.
     """
-    header, data_start = read_header(path)
+    try:
+        header, data_start = read_header(path)
+    except OSError as error:
+        raise CorruptShardError(path, expected_checksum, f"unreadable ({error})") from error
     spans = []
     for name, start, end, destination in requests:
-        entry = header[name]
+        entry = header.get(name)
+        if entry is None or _FROM_CODE[entry["dtype"]] != destination.dtype:
+            raise ShardMismatchError(path, f"it holds no {destination.dtype} tensor {name!r}")
         size = _FROM_CODE[entry["dtype"]].itemsize
+        if not 0 <= start <= end <= (entry["data_offsets"][1] - entry["data_offsets"][0]) // size:
+            raise ShardMismatchError(path, f"tensor {name!r} has no elements [{start}, {end})")
         base = data_start + entry["data_offsets"][0]
         spans.append((base + start * size, base + end * size, destination.view(torch.uint8)))
     spans.sort(key=lambda span: span[0])

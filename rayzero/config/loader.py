@@ -113,9 +113,10 @@ def _read(source: Source, name: str) -> dict[str, Any]:
     path = Path(source)
     try:
         text = path.read_text()
-    except OSError as error:
-        raise ConfigError([Problem("", str(path), f"cannot read the file ({error.strerror})",
-                                   "check the path")], name) from None
+    except (OSError, ValueError) as error:  # ValueError: a NUL byte in the path; UnicodeDecodeError: not text
+        reason = getattr(error, "strerror", None) or str(error)
+        raise ConfigError([Problem("", str(path), f"cannot read the file ({reason})",
+                                   "check the path (a JSON file, UTF-8)")], name) from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as error:

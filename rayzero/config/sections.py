@@ -199,8 +199,9 @@ class CheckpointConfig(ConfigModel):
     """pyarrow.fs URI (file:///abs/path, s3://bucket/prefix, gs://..., hdfs://...) receiving a
     background copy of every committed checkpoint; null = none. Env override `RAYZERO_DURABLE_URI`."""
     keep_last: Int = Field(3, ge=0)
-    """Committed checkpoints kept per storage location and in the durable copy (older ones are
-    deleted after each commit); 0 keeps every checkpoint. Env override `RAYZERO_CHECKPOINT_KEEP_LAST`."""
+    """Committed checkpoints of the run kept per storage location and in the durable copy, counted
+    across the run's invocations (older ones of the run are deleted after each commit; nothing
+    another run or a user wrote is); 0 keeps every checkpoint. Env override `RAYZERO_CHECKPOINT_KEEP_LAST`."""
     async_save: Bool = True
     """Write, replicate and upload in the background: `save_checkpoint` blocks only to snapshot the
     state; false returns with the checkpoint committed on local disk. Env override

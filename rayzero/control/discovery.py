@@ -15,7 +15,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from rayzero.config.errors import RayZeroRuntimeError, RayZeroValueError
+from rayzero.config.errors import RayZeroRuntimeError
+from rayzero.config.names import check_name
 
 CONTROL_FILE = "control.json"
 
@@ -51,9 +52,7 @@ def storage_root(storage: str | None) -> str:
 
 
 def run_uri(name: str, storage: str | None = None) -> str:
-    if not name or "/" in name or name in (".", ".."):
-        raise RayZeroValueError(f"run name {name!r} must be a plain directory name (no '/'), as given to "
-                                "`rayzero run --name` / RunConfig.name")
+    check_name(name, "run name (`rayzero run --name` / RunConfig.name)")  # [Note: names that become paths]
     return f"{storage_root(storage)}/{name}"
 
 

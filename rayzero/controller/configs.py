@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from rayzero.config.names import ALLOWED, name_problem
 
 
 class _Settings(BaseModel):
@@ -90,11 +92,14 @@ class RunConfig(_Settings):
     progress_interval_s: float = Field(5.0, ge=0)
     """Seconds between progress lines on the driver; 0 prints one per rank-0 report."""
 
-    @model_validator(mode="after")
-    def _name_is_a_directory_name(self) -> RunConfig:
-        if self.name is not None and (not self.name or "/" in self.name or self.name in (".", "..")):
-            raise ValueError(f"RunConfig.name={self.name!r} must be a plain directory name (no '/')")
-        return self
+    @field_validator("name")
+    @classmethod
+    def _name_is_a_directory_name(cls, name: str | None) -> str | None:
+        # [Note: names that become paths]: pydantic prints the field, the value and this reason
+        problem = name_problem(name) if name is not None else None
+        if problem is not None:
+            raise ValueError(f"run name {name!r} {problem}; use {ALLOWED}")
+        return name
 
 
 class FailureConfig(_Settings):

@@ -21,8 +21,10 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import logging
+import math
 import os
 import secrets
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
@@ -36,6 +38,7 @@ from rayzero.control import tls as control_tls
 from rayzero.control.discovery import ControlInfo, remove_control_file, write_control_file
 from rayzero.control.tokens import TOKEN_ENV, remove_token_file, token_path, write_token_file
 from rayzero.control.v1 import control_pb2, control_pb2_grpc
+from rayzero.controller.request_guard import MalformedRequestInterceptor
 from rayzero.controller.status import CheckpointRecord, ControlTarget, RunStatus
 
 logger = logging.getLogger(__name__)
@@ -79,9 +82,13 @@ def checkpoint_message(record: CheckpointRecord) -> control_pb2.Checkpoint:
 
 
 def _wait_s(requested: float, context: grpc.ServicerContext) -> float:
-    """The request's timeout, else what is left of the call's deadline, else DEFAULT_WAIT_S."""
+    """The request's timeout, else what is left of the call's deadline, else DEFAULT_WAIT_S. NaN,
+    infinite and negative timeouts are refused (INVALID_ARGUMENT); huge ones are capped at what a
+    thread can wait (tests/fuzz/test_fuzz_control_service.py found both reaching the target)."""
+    if not math.isfinite(requested) or requested < 0:
+        raise RayZeroValueError(f"timeout_s = {requested}: give seconds >= 0 (0: until the call's deadline)")
     if requested > 0:
-        return requested
+        return min(requested, threading.TIMEOUT_MAX)
     remaining = context.time_remaining()
     return max(0.1, remaining - 0.5) if remaining is not None else DEFAULT_WAIT_S
 
@@ -116,6 +123,10 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
 
     def WatchStatus(self, request: control_pb2.WatchStatusRequest, context: grpc.ServicerContext
                     ) -> Iterator[control_pb2.Status]:
+        if not math.isfinite(request.interval_s) or request.interval_s < 0:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"interval_s = {request.interval_s}: give seconds >= 0 (0: the default, "
+                          f"{WATCH_DEFAULT_INTERVAL_S} s)")
         interval = watch_interval(request.interval_s)
         while context.is_active():
             try:
@@ -253,7 +264,8 @@ class ControlServer:
         # so_reuseport off: gRPC turns it on by default on Linux, and two runs sharing a fixed port
         # (RAYZERO_CONTROL_PORT) would then split each other's calls instead of failing to bind.
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="rayzero-control"),
-                             interceptors=[BearerTokenInterceptor(self.token)], options=[("grpc.so_reuseport", 0)])
+                             interceptors=[BearerTokenInterceptor(self.token), MalformedRequestInterceptor()],
+                             options=[("grpc.so_reuseport", 0)])
         control_pb2_grpc.add_ControlServicer_to_server(ControlServicer(self._target), server)
         bind = f"[{self.host}]:{self.requested_port}" if ":" in self.host else f"{self.host}:{self.requested_port}"
         info = ControlInfo(address="", run_name=self.run_name, pid=os.getpid())

@@ -15,10 +15,11 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from rayzero.checkpoint.manifest import RUN_SESSION_ENV
+from rayzero.checkpoint.retention import RUN_LINEAGE_ENV, claim_run_lineage
 from rayzero.checkpoint.storage import filesystem_from_uri
 from rayzero.config.errors import RayZeroValueError
 from rayzero.config.loader import NOTES_SHOWN_ENV, logged_notes
+from rayzero.config.names import check_name
 from rayzero.controller import registry
 from rayzero.controller.configs import FailureConfig, RunConfig, ScalingConfig
 from rayzero.controller.controller import Controller, ControllerActor, ControllerSettings, ControllerUpdate
@@ -70,9 +71,8 @@ class Result:
 def _run_locations(run: RunConfig) -> tuple[str, str, str, bool]:
     """(run name, run URI, checkpoint dir: a local path for file://, else a URI, whether the run's
     directory existed already: a rerun under the same name)."""
-    name = run.name or (
-        f"rayzero-{datetime.datetime.now():%Y%m%d-%H%M%S}-{secrets.token_hex(2)}"
-    )
+    name = check_name(run.name or f"rayzero-{datetime.datetime.now():%Y%m%d-%H%M%S}-{secrets.token_hex(2)}",
+                      "RunConfig.name")  # [Note: names that become paths]; a RunConfig may be built unvalidated
     root = run.storage or os.environ.get("RAYZERO_STORAGE_ROOT") or Path.cwd().joinpath("runs").as_uri()
     if "://" not in root:  # a plain path is a local directory
         root = Path(root).resolve().as_uri()
@@ -193,9 +193,9 @@ def fit(
         "RAYZERO_CHECKPOINT_DIR": checkpoint_dir,
         # the engine's own bound for groups it creates (e.g. the checkpoint writer's)
         "RAYZERO_COLLECTIVE_TIMEOUT_S": str(failure.process_group_timeout_s),
-        # one per fit call, every attempt: retention rotates only this call's checkpoints, never
-        # those of the earlier run a same-name rerun resumes ([Note: retention owns only its own])
-        RUN_SESSION_ENV: f"{name}-{secrets.token_hex(6)}",
+        # one per run name, every invocation and attempt: retention rotates this run's checkpoints
+        # and never another run's ([Note: retention owns only its own] in checkpoint/retention.py)
+        RUN_LINEAGE_ENV: claim_run_lineage(run_uri),
     }
     if trainer:
         run_env["RAYZERO_TRAINER"] = json.dumps(dict(trainer))  # HF trainer arguments for "auto"s

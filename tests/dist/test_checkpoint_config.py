@@ -16,6 +16,7 @@ import torch
 from harness import spawn
 
 from rayzero.checkpoint.manifest import MANIFEST, committed_tags, read_latest, read_manifest, shard_file_name
+from rayzero.checkpoint.retention import OWNER_FILE
 from rayzero.checkpoint.saver import wait_for_pending_saves
 from rayzero.engine.api import initialize
 
@@ -95,14 +96,14 @@ def test_config_settings_take_effect_and_unwaited_async_save_commits(tmp_path):
     durable = os.path.join(root, "bucket")
     assert _tags(durable) == ["global_step3"] and read_latest(durable) == "global_step3"
     assert sorted(os.listdir(os.path.join(durable, "global_step3"))) == \
-        sorted([MANIFEST, shard_file_name(0), shard_file_name(1)])
+        sorted([MANIFEST, OWNER_FILE, shard_file_name(0), shard_file_name(1)])
     # The loop returned with the save still running, and nobody called wait_for_checkpoint().
     assert any(result["in_flight_at_return"] for result in results)
     async_dir = pathlib.Path(root, "async")
     assert read_latest(str(async_dir)) == "global_step1"
     manifest = read_manifest(str(async_dir / "global_step1"))
     assert manifest.world_size == 2 and set(manifest.files) == set(
-        os.listdir(async_dir / "global_step1")) - {MANIFEST}
+        os.listdir(async_dir / "global_step1")) - {MANIFEST, OWNER_FILE}
     assert read_latest(os.path.join(root, "bucket-async")) == "global_step1"
 
 
@@ -131,5 +132,5 @@ def test_script_exiting_during_an_async_save_still_commits_and_uploads(tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "in flight at exit: True" in done.stdout
     assert read_latest(str(local)) == "global_step1" and read_latest(str(bucket)) == "global_step1"
-    assert sorted(os.listdir(bucket / "global_step1")) == [MANIFEST, shard_file_name(0)]
+    assert sorted(os.listdir(bucket / "global_step1")) == sorted([MANIFEST, OWNER_FILE, shard_file_name(0)])
     assert "failed" not in done.stderr, done.stderr[-3000:]

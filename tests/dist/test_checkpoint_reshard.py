@@ -112,7 +112,7 @@ def test_write_at_2_read_at_3_and_1(tmp_path):
     assert [tag for _, tag in committed_tags(root)] == ["global_step30", "global_step20"]
     assert read_latest(root) == "global_step30"
     assert sorted(os.listdir(os.path.join(root, "global_step30"))) == sorted(
-        ["manifest.json"] + [f"rank{rank:05d}.safetensors" for rank in range(2)])
+        ["manifest.json", "rayzero-owner.json"] + [f"rank{rank:05d}.safetensors" for rank in range(2)])
     run_group(3, _load_body, root, 30)
     _load_body(0, 1, root, 30)  # one process, no process group at all
 

@@ -108,9 +108,10 @@ def test_resume_from_peer_replicas_after_losing_a_node(tmp_path):
         reference = ray.get([rank.train.remote(4, 8) for rank in ranks])[0]
         files = ray.get([rank.local_files.remote() for rank in ranks])
         # node k keeps its own shard and node k-1's replica; no node has all three
-        assert files == [["manifest.json", "rank00000.safetensors", "rank00002.safetensors"],
-                         ["manifest.json", "rank00000.safetensors", "rank00001.safetensors"],
-                         ["manifest.json", "rank00001.safetensors", "rank00002.safetensors"]]
+        # (and each node's owner marker, [Note: retention owns only its own])
+        assert files == [["manifest.json", "rank00000.safetensors", "rank00002.safetensors", "rayzero-owner.json"],
+                         ["manifest.json", "rank00000.safetensors", "rank00001.safetensors", "rayzero-owner.json"],
+                         ["manifest.json", "rank00001.safetensors", "rank00002.safetensors", "rayzero-owner.json"]]
         for rank in ranks:
             ray.kill(rank)
         cluster.remove_node(nodes[2])

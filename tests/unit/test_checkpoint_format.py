@@ -11,10 +11,10 @@ from rayzero.checkpoint.comm import Topology
 from rayzero.checkpoint.data_position import ResumableSampler
 from rayzero.checkpoint.direct_io import aligned_empty
 from rayzero.checkpoint.manifest import (
+    FileEntry,
     Manifest,
     Piece,
     TensorEntry,
-    apply_retention,
     commit,
     committed_tags,
     read_latest,
@@ -22,6 +22,7 @@ from rayzero.checkpoint.manifest import (
     set_latest,
 )
 from rayzero.checkpoint.reshard import build_tensor_entries, choose_writers, files_for, plan_read
+from rayzero.checkpoint.retention import apply_retention, claim_tag_dir
 from rayzero.checkpoint.shard_file import CorruptShardError, LoadedShardFile, file_checksum, write_shard_file
 from rayzero.checkpoint.types import ShardSpec
 
@@ -80,23 +81,25 @@ def test_hole_or_disagreement_is_refused():
 
 
 def _manifest(tag: str, step: int) -> Manifest:
-    return Manifest(tag=tag, step=step, world_size=1, stage=0, config_digest="x", files={},
-                    tensors={"module/w": TensorEntry((2,), "float32", (Piece("f", 0, 2),))}, rank_states=[])
+    return Manifest(tag=tag, step=step, world_size=1, stage=0, config_digest="x",
+                    files={"rank00000.safetensors": FileEntry(8, "0", 0, "node0")},
+                    tensors={"module/w": TensorEntry((2,), "float32", (Piece("rank00000.safetensors", 0, 2),))},
+                    rank_states=[])
 
 
 def test_only_committed_tags_exist_and_retention_keeps_newest(tmp_path):
     root = str(tmp_path)
     for step in (1, 2, 3):
-        os.makedirs(os.path.join(root, f"global_step{step}"))
+        claim_tag_dir(os.path.join(root, f"global_step{step}"), "lineage-a")
         commit(os.path.join(root, f"global_step{step}"), _manifest(f"global_step{step}", step))
         set_latest(root, f"global_step{step}")
     partial = os.path.join(root, "global_step4")
-    os.makedirs(partial)
+    claim_tag_dir(partial, "lineage-a")
     open(os.path.join(partial, "rank00000.safetensors.tmp"), "wb").close()  # a save that died
     assert [tag for _, tag in committed_tags(root)] == ["global_step3", "global_step2", "global_step1"]
     assert read_latest(root) == "global_step3"
     assert read_manifest(os.path.join(root, "global_step3")).tensors["module/w"].shape == (2,)
-    deleted = apply_retention(root, keep_last=2)
+    deleted = apply_retention(root, keep_last=2, lineage="lineage-a")
     assert sorted(deleted) == ["global_step1", "global_step4"]
     assert sorted(os.listdir(root)) == ["global_step2", "global_step3", "latest"]
 
