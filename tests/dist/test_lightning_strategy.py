@@ -6,7 +6,6 @@ planned step boundary and resume by themselves on a restart. One spawn runs ever
 from __future__ import annotations
 
 import os
-import tempfile
 
 import pytest
 import torch
@@ -16,7 +15,6 @@ from harness import spawn
 from lightning_workers import BATCHES, DATA_SEED, no_group, run_cases, write_text
 
 STAGE3_OFFLOAD = {"stage": 3, "offload_optimizer": True}
-_RESULT: dict = {}
 
 
 def _cases(directory: str) -> list[tuple[str, str, dict]]:
@@ -48,12 +46,11 @@ def _cases(directory: str) -> list[tuple[str, str, dict]]:
     ]
 
 
-def _result() -> tuple[list[dict], str]:
-    if not _RESULT:
-        directory = tempfile.mkdtemp(prefix="rayzero-lightning-")
-        _RESULT["ranks"] = spawn(2, run_cases, _cases(directory), init=no_group)
-        _RESULT["dir"] = directory
-    return _RESULT["ranks"], _RESULT["dir"]
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> tuple[list[dict], str]:
+    """Every case, run once on both ranks: (results by rank, the directory holding the checkpoints)."""
+    directory = str(tmp_path_factory.mktemp("lightning"))
+    return spawn(2, run_cases, _cases(directory), init=no_group), directory
 
 
 def _weights(directory: str, name: str) -> dict[str, torch.Tensor]:
@@ -78,27 +75,27 @@ def _assert_close(actual: dict[str, torch.Tensor], expected: dict[str, torch.Ten
         assert difference <= 1e-5, (key, float(difference))
 
 
-def test_boring_model_at_stage_3_with_offload_ends_with_ddps_weights():
-    _, directory = _result()
+def test_boring_model_at_stage_3_with_offload_ends_with_ddps_weights(trained):
+    _, directory = trained
     _assert_close(_weights(directory, "z3"), _weights(directory, "ddp1"))
     assert os.path.isfile(os.path.join(directory, "z3.ckpt", "checkpoint", "manifest.json"))  # DeepSpeed's layout
 
 
-def test_stages_0_1_2_end_with_ddps_weights():
-    _, directory = _result()
+def test_stages_0_1_2_end_with_ddps_weights(trained):
+    _, directory = trained
     for stage in (0, 1, 2):
         _assert_close(_weights(directory, f"z{stage}"), _weights(directory, "ddp1"))
 
 
-def test_small_transformer_at_stage_3_with_offload_ends_with_ddps_weights():
-    _, directory = _result()
+def test_small_transformer_at_stage_3_with_offload_ends_with_ddps_weights(trained):
+    _, directory = trained
     expected = _weights(directory, "tf_ddp")
     assert len(expected) > 20  # embedding, encoder/decoder layers, attention projections, decoder head
     _assert_close(_weights(directory, "tf_z3"), expected)
 
 
-def test_fit_from_a_checkpoint_continues_at_its_step_and_equals_an_uninterrupted_run():
-    ranks, directory = _result()
+def test_fit_from_a_checkpoint_continues_at_its_step_and_equals_an_uninterrupted_run(trained):
+    ranks, directory = trained
     for result in ranks:
         assert result["z3"]["global_step"] == BATCHES
         assert result["z3_resumed"]["start_step"] == BATCHES  # continued, nothing trained twice
@@ -108,8 +105,8 @@ def test_fit_from_a_checkpoint_continues_at_its_step_and_equals_an_uninterrupted
     _assert_close(resumed, _weights(directory, "ddp2"))  # incl. StepLR's second-epoch rate, restored
 
 
-def test_accumulation_and_clipping_are_the_engines_and_match_ddp():
-    ranks, directory = _result()
+def test_accumulation_and_clipping_are_the_engines_and_match_ddp(trained):
+    ranks, directory = trained
     # Lightning calls the engine's step every batch (it applies every second one) but counts applied steps
     assert ranks[0]["z2_accumulate"]["global_step"] == ranks[0]["ddp_accumulate"]["global_step"] == BATCHES
     _assert_close(_weights(directory, "z2_accumulate"), _weights(directory, "ddp_accumulate"))
@@ -117,17 +114,17 @@ def test_accumulation_and_clipping_are_the_engines_and_match_ddp():
     assert not torch.allclose(unclipped["layer.weight"], _weights(directory, "z2_accumulate")["layer.weight"])
 
 
-def test_a_single_file_checkpoint_loads_into_stage_3_with_load_full_weights():
-    ranks, directory = _result()
+def test_a_single_file_checkpoint_loads_into_stage_3_with_load_full_weights(trained):
+    ranks, directory = trained
     assert ranks[0]["full_weights"]["start_step"] == BATCHES
     _assert_close(_weights(directory, "full_weights"), _weights(directory, "ddp2"))
 
 
-def test_predict_from_a_checkpoint_uses_its_weights():
+def test_predict_from_a_checkpoint_uses_its_weights(trained):
     import lightning.pytorch as pl
     from lightning.pytorch.demos.boring_classes import BoringDataModule, BoringModel
 
-    ranks, directory = _result()
+    ranks, directory = trained
     weights = _weights(directory, "z3")
     pl.seed_everything(DATA_SEED, verbose=False)
     BoringModel()  # draws its initial weights first, as in the ranks
@@ -140,8 +137,8 @@ def test_predict_from_a_checkpoint_uses_its_weights():
         assert torch.allclose(predicted, expected[rank::2], atol=1e-6)
 
 
-def test_bf16_mixed_trains_in_bf16_and_the_loss_falls():
-    ranks, _ = _result()
+def test_bf16_mixed_trains_in_bf16_and_the_loss_falls(trained):
+    ranks, _ = trained
     result = ranks[0]["bf16"]
     assert result["weight_dtype"] == torch.bfloat16  # compute weights; fp32 masters in the engine
     losses = [report["loss"] for report in result["reports"]]
@@ -149,8 +146,8 @@ def test_bf16_mixed_trains_in_bf16_and_the_loss_falls():
     assert sum(losses[-BATCHES:]) < 0.8 * sum(losses[:BATCHES]), losses
 
 
-def test_each_optimizer_step_is_reported_with_loss_and_learning_rate():
-    ranks, _ = _result()
+def test_each_optimizer_step_is_reported_with_loss_and_learning_rate(trained):
+    ranks, _ = trained
     reports = ranks[0]["z3"]["reports"]
     assert [report["step"] for report in reports] == list(range(1, BATCHES + 1))
     assert [report["samples"] for report in reports] == [2 * step for step in range(1, BATCHES + 1)]
@@ -161,8 +158,8 @@ def test_each_optimizer_step_is_reported_with_loss_and_learning_rate():
     assert [report["samples"] for report in accumulated] == [4 * step for step in range(1, BATCHES + 1)]
 
 
-def test_a_planned_stop_saves_at_the_agreed_step_and_a_restart_resumes_by_itself():
-    ranks, directory = _result()
+def test_a_planned_stop_saves_at_the_agreed_step_and_a_restart_resumes_by_itself(trained):
+    ranks, directory = trained
     for result in ranks:
         stopped, resumed = result["stop"]["stopped"], result["stop"]["resumed"]
         assert result["stop"]["stop_committed"]
