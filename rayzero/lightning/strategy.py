@@ -4,11 +4,13 @@
 Built on Lightning's public Strategy API the way DeepSpeedStrategy is (a DDPStrategy subclass: the
 process group, ranks, samplers, barriers and launchers are DDP's), with `rayzero.initialize` where
 DeepSpeedStrategy calls `deepspeed.initialize`:
-  - keywords -> DeepSpeed config through `rayzero.config.lightning.lightning_to_dict` (the mapping
-    `RayZeroConfig.from_lightning` uses), completed at `setup` from the Trainer: precision,
-    `accumulate_grad_batches`, `gradient_clip_val`. `config=` (a dict or JSON path), else
+  - keywords -> DeepSpeed config (config.py) through `rayzero.config.lightning.lightning_to_dict` (the
+    mapping `RayZeroConfig.from_lightning` uses), completed at `setup` from the Trainer: precision,
+    `accumulate_grad_batches`, `gradient_clip_val`, the batch size. `config=` (a dict or JSON path), else
     $PL_DEEPSPEED_CONFIG_PATH, else the run's config ($RAYZERO_CONFIG from `rayzero run --config`)
     replaces the keywords, as in DeepSpeedStrategy;
+  - the process group is formed by the engine's `init_distributed`, from the cluster environment's
+    variables as DeepSpeedStrategy sets them (torchrun's are read as they are);
   - the engine is `trainer.model`; RayZeroPrecision runs backward and the step through it, so
     gradient accumulation and clipping are the engine's (`handles_gradient_accumulation`);
   - `configure_optimizers`' optimizer and scheduler, or the config's `optimizer`/`scheduler`; Lightning
@@ -20,7 +22,6 @@ script runs under torchrun, `rayzero run` and `rayzero.fit`.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Generator, Mapping
@@ -33,6 +34,7 @@ import torch
 from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.plugins.environments import TorchElasticEnvironment
+from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 from lightning.pytorch.strategies.ddp import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
@@ -43,8 +45,7 @@ from lightning.pytorch.utilities.types import LRSchedulerConfig
 
 from rayzero.config.lightning import LIGHTNING_DEFAULTS, lightning_to_dict
 from rayzero.engine.api import initialize
-from rayzero.engine.config_resolution import CONFIG_ENV
-from rayzero.engine.distributed import compute_device
+from rayzero.engine.distributed import compute_device, init_distributed
 from rayzero.engine.zero_init import Init
 from rayzero.lightning.callback import RayZeroCallback
 from rayzero.lightning.checkpoints import (
@@ -55,14 +56,13 @@ from rayzero.lightning.checkpoints import (
     load_full_state_dict,
     newest_lightning_checkpoint,
 )
+from rayzero.lightning.config import engine_config
 from rayzero.lightning.precision import LightningSetupError, RayZeroPrecision, as_rayzero_precision
 from rayzero.lightning.resume import search_directories
 from rayzero.workers import get_context
 
 logger = logging.getLogger(__name__)
 
-DEEPSPEED_ENV_VAR = "PL_DEEPSPEED_CONFIG_PATH"
-"""DeepSpeedStrategy's environment variable for a config path, honoured the same way."""
 _HONOURED_HERE = ("accelerator", "parallel_devices", "cluster_environment", "precision_plugin",
                   "process_group_backend", "timeout", "logging_level", "load_full_weights",
                   "exclude_frozen_parameters")
@@ -183,6 +183,20 @@ class RayZeroStrategy(DDPStrategy):
     def distributed_sampler_kwargs(self) -> dict[str, int]:
         return {"num_replicas": self.world_size, "rank": self.global_rank}
 
+    def setup_distributed(self) -> None:
+        """As DeepSpeedStrategy: the node's variables from the cluster environment, then the engine's
+        own `init_distributed` (a no-op where rayzero.fit formed the group), whose exit hook commits an
+        async save in flight and leaves the group (gloo aborts a process that exits inside one)."""
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = self._get_process_group_backend()
+        assert self.cluster_environment is not None
+        os.environ.update(MASTER_ADDR=self.cluster_environment.main_address,
+                          MASTER_PORT=str(self.cluster_environment.main_port), RANK=str(self.global_rank),
+                          WORLD_SIZE=str(self.world_size), LOCAL_RANK=str(self.local_rank))
+        init_distributed(self._process_group_backend,
+                         timeout_s=self._timeout.total_seconds() if self._timeout is not None else None)
+
     def setup_optimizers(self, trainer: Any) -> None:
         self.optimizers, self.lr_scheduler_configs = [], []  # built with the engine in setup
 
@@ -270,37 +284,8 @@ class RayZeroStrategy(DDPStrategy):
 
     def _engine_config(self, trainer: Any, warn: bool = True) -> dict[str, Any]:
         """The engine's DeepSpeed config; `trainer` None: before there is one (no Trainer facts)."""
-        keywords = dict(self._keywords)
-        from_run = False
-        source = keywords["config"]
-        if source is None and os.environ.get(DEEPSPEED_ENV_VAR):
-            source = os.environ[DEEPSPEED_ENV_VAR]
-        if source is None and os.environ.get(CONFIG_ENV):  # `rayzero run --config`: the run's config
-            text = os.environ[CONFIG_ENV].strip()
-            source, from_run = (json.loads(text) if text.startswith("{") else text), True
-        if source is not None:
-            source = dict(source) if isinstance(source, Mapping) else json.loads(Path(source).read_text())
-            ignored = sorted(key for key, value in keywords.items() if key != "config" and value != LIGHTNING_DEFAULTS[key])
-            if ignored and warn:
-                rank_zero_warn(f"RayZeroStrategy: {', '.join(ignored)} ignored: a DeepSpeed config is given and "
-                               "replaces the keywords (as in DeepSpeedStrategy)")
-            if "gradient_accumulation_steps" in source and not from_run and trainer is not None:
-                raise LightningSetupError(
-                    "Do not set `gradient_accumulation_steps` in the DeepSpeed config: it is set from "
-                    "Trainer(accumulate_grad_batches=...) (as DeepSpeedStrategy requires)")
-            keywords["config"] = source
-        if trainer is not None:
-            keywords.update(precision=self.precision_plugin.precision,
-                            accumulate_grad_batches=trainer.accumulate_grad_batches,
-                            gradient_clip_val=trainer.gradient_clip_val, batch_size=_train_batch_size(trainer))
-        notes: list[str] = []
-        config = lightning_to_dict(keywords, notes)
-        for note in notes if warn else ():
-            rank_zero_warn(note)
-        if from_run and warn and trainer is not None and config["gradient_accumulation_steps"] != trainer.accumulate_grad_batches:
-            rank_zero_info(f"RayZeroStrategy: gradient_accumulation_steps={config['gradient_accumulation_steps']} from "
-                           f"the run's config (not accumulate_grad_batches={trainer.accumulate_grad_batches})")
-        return config
+        precision = self.precision_plugin.precision if trainer is not None else None
+        return engine_config(self._keywords, trainer, precision, warn)
 
     # ---- model construction -------------------------------------------------------------------
     @contextmanager
@@ -418,12 +403,3 @@ class RayZeroStrategy(DDPStrategy):
             self.accelerator.teardown()
         self.checkpoint_io.teardown()
 
-
-def _train_batch_size(trainer: Any) -> int:
-    """The train dataloader's batch size, for `train_micro_batch_size_per_gpu` when the config has none:
-    DeepSpeedStrategy's `_auto_select_batch_size` (it builds the train dataloader once more for it)."""
-    if trainer.state.fn != TrainerFn.FITTING:
-        return 1  # DeepSpeedStrategy's inference engine uses 1 too
-    data_source = trainer.fit_loop._data_source
-    loader = data_source.dataloader() if data_source.is_defined() else None
-    return getattr(getattr(loader, "batch_sampler", None), "batch_size", None) or 1
