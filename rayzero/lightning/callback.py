@@ -17,7 +17,9 @@ Lightning can only be checkpointed once the batch is done. So at `on_train_batch
 (every rank is there: the stop was agreed) this callback writes a Lightning checkpoint
 (`resume.stop_checkpoint_path`), waits for its commit, and sets `trainer.should_stop`: the fit ends
 the way EarlyStopping ends it, `trainer.fit` returns, and `rayzero.get_context().should_stop()` is
-true for code after it. It then takes the engine's step-boundary hook off: the hook would refuse
+true for code after it. Lightning then ends the epoch early (validation, and ModelCheckpoint may save
+at the same step with the epoch counted as done); a restart prefers the stop's own checkpoint at that
+step (`checkpoints.PLANNED_STOP`), which resumes inside the epoch. It then takes the engine's step-boundary hook off: the hook would refuse
 the forward passes of the validation Lightning still runs on stopping (it ends loops that never
 check `should_stop`). Should Lightning go on training (its `min_epochs`/`min_steps` not reached),
 the next batch raises `RunStopped`, the worker's clean-stop signal.
@@ -32,6 +34,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.data import extract_batch_size
 
 from rayzero.engine.engine import set_step_boundary_hook
+from rayzero.lightning.checkpoints import PLANNED_STOP
 from rayzero.lightning.resume import stop_checkpoint_path
 from rayzero.workers import RunStopped, get_context, report
 
@@ -47,6 +50,7 @@ class RayZeroCallback(Callback):
         self._reported_step = -1  # the engine's global_steps at the last report
         self._lr = 0.0  # the learning rate of the step under way (read before the scheduler moves it)
         self.stopped_at: str | None = None  # the checkpoint a planned stop wrote
+        self._stopping = False  # the stop checkpoint is being written
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         self._losses, self._samples, self.stopped_at = [], 0, None
@@ -87,9 +91,17 @@ class RayZeroCallback(Callback):
             self._losses = []
         return metrics
 
+    def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        if self._stopping:
+            checkpoint[PLANNED_STOP] = True  # preferred by a restart over what Lightning saves after it
+
     def _stop(self, trainer: Any) -> None:
         path = stop_checkpoint_path(trainer)
-        trainer.save_checkpoint(path)
+        self._stopping = True
+        try:
+            trainer.save_checkpoint(path)
+        finally:
+            self._stopping = False
         trainer.strategy.engine.wait_for_checkpoint()  # committed before the group may go down
         self.stopped_at = path
         trainer.should_stop = True

@@ -34,6 +34,8 @@ TAG = "checkpoint"
 """The tag under a Lightning checkpoint directory (DeepSpeedStrategy's)."""
 MARKER = "rayzero_lightning"
 """client_state key that marks a checkpoint written by RayZeroStrategy (its value: the format version)."""
+PLANNED_STOP = "rayzero_planned_stop"
+"""Checkpoint key set in the checkpoint a planned stop writes ([Note: Lightning planned stops])."""
 _OPTIONAL = ("hyper_parameters", "datamodule_hyper_parameters")
 """Keys dropped (with a warning) rather than refused when they hold something JSON cannot carry."""
 
@@ -109,20 +111,24 @@ def is_rayzero_checkpoint(path: str) -> bool:
         return False
 
 
-def lightning_progress(path: str) -> tuple[int, float] | None:
-    """(trainer global_step, commit time) of a committed RayZeroStrategy checkpoint at `path`, else None."""
+def lightning_progress(path: str) -> tuple[int, bool, float] | None:
+    """(trainer global_step, written by a planned stop, commit time) of a committed RayZeroStrategy
+    checkpoint at `path`, else None."""
     if not is_rayzero_checkpoint(path):
         return None
     manifest = read_manifest(resolve_tag_dir(path))
     if manifest is None or MARKER not in manifest.client_state:
         return None
-    return int(manifest.client_state.get("global_step", 0)), float(manifest.created_unix)
+    state = manifest.client_state
+    return int(state.get("global_step", 0)), bool(state.get(PLANNED_STOP)), float(manifest.created_unix)
 
 
 def newest_lightning_checkpoint(candidates: Iterable[str]) -> str | None:
     """The candidate (a checkpoint directory, or a directory of them) whose Lightning checkpoint is
-    furthest along: the highest global step, then the latest commit."""
-    found: dict[str, tuple[int, float]] = {}
+    furthest along: the highest global step; at one step a planned stop's (the others a stop leaves
+    were written after Lightning ended the epoch early: resuming from them would skip its rest), then
+    the latest commit."""
+    found: dict[str, tuple[int, bool, float]] = {}
     for candidate in candidates:
         if not candidate or "://" in candidate or not os.path.isdir(candidate):
             continue  # remote storage is not searched: pass ckpt_path= for a checkpoint there

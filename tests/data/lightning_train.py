@@ -7,13 +7,14 @@ no other rayzero code: no resume logic, no reporting.
     rayzero.fit(lightning_train.train, train_loop_config={"out": OUT}, ...)
 
 `--crash-at-epoch E` (tests only): on the first attempt of a rayzero run, rank 1 dies at the start of
-epoch E (once its last checkpoint is committed). `reference_weights(epochs)` is the oracle the tests
+epoch E (once its last checkpoint is committed); `--batch-sleep S`: each batch takes S seconds more. `reference_weights(epochs)` is the oracle the tests
 compare with: what the same SGD steps give computed with plain torch, no Lightning loop, no engine.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import time
 from typing import Any
 
 BATCHES = 4  # per epoch and rank
@@ -37,12 +38,18 @@ def train(config: dict[str, Any]) -> None:
                 trainer.strategy.engine.wait_for_checkpoint()
                 os._exit(1)
 
+    class Slow(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            time.sleep(config["batch_sleep"])
+
     pl.seed_everything(SEED)
     model, data = BoringModel(), BoringDataModule()
     out = config["out"]
     callbacks = [ModelCheckpoint(every_n_epochs=1, save_top_k=-1)]  # <out>/lightning_logs/version_N/checkpoints
     if config.get("crash_at_epoch") is not None:
         callbacks.append(CrashOnce())
+    if config.get("batch_sleep"):
+        callbacks.append(Slow())
     trainer = pl.Trainer(strategy=RayZeroStrategy(stage=3, offload_optimizer=True), accelerator="cpu", devices=2,
                          max_epochs=config.get("epochs", 2), limit_train_batches=BATCHES, limit_val_batches=2,
                          default_root_dir=out, logger=CSVLogger(out), callbacks=callbacks,
@@ -84,5 +91,7 @@ if __name__ == "__main__":
     parser.add_argument("out")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--crash-at-epoch", type=int, default=None)
+    parser.add_argument("--batch-sleep", type=float, default=0.0)
     arguments = parser.parse_args()
-    train({"out": arguments.out, "epochs": arguments.epochs, "crash_at_epoch": arguments.crash_at_epoch})
+    train({"out": arguments.out, "epochs": arguments.epochs, "crash_at_epoch": arguments.crash_at_epoch,
+           "batch_sleep": arguments.batch_sleep})
