@@ -20,6 +20,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from rayzero.config.errors import RayZeroValueError
 from rayzero.lightning import RayZeroPrecision, RayZeroStrategy
 from rayzero.lightning.checkpoints import decode_state, encode_state
+from rayzero.lightning.config import engine_config
 from rayzero.lightning.precision import as_rayzero_precision
 
 
@@ -104,3 +105,36 @@ def test_hyperparameters_json_cannot_carry_are_left_out_other_state_is_refused(c
     state["callbacks"] = {"Custom": {"sampler": object()}}
     with pytest.raises(RayZeroValueError, match="'callbacks' cannot be stored.*Custom.sampler is a object"):
         encode_state(state)
+
+
+def _trainer(**options):
+    import lightning.pytorch as pl
+
+    return pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, **options)
+
+
+def test_the_engines_config_comes_from_the_keywords_completed_by_the_trainer():
+    trainer = _trainer(accumulate_grad_batches=4, gradient_clip_val=0.5)
+    config = engine_config(RayZeroStrategy(stage=3, offload_optimizer=True)._keywords, trainer, "bf16-mixed")
+    assert config["zero_optimization"]["stage"] == 3 and config["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert config["gradient_accumulation_steps"] == 4 and config["gradient_clipping"] == 0.5
+    assert config["bf16"] == {"enabled": True} and config["train_micro_batch_size_per_gpu"] == 1
+
+
+def test_a_given_config_replaces_the_keywords_in_deepspeedstrategys_order(tmp_path, monkeypatch):
+    trainer = _trainer()
+    monkeypatch.setenv("RAYZERO_CONFIG", json.dumps({"zero_optimization": {"stage": 2}, "gradient_accumulation_steps": 8}))
+    run_config = engine_config(RayZeroStrategy()._keywords, trainer, "32-true")
+    assert run_config["zero_optimization"] == {"stage": 2}
+    assert run_config["gradient_accumulation_steps"] == 8  # the run's batch plan (elastic) wins over the Trainer's
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 1}}))
+    monkeypatch.setenv("PL_DEEPSPEED_CONFIG_PATH", str(path))
+    assert engine_config(RayZeroStrategy()._keywords, trainer, "32-true")["zero_optimization"] == {"stage": 1}
+    with pytest.warns(UserWarning, match="offload_optimizer, stage ignored"):
+        explicit = engine_config(RayZeroStrategy(stage=3, offload_optimizer=True, config={"zero_optimization": {
+            "stage": 0}})._keywords, trainer, "32-true")
+    assert explicit["zero_optimization"] == {"stage": 0}
+    with pytest.raises(MisconfigurationException, match="accumulate_grad_batches"):
+        engine_config(RayZeroStrategy(config={"gradient_accumulation_steps": 2})._keywords, trainer, "32-true")
