@@ -67,8 +67,21 @@ def boring(rank: int, spec: dict[str, Any]) -> dict[str, Any]:
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1)  # BoringModel's, without its 10x decay per epoch
 
+    class BuiltInConfigureModel(BoringModel):
+        """Its layer built in `configure_model` (under the strategy's model_sharded_context)."""
+
+        def __init__(self) -> None:
+            pl.LightningModule.__init__(self)
+            self.partitioned_at_build: bool | None = None
+
+        def configure_model(self) -> None:
+            self.layer = torch.nn.Linear(32, 2)
+            # under rayzero.zero.Init a parameter is a meta stand-in until the context partitions it
+            self.partitioned_at_build = self.layer.weight.device.type == "meta"
+
+    kinds = {"constant_rate": ConstantRate, "configure_model": BuiltInConfigureModel}
     pl.seed_everything(DATA_SEED, verbose=False)
-    model, data = (ConstantRate() if spec.get("constant_rate") else BoringModel()), BoringDataModule()
+    model, data = kinds.get(spec.get("model"), BoringModel)(), BoringDataModule()
     if spec.get("model_seed") is not None:  # a different start, to show that a checkpoint loaded
         torch.manual_seed(spec["model_seed"])
         model = BoringModel()
@@ -79,7 +92,8 @@ def boring(rank: int, spec: dict[str, Any]) -> dict[str, Any]:
     trainer.fit(model, datamodule=data, ckpt_path=spec.get("ckpt_path"))
     out: dict[str, Any] = {"start_step": steps.start_step, "global_step": trainer.global_step,
                            "reports": [r.metrics for r in local_reports()[reports_before:]],
-                           "weight_dtype": trainer.lightning_module.layer.weight.dtype}
+                           "weight_dtype": trainer.lightning_module.layer.weight.dtype,
+                           "partitioned_at_build": getattr(model, "partitioned_at_build", None)}
     if spec.get("save"):
         trainer.save_checkpoint(spec["save"])
     if spec.get("predict"):

@@ -36,8 +36,10 @@ def _cases(directory: str) -> list[tuple[str, str, dict]]:
         ("z2_accumulate", "boring", {"keywords": {"stage": 2}, "trainer": accumulate, "save": save("z2_accumulate")}),
         ("full_weights", "boring", {"keywords": {"stage": 3, "load_full_weights": True}, "epochs": 2,
                                     "ckpt_path": save("ddp1"), "model_seed": 123, "save": save("full_weights")}),
-        ("bf16", "boring", {"keywords": {"stage": 2}, "epochs": 3, "constant_rate": True,
+        ("bf16", "boring", {"keywords": {"stage": 2}, "epochs": 3, "model": "constant_rate",
                             "trainer": {"precision": "bf16-mixed"}}),
+        ("ddp_configure", "boring", {"kind": "ddp", "model": "configure_model", "save": save("ddp_configure")}),
+        ("z3_configure", "boring", {"keywords": STAGE3_OFFLOAD, "model": "configure_model", "save": save("z3_configure")}),
         ("tf_ddp", "transformer", {"kind": "ddp", "data_dir": text_dir, "save": save("tf_ddp")}),
         ("tf_z3", "transformer", {"keywords": STAGE3_OFFLOAD, "data_dir": text_dir, "save": save("tf_z3")}),
         ("stop", "planned_stop", {"keywords": STAGE3_OFFLOAD, "ask_at": BATCHES - 1,
@@ -85,6 +87,13 @@ def test_stages_0_1_2_end_with_ddps_weights(trained):
     _, directory = trained
     for stage in (0, 1, 2):
         _assert_close(_weights(directory, f"z{stage}"), _weights(directory, "ddp1"))
+
+
+def test_a_model_built_in_configure_model_is_partitioned_as_it_is_built(trained):
+    ranks, directory = trained
+    assert all(result["z3_configure"]["partitioned_at_build"] for result in ranks)  # rayzero.zero.Init
+    assert not any(result["ddp_configure"]["partitioned_at_build"] for result in ranks)
+    _assert_close(_weights(directory, "z3_configure"), _weights(directory, "ddp_configure"))  # same initial values
 
 
 def test_small_transformer_at_stage_3_with_offload_ends_with_ddps_weights(trained):
