@@ -79,7 +79,27 @@ def boring(rank: int, spec: dict[str, Any]) -> dict[str, Any]:
             # under rayzero.zero.Init a parameter is a meta stand-in until the context partitions it
             self.partitioned_at_build = self.layer.weight.device.type == "meta"
 
-    kinds = {"constant_rate": ConstantRate, "configure_model": BuiltInConfigureModel}
+    class Manual(BoringModel):
+        """Manual optimization: Lightning hands backward and the step to the strategy as written."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+
+        def training_step(self, batch, batch_idx):
+            optimizer = self.optimizers()
+            optimizer.zero_grad()
+            loss = self.step(batch)
+            self.manual_backward(loss)
+            optimizer.step()
+            return {"loss": loss}
+
+    class TwoOptimizers(Manual):  # Lightning itself allows several only with manual optimization
+        def configure_optimizers(self):
+            return [torch.optim.SGD(self.parameters(), lr=0.1), torch.optim.SGD(self.parameters(), lr=0.2)]
+
+    kinds = {"constant_rate": ConstantRate, "configure_model": BuiltInConfigureModel, "manual": Manual,
+             "two_optimizers": TwoOptimizers}
     pl.seed_everything(DATA_SEED, verbose=False)
     model, data = kinds.get(spec.get("model"), BoringModel)(), BoringDataModule()
     if spec.get("model_seed") is not None:  # a different start, to show that a checkpoint loaded
@@ -89,6 +109,12 @@ def boring(rank: int, spec: dict[str, Any]) -> dict[str, Any]:
     trainer = _quiet_trainer(strategy=_strategy(spec), max_epochs=spec.get("epochs", 1), callbacks=[steps],
                              **spec.get("trainer", {}))
     reports_before = len(local_reports())
+    if spec.get("refused"):  # a setting the strategy refuses: the error every rank raises
+        try:
+            trainer.fit(model, datamodule=data)
+        except Exception as error:  # noqa: BLE001 - returned for the test to read
+            return {"refused": f"{type(error).__name__}: {error}"}
+        return {"refused": None}
     trainer.fit(model, datamodule=data, ckpt_path=spec.get("ckpt_path"))
     out: dict[str, Any] = {"start_step": steps.start_step, "global_step": trainer.global_step,
                            "reports": [r.metrics for r in local_reports()[reports_before:]],

@@ -40,6 +40,11 @@ def _cases(directory: str) -> list[tuple[str, str, dict]]:
                             "trainer": {"precision": "bf16-mixed"}}),
         ("ddp_configure", "boring", {"kind": "ddp", "model": "configure_model", "save": save("ddp_configure")}),
         ("z3_configure", "boring", {"keywords": STAGE3_OFFLOAD, "model": "configure_model", "save": save("z3_configure")}),
+        ("ddp_manual", "boring", {"kind": "ddp", "model": "manual", "save": save("ddp_manual")}),
+        ("z2_manual", "boring", {"keywords": {"stage": 2}, "model": "manual", "save": save("z2_manual")}),
+        ("clip_by_value", "boring", {"refused": True, "trainer": {"gradient_clip_val": 0.5,
+                                                                  "gradient_clip_algorithm": "value"}}),
+        ("two_optimizers", "boring", {"refused": True, "model": "two_optimizers"}),
         ("tf_ddp", "transformer", {"kind": "ddp", "data_dir": text_dir, "save": save("tf_ddp")}),
         ("tf_z3", "transformer", {"keywords": STAGE3_OFFLOAD, "data_dir": text_dir, "save": save("tf_z3")}),
         ("stop", "planned_stop", {"keywords": STAGE3_OFFLOAD, "ask_at": BATCHES - 1,
@@ -94,6 +99,18 @@ def test_a_model_built_in_configure_model_is_partitioned_as_it_is_built(trained)
     assert all(result["z3_configure"]["partitioned_at_build"] for result in ranks)  # rayzero.zero.Init
     assert not any(result["ddp_configure"]["partitioned_at_build"] for result in ranks)
     _assert_close(_weights(directory, "z3_configure"), _weights(directory, "ddp_configure"))  # same initial values
+
+
+def test_manual_optimization_runs_backward_and_the_step_in_the_engine(trained):
+    _, directory = trained
+    _assert_close(_weights(directory, "z2_manual"), _weights(directory, "ddp_manual"))
+
+
+def test_what_deepspeedstrategy_refuses_is_refused_with_the_reason(trained):
+    for result in trained[0]:
+        assert "LightningSetupError" in result["clip_by_value"]["refused"]
+        assert "global norm only" in result["clip_by_value"]["refused"]
+        assert "one optimizer" in result["two_optimizers"]["refused"]
 
 
 def test_small_transformer_at_stage_3_with_offload_ends_with_ddps_weights(trained):
