@@ -48,6 +48,8 @@ def engine_config(keywords: Mapping[str, Any], trainer: Any, precision: str | No
                         gradient_clip_val=trainer.gradient_clip_val, batch_size=_train_batch_size(trainer))
     notes: list[str] = []
     config = lightning_to_dict(keywords, notes)
+    if source is None:
+        _drop_unset_defaults_rayzero_ignores(config, keywords)
     for note in notes if warn else ():
         rank_zero_warn(note)
     accumulate = trainer.accumulate_grad_batches if trainer is not None else None
@@ -56,6 +58,19 @@ def engine_config(keywords: Mapping[str, Any], trainer: Any, precision: str | No
         rank_zero_info(f"RayZeroStrategy: gradient_accumulation_steps={config['gradient_accumulation_steps']} from "
                        f"the run's config, not accumulate_grad_batches={accumulate}")
     return config
+
+
+def _drop_unset_defaults_rayzero_ignores(config: dict[str, Any], keywords: Mapping[str, Any]) -> None:
+    """DeepSpeedStrategy writes `allgather_bucket_size` (rayzero's all-gathers are not bucketed by
+    it) and `sub_group_size` (a stage-3 setting) into every config. Left at their defaults they
+    would have the config checks warn on every rank of every run about values nobody chose; a value
+    the user passes stays, and is warned about."""
+    zero = config.get("zero_optimization") or {}
+    unset = {key for key in ("allgather_bucket_size", "sub_group_size") if keywords[key] == LIGHTNING_DEFAULTS[key]}
+    if "allgather_bucket_size" in unset:
+        zero.pop("allgather_bucket_size", None)
+    if "sub_group_size" in unset and zero.get("stage") != 3:
+        zero.pop("sub_group_size", None)
 
 
 def _train_batch_size(trainer: Any) -> int:

@@ -138,3 +138,15 @@ def test_a_given_config_replaces_the_keywords_in_deepspeedstrategys_order(tmp_pa
     assert explicit["zero_optimization"] == {"stage": 0}
     with pytest.raises(MisconfigurationException, match="accumulate_grad_batches"):
         engine_config(RayZeroStrategy(config={"gradient_accumulation_steps": 2})._keywords, trainer, "32-true")
+
+
+def test_defaults_rayzero_ignores_are_not_warned_about_unless_the_user_sets_them():
+    from rayzero.config import load_config
+
+    trainer = _trainer()
+    quiet = engine_config(RayZeroStrategy(stage=2)._keywords, trainer, "32-true")
+    assert "allgather_bucket_size" not in quiet["zero_optimization"] and "sub_group_size" not in quiet["zero_optimization"]
+    assert not [note for note in load_config(quiet).notes if "ignored" in note or "not implemented" in note]
+    assert "sub_group_size" in engine_config(RayZeroStrategy(stage=3)._keywords, trainer, "32-true")["zero_optimization"]
+    chosen = engine_config(RayZeroStrategy(stage=2, allgather_bucket_size=5e7)._keywords, trainer, "32-true")
+    assert any("allgather_bucket_size" in note for note in load_config(chosen).notes)
