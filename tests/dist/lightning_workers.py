@@ -106,8 +106,13 @@ def boring(rank: int, spec: dict[str, Any]) -> dict[str, Any]:
         torch.manual_seed(spec["model_seed"])
         model = BoringModel()
     steps = steps_callback()
+    options = dict(spec.get("trainer", {}))
+    if spec.get("plugin"):  # fp16 on the CPU: Lightning would turn precision="16-mixed" into bf16 there
+        from rayzero.lightning import RayZeroPrecision
+
+        options["plugins"] = [RayZeroPrecision(spec["plugin"])]
     trainer = _quiet_trainer(strategy=_strategy(spec), max_epochs=spec.get("epochs", 1), callbacks=[steps],
-                             **spec.get("trainer", {}))
+                             **options)
     reports_before = len(local_reports())
     if spec.get("refused"):  # a setting the strategy refuses: the error every rank raises
         try:
@@ -123,9 +128,21 @@ def boring(rank: int, spec: dict[str, Any]) -> dict[str, Any]:
     if spec.get("save"):
         trainer.save_checkpoint(spec["save"])
     if spec.get("predict"):
-        fresh = _quiet_trainer(strategy=_strategy(spec))
-        out["predictions"] = fresh.predict(BoringModel(), datamodule=data, ckpt_path=spec["predict"])
+        out["predictions"] = predict(rank, {**spec, "ckpt_path": spec["predict"]})["predictions"]
     return out
+
+
+def predict(rank: int, spec: dict[str, Any]) -> dict[str, Any]:
+    """A fresh Trainer (validate/test/predict only: an engine with no optimizer step) predicting with
+    the weights of spec['ckpt_path'], on `devices` ranks."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.demos.boring_classes import BoringDataModule, BoringModel
+
+    pl.seed_everything(DATA_SEED, verbose=False)
+    BoringModel()  # the same draws as the training runs, then their data
+    data = BoringDataModule()
+    trainer = _quiet_trainer(strategy=_strategy(spec), devices=spec.get("devices", 2))
+    return {"predictions": trainer.predict(BoringModel(), datamodule=data, ckpt_path=spec["ckpt_path"])}
 
 
 def transformer(rank: int, spec: dict[str, Any]) -> dict[str, Any]:
@@ -215,7 +232,7 @@ def planned_stop(rank: int, spec: dict[str, Any]) -> dict[str, Any]:
     return {"stopped": stopped, "resumed": resumed, "stop_committed": boundary.stop_committed}
 
 
-CASES = {"boring": boring, "transformer": transformer, "planned_stop": planned_stop}
+CASES = {"boring": boring, "predict": predict, "transformer": transformer, "planned_stop": planned_stop}
 
 
 def run_cases(rank: int, world_size: int, cases: list[tuple[str, str, dict]]) -> dict[str, Any]:

@@ -38,6 +38,7 @@ def _cases(directory: str) -> list[tuple[str, str, dict]]:
                                     "ckpt_path": save("ddp1"), "model_seed": 123, "save": save("full_weights")}),
         ("bf16", "boring", {"keywords": {"stage": 2}, "epochs": 3, "model": "constant_rate",
                             "trainer": {"precision": "bf16-mixed"}}),
+        ("fp16", "boring", {"keywords": {"stage": 1}, "epochs": 3, "model": "constant_rate", "plugin": "16-mixed"}),
         ("ddp_configure", "boring", {"kind": "ddp", "model": "configure_model", "save": save("ddp_configure")}),
         ("z3_configure", "boring", {"keywords": STAGE3_OFFLOAD, "model": "configure_model", "save": save("z3_configure")}),
         ("ddp_manual", "boring", {"kind": "ddp", "model": "manual", "save": save("ddp_manual")}),
@@ -58,6 +59,18 @@ def trained(tmp_path_factory) -> tuple[list[dict], str]:
     """Every case, run once on both ranks: (results by rank, the directory holding the checkpoints)."""
     directory = str(tmp_path_factory.mktemp("lightning"))
     return spawn(2, run_cases, _cases(directory), init=no_group), directory
+
+
+def _expected_predictions(weights: dict[str, torch.Tensor]) -> torch.Tensor:
+    import lightning.pytorch as pl
+    from lightning.pytorch.demos.boring_classes import BoringDataModule, BoringModel
+
+    pl.seed_everything(DATA_SEED, verbose=False)
+    BoringModel()  # draws its initial weights first, as in the ranks
+    data = BoringDataModule()
+    data.setup("predict")
+    inputs = torch.stack([data.random_predict[i] for i in range(len(data.random_predict))])
+    return inputs @ weights["layer.weight"].T + weights["layer.bias"]
 
 
 def _weights(directory: str, name: str) -> dict[str, torch.Tensor]:
@@ -147,26 +160,25 @@ def test_a_single_file_checkpoint_loads_into_stage_3_with_load_full_weights(trai
 
 
 def test_predict_from_a_checkpoint_uses_its_weights(trained):
-    import lightning.pytorch as pl
-    from lightning.pytorch.demos.boring_classes import BoringDataModule, BoringModel
-
     ranks, directory = trained
-    weights = _weights(directory, "z3")
-    pl.seed_everything(DATA_SEED, verbose=False)
-    BoringModel()  # draws its initial weights first, as in the ranks
-    data = BoringDataModule()
-    data.setup("predict")
-    inputs = torch.stack([data.random_predict[i] for i in range(len(data.random_predict))])
-    expected = inputs @ weights["layer.weight"].T + weights["layer.bias"]
+    expected = _expected_predictions(_weights(directory, "z3"))
     for rank, result in enumerate(ranks):  # DistributedSampler: rank r gets samples r, r + 2, ...
         predicted = torch.cat(result["z3"]["predictions"])
         assert torch.allclose(predicted, expected[rank::2], atol=1e-6)
 
 
-def test_bf16_mixed_trains_in_bf16_and_the_loss_falls(trained):
-    ranks, _ = trained
-    result = ranks[0]["bf16"]
-    assert result["weight_dtype"] == torch.bfloat16  # compute weights; fp32 masters in the engine
+def test_a_two_rank_stage_3_checkpoint_loads_on_one_rank(trained):
+    _, directory = trained
+    [one] = spawn(1, run_cases, [("one", "predict", {"keywords": STAGE3_OFFLOAD, "devices": 1,
+                                                     "ckpt_path": os.path.join(directory, "z3.ckpt")})], init=no_group)
+    predicted = torch.cat(one["one"]["predictions"])
+    assert torch.allclose(predicted, _expected_predictions(_weights(directory, "z3")), atol=1e-6)
+
+
+@pytest.mark.parametrize("case, dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_mixed_precision_trains_in_16_bits_and_the_loss_falls(trained, case, dtype):
+    result = trained[0][0][case]
+    assert result["weight_dtype"] == dtype  # compute weights; fp32 masters in the engine
     losses = [report["loss"] for report in result["reports"]]
     assert len(losses) == 3 * BATCHES  # the same batches each epoch
     assert sum(losses[-BATCHES:]) < 0.8 * sum(losses[:BATCHES]), losses
