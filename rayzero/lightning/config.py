@@ -21,10 +21,11 @@ DEEPSPEED_ENV_VAR = "PL_DEEPSPEED_CONFIG_PATH"
 
 
 def engine_config(keywords: Mapping[str, Any], trainer: Any, precision: str | None,
-                  warn: bool = True) -> dict[str, Any]:
+                  warn: bool = True, read_batch_size: bool = True) -> dict[str, Any]:
     """From `config=` (a dict or JSON path), else $PL_DEEPSPEED_CONFIG_PATH, else the run's config
     ($RAYZERO_CONFIG, `rayzero run --config`), else the keywords. `trainer` None: before there is one
-    (no Trainer facts); `warn` False: a look at the stage only, nothing logged."""
+    (no Trainer facts); `warn` False: nothing logged; `read_batch_size` False: the train dataloader is
+    not built for its batch size (only the engine's own config needs it)."""
     keywords = dict(keywords)
     source, from_run = keywords["config"], False
     if source is None and os.environ.get(DEEPSPEED_ENV_VAR):
@@ -45,7 +46,8 @@ def engine_config(keywords: Mapping[str, Any], trainer: Any, precision: str | No
         keywords["config"] = source
     if trainer is not None:
         keywords.update(precision=precision, accumulate_grad_batches=trainer.accumulate_grad_batches,
-                        gradient_clip_val=trainer.gradient_clip_val, batch_size=_train_batch_size(trainer))
+                        gradient_clip_val=trainer.gradient_clip_val,
+                        batch_size=_train_batch_size(trainer) if read_batch_size else None)
     notes: list[str] = []
     config = lightning_to_dict(keywords, notes)
     if source is None:

@@ -221,7 +221,10 @@ class RayZeroStrategy(DDPStrategy):
             self._close_engine()
             self._config = self._engine_config(trainer)
             self.model = self.precision_plugin.convert_module(self.lightning_module)
-            self._start_engine(trainer) if fitting else self._start_inference_engine()
+            if fitting:
+                self._start_engine(trainer)
+            else:
+                self._start_inference_engine()
         self.model = self._engine
         if fitting:
             if not any(isinstance(callback, RayZeroCallback) for callback in trainer.callbacks):
@@ -302,9 +305,11 @@ class RayZeroStrategy(DDPStrategy):
     def model_sharded_context(self) -> Generator[None, None, None]:
         """`configure_model` builds under `rayzero.zero.Init` at stage 3: parameters partitioned as they
         are created."""
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        config = self._engine_config(trainer if trainer is not None and trainer.state.fn is not None else None,
-                                     warn=False)
+        trainer = getattr(self.lightning_module, "_trainer", None)  # `.trainer` raises when not attached
+        if trainer is None or trainer.state.fn is None:
+            trainer = None
+        precision = self.precision_plugin.precision if trainer is not None else None
+        config = engine_config(self._keywords, trainer, precision, warn=False, read_batch_size=False)
         with Init(config=config, enabled=(config.get("zero_optimization") or {}).get("stage") == 3):
             yield
 
