@@ -2,11 +2,12 @@
 
 [Note: Lightning restarts]
 Inside a rayzero run a restarted group re-runs the user's script from the top (`rayzero run`) or the
-user's loop (`rayzero.fit`), with `rayzero.get_context().attempt` > 0, or `resume_from` set when a
-run of the same name is started again. A Lightning script says only `trainer.fit(model)`; it should
-continue where the run got to, as the HF Trainer would with `resume_from_checkpoint`. So on such a
-restart `RayZeroStrategy.setup` looks, on rank 0, for the committed RayZeroStrategy checkpoint that
-is furthest along (highest trainer `global_step`, then latest commit) in:
+user's loop (`rayzero.fit`) with `rayzero.get_context().resuming` true: a restart or resize, a rerun
+under the same name and storage, or a resume point given. A Lightning script says only
+`trainer.fit(model)`; it should continue where the run got to, as the HF Trainer would with
+`resume_from_checkpoint`. So then `RayZeroStrategy.setup` looks, on rank 0, for the committed
+RayZeroStrategy checkpoint that is furthest along (highest trainer `global_step`; at one step a
+planned stop's own, then the latest commit) in:
   - every `ModelCheckpoint`'s directory, and the directory planned stops save into (`stop_dir`);
   - for Lightning's default directory `<save_dir>/<name>/version_N/checkpoints`, the `checkpoints`
     of every other `version_*` beside it: the logger picks a new version on every restart, so the
@@ -15,8 +16,8 @@ is furthest along (highest trainer `global_step`, then latest commit) in:
 It broadcasts the choice and loads it before Lightning restores loops, callbacks and schedulers from
 it (through the checkpoint connector, as `ckpt_path=` would), so no step after it is applied twice.
 Checkpoints the engine's step boundary writes on its own carry no trainer state and are not used:
-a planned stop also writes a Lightning checkpoint (rayzero/lightning/callback.py). A fresh run
-(attempt 0, no resume point) and plain torchrun never resume by themselves.
+a planned stop also writes a Lightning checkpoint (rayzero/lightning/callback.py). A fresh run and
+plain torchrun never resume by themselves.
 """
 from __future__ import annotations
 

@@ -374,7 +374,7 @@ class RayZeroStrategy(DDPStrategy):
     def _resume_after_restart(self, trainer: Any) -> None:
         """[Note: Lightning restarts] (resume.py)."""
         context = get_context()
-        if context.attempt == 0 and context.resume_from is None:
+        if not context.resuming:  # a fresh run, or plain torchrun
             return
         path = None
         if self.is_global_zero:
