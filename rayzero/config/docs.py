@@ -138,8 +138,9 @@ def render() -> str:
     lines += _table(TrainerFacts, "trainer.", [])
     lines += ["", "## Lightning keywords", "",
               "`RayZeroConfig.from_lightning(**kwargs)` takes every `DeepSpeedStrategy.__init__` parameter "
-              "(Lightning's defaults below) plus the Trainer's `precision`, `accumulate_grad_batches` and "
-              "`gradient_clip_val`, and builds the config Lightning would give DeepSpeed.", "",
+              "(Lightning's defaults below) plus the Trainer's `precision`, `accumulate_grad_batches`, "
+              "`gradient_clip_val` and the train dataloader's `batch_size`, and builds the config Lightning "
+              "would give DeepSpeed.", "",
               "| keyword | Lightning default |", "|---|---|"]
     for key, value in {**LIGHTNING_DEFAULTS, **TRAINER_DEFAULTS}.items():
         lines.append(f"| `{key}` | `{json.dumps(value)}` |")

@@ -81,8 +81,10 @@ LIGHTNING_PRESETS: dict[str, dict[str, Any]] = {
         "offload_params_device": "nvme", "offload_optimizer_device": "nvme",
     },
 }
-# Trainer arguments Lightning folds into the DeepSpeed config.
-TRAINER_DEFAULTS: dict[str, Any] = {"precision": "32-true", "accumulate_grad_batches": 1, "gradient_clip_val": None}
+# Trainer arguments Lightning folds into the DeepSpeed config; `batch_size` is the train dataloader's
+# (DeepSpeedStrategy's `_auto_select_batch_size`), None when unknown.
+TRAINER_DEFAULTS: dict[str, Any] = {"precision": "32-true", "accumulate_grad_batches": 1, "gradient_clip_val": None,
+                                    "batch_size": None}
 
 _NO_CONFIG_KEY = {
     "remote_device": "rayzero builds large models on the meta device and materialises shards itself",
@@ -121,6 +123,8 @@ def lightning_to_dict(kwargs: Mapping[str, Any], notes: list[str]) -> dict[str, 
     _format_precision(cfg, args)
     # Lightning's _format_batch_size_and_grad_accum_config and _format_config fill these from the Trainer.
     cfg.setdefault("gradient_accumulation_steps", args["accumulate_grad_batches"])
+    if args["batch_size"] is not None:
+        cfg.setdefault("train_micro_batch_size_per_gpu", args["batch_size"])
     cfg.setdefault("gradient_clipping", args["gradient_clip_val"] or 0.0)
     return cfg
 

@@ -80,3 +80,12 @@ def test_unknown_keyword_suggests_and_plumbing_keywords_are_noted():
     config = RayZeroConfig.from_lightning(load_full_weights=True, remote_device="cpu")
     assert any("load_full_weights" in n for n in config.notes)
     assert any("remote_device" in n for n in config.notes)
+
+
+def test_the_train_dataloaders_batch_size_fills_the_micro_batch_unless_set():
+    # DeepSpeedStrategy._format_batch_size_and_grad_accum_config: the dataloader's batch size, unless
+    # the config (or logging_batch_size_per_gpu) names one
+    assert RayZeroConfig.from_lightning(batch_size=8).train_micro_batch_size_per_gpu == 8
+    assert RayZeroConfig.from_lightning(batch_size=8, logging_batch_size_per_gpu=4).train_micro_batch_size_per_gpu == 4
+    config = RayZeroConfig.from_lightning(config={"train_micro_batch_size_per_gpu": 2}, batch_size=8)
+    assert config.train_micro_batch_size_per_gpu == 2
