@@ -3,7 +3,6 @@ ControlTarget is the controller's; see control_fake_run.py), the Python client, 
 control.json and TLS."""
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import stat
@@ -124,9 +123,7 @@ def test_watch_streams_at_the_interval_until_the_run_ends(served):
             states.append(status.state)
             if len(arrivals) == 5:
                 client.stop(timeout_s=10)
-    gaps = [later - earlier for earlier, later in itertools.pairwise(arrivals)]
-    assert states[-1] == "finished" and states[:5] == ["running"] * 5
-    assert min(gaps[:4]) >= 0.15, gaps  # the interval asked for is kept between updates
+    assert states[-1] == "finished" and states[:5] == ["running"] * 5  # the interval: watch_interval's test
 
 
 def test_watch_interval_is_as_asked_within_a_twentieth_and_one_second():
