@@ -185,7 +185,8 @@ def fit(
 
     working_dir = getattr(train_loop, "working_dir", None)  # a `rayzero run file.py:fn` target's directory
     train_loop = ship(train_loop)  # [Note: shipping the loop]; before Ray starts: a failure is quick
-    check_fits(scaling, connect(working_dir))
+    connection = connect(working_dir)
+    check_fits(scaling, connection)
     timings = {"connect_s": time.monotonic() - fit_started}
     run_env = {
         "RAYZERO_RUN_NAME": name,
@@ -248,6 +249,8 @@ def fit(
     # in the environment of every process on the head already).
     control_env = {key: value for key, value in os.environ.items()
                    if key.startswith("RAYZERO_CONTROL_") and key != "RAYZERO_CONTROL_TOKEN"}
+    if connection.started:  # a Ray of one machine, started here: its control service stays on loopback
+        control_env.setdefault("RAYZERO_CONTROL_HOST", "127.0.0.1")
     controller = _start_controller(ray.remote(ControllerActor).options(
         num_cpus=0, max_concurrency=8, name=controller_actor_name(name),
         scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
