@@ -18,7 +18,6 @@ import enum
 import logging
 import math
 import resource
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -34,6 +33,7 @@ from rayzero.engine.engine_accessors import DeepSpeedAccessors
 from rayzero.engine.monitor import StepTimers, build_monitor, progress_line
 from rayzero.engine.policies import MixedPrecisionPolicy, Precision
 from rayzero.engine.strategy import ZeroStrategy
+from rayzero.engine.wrapping import ensure_not_wrapped, register, unregister
 
 logger = logging.getLogger(__name__)
 
@@ -78,30 +78,6 @@ class StepPolicy:
     micro_batch_size: int | None
 
 
-# [Note: one engine per module]
-# An engine re-lays a module's parameters out (flat buffers; at stage 3, partitions and hooks that
-# gather them). A second engine over the same module would flatten or partition what the first
-# still owns and train wrong without a word, so `rayzero.initialize` refuses a module (or any of its
-# submodules) that a live engine wraps; `engine.close()` hands the module back (stage 3 leaves its
-# parameters gathered), after which wrapping it again is fine. This process-wide map is the one
-# piece of global state the engine keeps: it must see engines the caller may have lost track of.
-_WRAPPED: weakref.WeakKeyDictionary[torch.nn.Module, weakref.ReferenceType] = weakref.WeakKeyDictionary()
-
-
-def ensure_not_wrapped(module: torch.nn.Module) -> None:
-    """Refuse a module a live engine already wraps ([Note: one engine per module])."""
-    for name, submodule in module.named_modules():
-        owner_ref = _WRAPPED.get(submodule)
-        owner = owner_ref() if owner_ref is not None else None
-        if owner is not None and not owner.closed:
-            where = "this model" if not name else f"its submodule `{name}`"
-            how = "wrapped by" if submodule is owner.module else "part of a model wrapped by"
-            raise RayZeroValueError(
-                f"rayzero.initialize: {where} is already {how} a ZeroEngine (ZeRO stage {owner.strategy.stage}) "
-                "that is still open; a second engine would re-partition parameters the first one owns. Call "
-                "engine.close() on the first engine before wrapping the model again, or keep using it")
-
-
 def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
     """DeepSpeed's `_cast_inputs_half`: floating tensors to `dtype`, containers rebuilt, rest as is."""
     if isinstance(value, (list, tuple)):
@@ -128,10 +104,9 @@ class ZeroEngine(DeepSpeedAccessors):
         self.loss_scaler = loss_scaler  # static 1.0 unless fp16
         self.lr_scheduler = lr_scheduler
         self.config = config  # the resolved RayZeroConfig, for the checkpoint layer and logs
-        self.closed = False  # close() hands the module back ([Note: one engine per module])
+        self.closed = False  # close() hands the module back ([Note: one engine per module] in wrapping.py)
         ensure_not_wrapped(module)
-        for submodule in module.modules():
-            _WRAPPED[submodule] = weakref.ref(self)
+        register(self)
         self.global_steps = 0  # optimizer steps, skipped ones included (DeepSpeed's count)
         self.micro_steps = 0  # backward passes completed by step()
         self.skipped_steps = 0  # fp16 overflows
@@ -401,3 +376,4 @@ class ZeroEngine(DeepSpeedAccessors):
         self.strategy.close()
         self.strategy.offload.close()
         self.closed = True
+        unregister(self)

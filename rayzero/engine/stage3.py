@@ -110,7 +110,7 @@ class Stage3Strategy(ZeroStrategy):
         self.optimizer = ctx.build_optimizer(optimizer_groups)
         self.reducer = GradientReducer(ctx.comm, ctx.reduce.reduce_bucket_size, ctx.precision.reduce_dtype,
                                        ctx.reduce.overlap_comm, master_grad_views)
-        self.coordinator = Stage3Coordinator(ctx.module, self.partitions, self.knobs, self.reducer.add,
+        self.coordinator = Stage3Coordinator(ctx.module, self.partitions, self.knobs, self._gradient_ready,
                                              external_parameters(ctx.module))
         self.reducer.waiter = self.coordinator.stall.wait
         self._trainable_entries = [e for entries, _, _ in self.groups for e in entries]
@@ -121,6 +121,12 @@ class Stage3Strategy(ZeroStrategy):
         self._waiting: list[int] = []
         self._pending: list = []
         self._backward_end = 0.0
+
+    def _gradient_ready(self, entry: PartitionedParam, grad: torch.Tensor) -> None:
+        """The hooks' way to the reducer. Through this method the hooks on the module keep the
+        strategy alive after its engine was dropped, so the next `initialize` can release it
+        ([Note: one engine per module] in wrapping.py)."""
+        self.reducer.add(entry, grad)
 
     def _fp32_piece(self, param: torch.nn.Parameter) -> tuple[torch.Tensor, torch.Size]:
         """This rank's padded fp32 piece of `param`, adopting a `rayzero.zero.Init` partition."""
