@@ -4,11 +4,12 @@ trains with", used before anything starts.
 [Note: valid vs runnable]
 `load_config` answers DeepSpeed's question (does DeepSpeed 0.19 accept this file? the differential
 corpus test holds it to that). A valid config may still ask for something this build does not
-implement: a DeepSpeed-only optimizer (OneBitAdam, FusedLamb, ...), an Adam variant torch has no
-equivalent for, or an "auto" that only a trainer can fill while no trainer is there. Those must be
-refused before a worker, a cluster or a pod starts, with the same words everywhere, so every entry
-point calls `runnable_problems` / `check_runnable`: `rayzero config validate`, `rayzero.fit` (driver,
-before Ray starts workers), `rayzero.initialize` (engine) and the operator (before it creates a RayJob).
+implement: a DeepSpeed-only optimizer (OneBitAdam, FusedLamb, ...), an Adam flag DeepSpeed's own
+kernel cannot combine with, or an "auto" that only a trainer can fill while no trainer is there.
+Those must be refused before a worker, a cluster or a pod starts, with the same words everywhere, so
+every entry point calls `runnable_problems` / `check_runnable`: `rayzero config validate`,
+`rayzero.fit` (driver, before Ray starts workers), `rayzero.initialize` (engine) and the operator
+(before it creates a RayJob).
 Offload modes are runnable (the engine's offload backends own their details).
 
 Keys DeepSpeed implements and this build does not fall in two kinds. Those that only change
@@ -89,9 +90,15 @@ def _optimizer(config: RayZeroConfig, problems: list[Problem]) -> None:
             "set \"zero_allow_untested_optimizer\": true to use it anyway (as DeepSpeed requires), or use "
             "Adam, AdamW or SGD"))
     if name in OPTIMIZER_PARAMS and name != "sgd" and section.params.get("bias_correction") is False:
-        problems.append(Problem(
-            "optimizer.params.bias_correction", False, "Adam without bias correction is not available "
-            "(torch's Adam/AdamW always correct)", "remove bias_correction (true is the default)"))
+        # DeepSpeed's own Adam kernel runs this (rayzero's DeepSpeedAdam, engine/optimizers.py): it
+        # has no AMSGrad or maximize, and torch's Adam (torch_adam) takes no bias_correction.
+        for key, why in (("torch_adam", "torch's Adam always corrects (DeepSpeed fails to build it)"),
+                         ("amsgrad", "DeepSpeed's Adam kernel has no AMSGrad variant"),
+                         ("maximize", "DeepSpeed's Adam kernel only minimises")):
+            if section.params.get(key) is True:
+                problems.append(Problem(
+                    f"optimizer.params.{key}", True, f"cannot be combined with bias_correction false: {why}",
+                    f"remove {key}, or bias_correction"))
 
 
 def _scheduler(config: RayZeroConfig, problems: list[Problem]) -> None:

@@ -35,9 +35,13 @@ def test_torch_optimizers_need_zero_allow_untested_optimizer_above_stage_0_as_in
     assert _paths({**source, "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True}) == {}
 
 
-def test_adam_without_bias_correction_is_refused():
-    text = _paths({"optimizer": {"type": "Adam", "params": {"bias_correction": False}}})
-    assert "bias correction" in text["optimizer.params.bias_correction"]
+def test_adam_without_bias_correction_runs_and_refuses_what_deepspeeds_kernel_lacks():
+    """DeepSpeed trains it (its BingBertSquad configs): tests/dist/test_fidelity_bias_correction.py."""
+    for kind in ("Adam", "AdamW"):
+        assert _paths({"optimizer": {"type": kind, "params": {"bias_correction": False, "adam_w_mode": False}}}) == {}
+    for key in ("torch_adam", "amsgrad", "maximize"):
+        text = _paths({"optimizer": {"type": "Adam", "params": {"bias_correction": False, key: True}}})
+        assert list(text) == [f"optimizer.params.{key}"] and "bias_correction false" in text[f"optimizer.params.{key}"]
 
 
 def test_autos_only_a_trainer_fills_are_refused_unless_a_trainer_is_there():
