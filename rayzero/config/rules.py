@@ -16,6 +16,7 @@ from rayzero.config.errors import Problem, as_json, nearest
 from rayzero.config.extras import tensor_parallel_degree
 from rayzero.config.model import RayZeroConfig
 from rayzero.config.params import OPTIMIZER_PARAMS, RECOGNISED_OPTIMIZERS, SCHEDULER_PARAMS
+from rayzero.config.sections import AUTOCAST_DTYPES
 
 _ZERO = "zero_optimization"
 
@@ -39,6 +40,10 @@ def check_rules(config: RayZeroConfig, notes: list[str], problems: list[Problem]
                                 "stage 3 (DeepSpeed refuses this too)", 'use "mean", or ZeRO stage 0-2'))
     _optimizer(config, notes, problems)
     _scheduler(config, problems)
+    autocast = config.torch_autocast
+    if autocast is not None and autocast.enabled and AUTOCAST_DTYPES.get(autocast.dtype) == "fp32":
+        notes.append("ignored: `torch_autocast` with dtype float32: torch.autocast computes only in bfloat16 or "
+                     "float16 and turns itself off for float32, so the forward runs in the parameters' dtype")
 
 
 def check_resolved(config: RayZeroConfig, problems: list[Problem], notes: list[str] | None = None) -> None:

@@ -3,7 +3,8 @@ strategy (strategy.py), numerics in the policies and the loss scaler.
 
 [Note: engine step]
   engine(*inputs)      strategy.before_forward(); module(*inputs) (floating positional inputs
-                       cast to fp16 only with fp16.auto_cast, as DeepSpeed)
+                       cast to fp16 only with fp16.auto_cast, as DeepSpeed), under torch.autocast
+                       with torch_autocast ([Note: torch_autocast] in autocast.py)
   engine.backward(l)   strategy.before_backward(boundary); (scale · l / gas).backward() — the
                        strategy's hooks reduce buckets as gradients appear; strategy.after_backward()
   engine.step()        not at a boundary: count the micro step, nothing else. At a boundary:
@@ -27,6 +28,7 @@ import torch
 from rayzero.checkpoint.types import ShardedTensor, ShardSpec
 from rayzero.config.errors import RayZeroRuntimeError, RayZeroValueError
 from rayzero.engine import activation_checkpointing, optim_state
+from rayzero.engine.autocast import forward_region
 from rayzero.engine.comm import Communicator
 from rayzero.engine.distributed import compute_device
 from rayzero.engine.engine_accessors import DeepSpeedAccessors
@@ -140,7 +142,7 @@ class ZeroEngine(DeepSpeedAccessors):
         if self.precision.precision is Precision.FP16 and self._auto_cast:
             inputs = _cast_floats(inputs, torch.float16)
         self.phase = Phase.FORWARD
-        with self.timers.time("forward"):
+        with self.timers.time("forward"), forward_region(self.precision.autocast, compute_device().type):
             return self.module(*inputs, **kwargs)
 
     @property
@@ -218,8 +220,9 @@ class ZeroEngine(DeepSpeedAccessors):
         if losses:
             mean = float(torch.stack([loss.float() for loss in losses]).mean())
             events.insert(0, ("Train/Samples/train_loss", mean, self.global_samples))
-        if self.precision.precision is Precision.FP16:
-            events.append(("Train/Samples/loss_scale", float(self.loss_scaler.loss_scale), self.global_samples))
+        if self.precision.scales_loss:
+            events.append(("Train/Samples/loss_scale", float(self.loss_scaler.loss_scale),
+                           self.global_samples))
         if timings is not None:
             events += [(f"Train/Samples/elapsed_time_ms_{name}", value, self.global_samples)
                        for name, value in timings.items()]
@@ -227,7 +230,7 @@ class ZeroEngine(DeepSpeedAccessors):
 
     def _apply_update(self) -> bool:
         """Unscale, clip, step; returns True when the step was skipped for overflow."""
-        fp16 = self.precision.precision is Precision.FP16
+        fp16 = self.precision.scales_loss  # the fp16 section, or torch_autocast in float16
         clip = self.step_policy.gradient_clipping
         scale = float(self.loss_scaler.loss_scale)
         self.last_grad_norm = None
