@@ -167,9 +167,10 @@ class ZeroEngine(DeepSpeedAccessors):
         # no extra pass over Ψ elements; DeepSpeed's gradient_predivide_factor does the same.
         # `gradient_allreduce_op: "sum"` (stages 0-2; the config refuses it at stage 3) keeps the
         # plain sum of the ranks' gradients, as DeepSpeed's all-reduce without its average.
-        divisor = self.strategy.loss_divisor()
-        if self.config.gradient_allreduce_op == "sum":
-            divisor /= self.comm.world_size
+        # Under a loss scale (fp16) the world part waits for the unscale multiply instead (no extra
+        # pass either): DeepSpeed averages after its reductions, so its fp16 gradients in backward
+        # are world times the mean, and these must overflow at the same loss scale as DeepSpeed's.
+        divisor = 1.0 if self.precision.scales_loss else self._average_divisor()
         if scale_wrt_gas:
             divisor *= self.step_policy.gradient_accumulation_steps
         scaled = loss.float() / divisor if divisor != 1.0 else loss.float()
@@ -178,6 +179,13 @@ class ZeroEngine(DeepSpeedAccessors):
         with self.timers.time("backward_allreduce"):
             self.strategy.after_backward()
         self.phase = Phase.BACKWARD
+
+    def _average_divisor(self) -> float:
+        """The divisor that makes summed gradients the mean over ranks ([Note: gradient averaging])."""
+        divisor = self.strategy.loss_divisor()
+        if self.config.gradient_allreduce_op == "sum":
+            divisor /= self.comm.world_size
+        return divisor
 
     def step(self) -> None:
         """Optimizer step at an accumulation boundary; otherwise only counts the micro step."""
@@ -233,6 +241,8 @@ class ZeroEngine(DeepSpeedAccessors):
         fp16 = self.precision.scales_loss  # the fp16 section, or torch_autocast in float16
         clip = self.step_policy.gradient_clipping
         scale = float(self.loss_scaler.loss_scale)
+        if fp16:  # the world part of the average was left for now ([Note: gradient averaging])
+            scale *= self._average_divisor()
         self.last_grad_norm = None
         factor = 1.0 / scale
         if fp16 or clip > 0:

@@ -70,12 +70,14 @@ class Run:
     """zero_optimization items only rayzero gets ("NVME" in a value: a fresh directory)."""
     env: dict = field(default_factory=dict)
     """Environment of the rayzero side for this case (e.g. RAYZERO_OFFLOAD_OVERLAP_STEP)."""
+    loss_factor: float = 1.0
+    """The loss is multiplied by this (a large one makes fp16 gradients overflow at first)."""
 
 
-def _train(engine: Any, rank: int, steps: int) -> list[float]:
+def _train(engine: Any, rank: int, run: Run) -> list[float]:
     losses = []
-    for step in range(steps):
-        loss = engine(*batch(step, rank))
+    for step in range(run.steps):
+        loss = engine(*batch(step, rank)) * run.loss_factor
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
@@ -89,11 +91,13 @@ def deepspeed_side(rank: int, world: int, runs: list[Run]) -> dict:
     for run in runs:
         try:
             engine, *_ = deepspeed.initialize(model=build(), config={"steps_per_print": 10**6, **run.config})
-            losses = _train(engine, rank, run.steps)
+            losses = _train(engine, rank, run)
             params = list(engine.module.parameters())
             with deepspeed.zero.GatheredParameters(params, enabled=engine.zero_optimization_stage() == 3):
                 weights = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
-            out[run.name] = {"losses": losses, "weights": weights}
+            scaler = getattr(engine, "torch_autocast_z0_gradscaler", None)  # torch_autocast float16, stage 0
+            scale = float(scaler.get_scale()) if scaler is not None else None
+            out[run.name] = {"losses": losses, "weights": weights, "loss_scale": scale}
             engine.destroy()
         except Exception:  # noqa: BLE001 - the case's test reports it
             out[run.name] = {"error": traceback.format_exc()}
@@ -116,11 +120,13 @@ def rayzero_side(rank: int, world: int, runs: list[Run]) -> dict:
                 config["zero_optimization"] = zero
                 model = build()
                 engine, *_ = rayzero.initialize(model=model, config=config)
-                losses = _train(engine, rank, run.steps)
+                losses = _train(engine, rank, run)
                 optimizer = type(engine.optimizer).__name__
+                scale, skipped = float(engine.loss_scaler.loss_scale), engine.skipped_steps
                 engine.close()  # stage 3 hands back whole parameters
                 weights = {n: p.detach().float().clone() for n, p in model.named_parameters()}
-                out[run.name] = {"losses": losses, "weights": weights, "optimizer": optimizer}
+                out[run.name] = {"losses": losses, "weights": weights, "optimizer": optimizer,
+                                 "loss_scale": scale, "skipped": skipped}
         except Exception:  # noqa: BLE001 - the case's test reports it
             out[run.name] = {"error": traceback.format_exc()}
         finally:

@@ -1,7 +1,8 @@
 """`torch_autocast` (issue 22 §3; DeepSpeedExamples' bf16_full) trains as DeepSpeed 0.19.8 trains it
 ([Note: torch_autocast] in rayzero/engine/autocast.py): the forward under torch.autocast, fp32
 parameters as their own masters, lower-precision-safe modules' gradients reduced (stage 3: also
-gathered) in the autocast dtype at stages 1-3, torch GradScaler's loss scale for float16.
+gathered) in the autocast dtype at stages 1-3, torch GradScaler's loss scale for float16 (the same
+steps skipped when gradients overflow).
 
 Both sides run torch's Adam (`torch_adam`: no JIT-built kernel needed) on the same batches, 2 ranks.
 `memory_efficient_linear: false`: by default DeepSpeed's stage 3 replaces torch.nn.functional.linear,
@@ -53,6 +54,7 @@ RUNS = [
     P.Run("stage3 bf16 offload", _config(3, offload=True)),
     P.Run("stage3 bf16 params too (bf16_full)", _config(3, bf16=True)),
     P.Run("stage0 fp16", _config(0, "torch.float16")),
+    P.Run("stage0 fp16 overflowing", _config(0, "torch.float16"), steps=8, loss_factor=64.0),
 ]
 PLAIN = P.Run("stage2 no autocast", _config(2, autocast=False))
 """rayzero without autocast: must differ from DeepSpeed's autocast run beyond the tolerance."""
@@ -82,6 +84,17 @@ def test_torch_autocast_matches_deepspeed(name: str) -> None:
         weights = P.max_rel_diff(ours["weights"], theirs["weights"])
         losses = P.loss_rel_diff(ours["losses"], theirs["losses"])
         assert weights <= TOLERANCE and losses <= TOLERANCE, (name, rank, weights, losses)
+
+
+def test_float16_skips_the_steps_deepspeeds_grad_scaler_skips() -> None:
+    """A loss 64 times larger overflows fp16 gradients at GradScaler's first scales: steps are
+    skipped and the scale halved until they fit, at the same steps as DeepSpeed (its stage-0
+    GradScaler sees world-times-the-mean gradients, so rayzero averages after its reduction then:
+    [Note: gradient averaging] in engine.py)."""
+    for rank in range(WORLD):
+        ours, theirs = _pair(rank, "stage0 fp16 overflowing")
+        assert 0 < ours["skipped"] < 8, ours["skipped"]
+        assert ours["loss_scale"] == theirs["loss_scale"] < 2.0**16
 
 
 def test_autocast_changes_the_result_far_beyond_the_tolerance() -> None:
