@@ -96,9 +96,10 @@ def ensure_not_wrapped(module: torch.nn.Module) -> None:
             where = "this model" if not name else f"its submodule `{name}`"
             how = "wrapped by" if submodule is owner.module else "part of a model wrapped by"
             raise RayZeroValueError(
-                f"rayzero.initialize: {where} is already {how} a ZeroEngine (ZeRO stage {owner.strategy.stage}) "
-                "that is still open; a second engine would re-partition parameters the first one owns. Call "
-                "engine.close() on the first engine before wrapping the model again, or keep using it")
+                f"rayzero.initialize: {where} is already {how} a ZeroEngine (ZeRO stage "
+                f"{owner.strategy.stage}) that is still open; a second engine would re-partition parameters "
+                "the first one owns. Call engine.close() on the first engine before wrapping the model "
+                "again, or keep using it")
     released: set[int] = set()
     for _, _, wrapping in holders:
         strategy = wrapping.strategy()
@@ -113,16 +114,17 @@ def ensure_not_wrapped(module: torch.nn.Module) -> None:
 def _release_dropped(strategy: Any) -> None:
     """Close the strategy of an engine dropped without `close()`, as its `close()` would have."""
     logger.warning(
-        "rank %d: a ZeRO stage %d engine of this model was dropped without engine.close(); rayzero removed its "
-        "hooks and gathered its parameters back before wrapping the model again (call engine.close() when "
-        "you are done with an engine: it also frees its memory at once)", strategy.comm.rank, strategy.stage)
+        "rank %d: a ZeRO stage %d engine of this model was dropped without engine.close(); rayzero "
+        "removed its hooks and gathered its parameters back before wrapping the model again (call "
+        "engine.close() when you are done with an engine: it also frees its memory at once)",
+        strategy.comm.rank, strategy.stage)
     try:
         strategy.close()
         strategy.offload.close()
     except Exception as error:
         raise RayZeroRuntimeError(
-            f"rayzero.initialize: the model is still held by a ZeRO stage {strategy.stage} engine that was dropped "
-            f"without engine.close(), and handing its parameters back failed ({type(error).__name__}: {error}). "
-            "At stage 3 that gathers them over the dropped engine's process group, which must still exist on "
-            "every rank: call engine.close() before dropping an engine or destroying its process group, or "
-            "build the model afresh") from error
+            f"rayzero.initialize: the model is still held by a ZeRO stage {strategy.stage} engine that was "
+            f"dropped without engine.close(), and handing its parameters back failed "
+            f"({type(error).__name__}: {error}). At stage 3 that gathers them over the dropped engine's "
+            "process group, which must still exist on every rank: call engine.close() before dropping an "
+            "engine or destroying its process group, or build the model afresh") from error

@@ -115,8 +115,8 @@ def rayzero_side(rank: int, world: int, runs: list[Run]) -> dict:
             with tempfile.TemporaryDirectory() as scratch:
                 config = dict(run.config)
                 zero = {**config.get("zero_optimization", {}), **{
-                    key: ({k: (scratch if v == "NVME" else v) for k, v in value.items()} if isinstance(value, dict)
-                          else value) for key, value in run.rayzero_zero.items()}}
+                    key: ({k: (scratch if v == "NVME" else v) for k, v in value.items()}
+                          if isinstance(value, dict) else value) for key, value in run.rayzero_zero.items()}}
                 config["zero_optimization"] = zero
                 model = build()
                 engine, *_ = rayzero.initialize(model=model, config=config)
@@ -141,7 +141,8 @@ def rayzero_side(rank: int, world: int, runs: list[Run]) -> dict:
 def max_rel_diff(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]) -> float:
     """Over parameters: max |a - b| / max |b| (per tensor: elementwise ratios explode near zero)."""
     assert set(ours) == set(theirs)
-    return max(float((ours[n] - theirs[n]).abs().max() / theirs[n].abs().max().clamp_min(1e-12)) for n in theirs)
+    return max(float((ours[n] - theirs[n]).abs().max() / theirs[n].abs().max().clamp_min(1e-12))
+               for n in theirs)
 
 
 def loss_rel_diff(ours: list[float], theirs: list[float]) -> float:

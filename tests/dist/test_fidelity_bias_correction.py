@@ -31,8 +31,8 @@ def _config(stage: int, offload: str | None = None, **adam: object) -> dict:
     if offload:
         zero["offload_optimizer"] = {"device": offload}
     return {"train_micro_batch_size_per_gpu": P.MICRO, "gradient_clipping": 0.0,
-            "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "weight_decay": 0.01, "bias_correction": False,
-                                                     **adam}},
+            "optimizer": {"type": "Adam",
+                          "params": {"lr": 1e-2, "weight_decay": 0.01, "bias_correction": False, **adam}},
             "zero_optimization": zero}
 
 
@@ -48,7 +48,8 @@ RUNS = [
     P.Run("stage3 cpu offload overlapped", _config(3, "cpu"), env=OVERLAP),
 ]
 NVME = P.Run("stage3 nvme offload", _config(3, "cpu"),
-             rayzero_zero={"offload_optimizer": {"device": "nvme", "nvme_path": "NVME"}, "sub_group_size": 300})
+             rayzero_zero={"offload_optimizer": {"device": "nvme", "nvme_path": "NVME"},
+                           "sub_group_size": 300})
 """DeepSpeed's CPU-offload run is the oracle (see the module docstring); small tiles (sub_group_size)."""
 CORRECTED = P.Run("stage2 corrected", _config(2, bias_correction=True))
 """rayzero with bias correction: must differ from DeepSpeed without it (the test can fail)."""

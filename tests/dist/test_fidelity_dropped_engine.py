@@ -116,7 +116,8 @@ def _one_case(rank: int, world: int, name: str) -> dict:
         again.close()
         threads = sorted(t.name for t in threading.enumerate() if t.ident not in threads_before)
         module = {n: p.detach().clone().reshape(-1) for n, p in model.named_parameters() if p.requires_grad}
-        return {"losses": losses, "masters": masters, "module": module, "threads_left": threads, "warned": warned,
+        return {"losses": losses, "masters": masters, "module": module, "threads_left": threads,
+                "warned": warned,
                 "leftover_files": [os.path.join(d, f) for d, _, files in os.walk(nvme) for f in files]}
 
 

@@ -39,7 +39,8 @@ def _config(stage: int, dtype: str = "bfloat16", *, offload: bool = False, bf16:
     if offload:
         zero.update(offload_optimizer={"device": "cpu"}, offload_param={"device": "cpu"})
     config = {"train_micro_batch_size_per_gpu": P.MICRO, "gradient_clipping": 0.0,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": True}},
+              "optimizer": {"type": "AdamW",
+                            "params": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": True}},
               "zero_optimization": zero, "bf16": {"enabled": bf16}}
     if autocast:
         config["torch_autocast"] = {"enabled": True, "dtype": dtype}

@@ -42,9 +42,10 @@ def test_with_bias_correction_it_is_torchs_adam(decoupled, torch_class):
 @pytest.mark.parametrize("decoupled", [True, False])
 def test_without_bias_correction_it_is_deepspeeds_cpu_adam(decoupled):
     cpu_adam = pytest.importorskip("deepspeed.ops.adam")
+    def make_theirs(params: list) -> torch.optim.Optimizer:
+        return cpu_adam.DeepSpeedCPUAdam(params, bias_correction=False, adamw_mode=decoupled, **HYPER)
+
     try:
-        make_theirs = (lambda p: cpu_adam.DeepSpeedCPUAdam(p, bias_correction=False, adamw_mode=decoupled,
-                                                           **HYPER))
         theirs = _trajectory(make_theirs)
     except Exception as error:  # noqa: BLE001 - no compiler / build failure: nothing to compare with
         pytest.skip(f"DeepSpeedCPUAdam cannot be built here: {error}")

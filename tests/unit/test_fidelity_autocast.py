@@ -90,11 +90,13 @@ def test_dtype_defaults_to_torchs_autocast_default_and_fp32_means_none():
     fp32 = load_config({"torch_autocast": {"enabled": True, "dtype": "float32"}})
     assert build_autocast_policy(fp32.torch_autocast, net, CPU) is None
     assert any("torch_autocast" in note and "float32" in note for note in fp32.notes)
-    assert build_autocast_policy(load_config({"torch_autocast": {"enabled": False}}).torch_autocast, net, CPU) is None
+    disabled = load_config({"torch_autocast": {"enabled": False}}).torch_autocast
+    assert build_autocast_policy(disabled, net, CPU) is None
 
 
 def test_a_module_that_does_not_import_is_named():
-    section = load_config({"torch_autocast": {"enabled": True, "lower_precision_safe_modules": ["nope.Linear"]}})
+    section = load_config({"torch_autocast": {"enabled": True,
+                                              "lower_precision_safe_modules": ["nope.Linear"]}})
     with pytest.raises(RayZeroValueError, match="lower_precision_safe_modules.*nope.Linear"):
         build_autocast_policy(section.torch_autocast, _Net(), CPU)
 
@@ -109,8 +111,8 @@ def test_an_unknown_dtype_is_refused_at_load_as_deepspeed_refuses_it():
 def test_an_outer_autocast_is_off_inside_the_engine_without_torch_autocast_and_on_with_it():
     linear = torch.nn.Linear(4, 4)
     x = torch.randn(2, 4)
-    policy = build_autocast_policy(load_config({"torch_autocast": {"enabled": True, "dtype": "bf16"}}).torch_autocast,
-                                   linear, CPU)
+    section = load_config({"torch_autocast": {"enabled": True, "dtype": "bf16"}}).torch_autocast
+    policy = build_autocast_policy(section, linear, CPU)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
