@@ -118,9 +118,6 @@ class UnimplementedSections(ConfigModel):
     """Drop the last incomplete batch of DeepSpeed's loader; recognised, not implemented."""
     disable_allgather: Optional[Any] = _todo()
     """Legacy stage-1 switch; recognised, not implemented."""
-    torch_autocast: Optional[Any] = _todo()
-    """torch.autocast integration; recognised, not implemented: `enabled: true` is refused before
-    training (use `bf16` or `fp16`)."""
     compile: Optional[CompileConfig] = None
     """DeepSpeed's DeepCompile options (not torch.compile's); recognised, not implemented."""
     timers: Optional[Any] = _todo()

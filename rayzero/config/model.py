@@ -27,6 +27,7 @@ from rayzero.config.sections import (
     FP16Config,
     OptimizerConfig,
     SchedulerConfig,
+    TorchAutocastConfig,
 )
 from rayzero.config.zero import ZeroConfig
 
@@ -65,6 +66,8 @@ class RayZeroConfig(UnimplementedSections):
     """bf16 mixed precision (`bfloat16` is accepted as its older name)."""
     amp: Optional[AmpConfig] = None
     """NVIDIA apex AMP: recognised, refused when enabled."""
+    torch_autocast: Optional[TorchAutocastConfig] = None
+    """torch.autocast mixed precision (DeepSpeed 0.19's `torch_autocast`)."""
     gradient_allreduce_op: Annotated[Literal["mean", "sum"], BeforeValidator(_lower)] = "mean"
     """How data-parallel gradients combine: `mean` over ranks (the default), or `sum` (each rank's
     gradient added, N times larger at N ranks; ZeRO stages 0-2 only, as in DeepSpeed)."""

@@ -57,7 +57,8 @@ class AdamParams(ConfigModel):
     weight_decay: AutoNonNegativeFloat = 0.0
     """Weight decay (decoupled for AdamW). "auto" = the trainer's `weight_decay`."""
     bias_correction: Bool = True
-    """Apply Adam's bias correction."""
+    """Apply Adam's bias correction. false: DeepSpeed's kernels' uncorrected update, p -= lr·m/(√v+ε)
+    (not with torch_adam, amsgrad or maximize, which DeepSpeed's kernel lacks)."""
     amsgrad: Bool = False
     """AMSGrad variant."""
     adam_w_mode: Bool = True

@@ -16,6 +16,7 @@ from rayzero.config.errors import Problem, as_json, nearest
 from rayzero.config.extras import tensor_parallel_degree
 from rayzero.config.model import RayZeroConfig
 from rayzero.config.params import OPTIMIZER_PARAMS, RECOGNISED_OPTIMIZERS, SCHEDULER_PARAMS
+from rayzero.config.sections import AUTOCAST_DTYPES
 
 _ZERO = "zero_optimization"
 
@@ -39,6 +40,10 @@ def check_rules(config: RayZeroConfig, notes: list[str], problems: list[Problem]
                                 "stage 3 (DeepSpeed refuses this too)", 'use "mean", or ZeRO stage 0-2'))
     _optimizer(config, notes, problems)
     _scheduler(config, problems)
+    autocast = config.torch_autocast
+    if autocast is not None and autocast.enabled and AUTOCAST_DTYPES.get(autocast.dtype) == "fp32":
+        notes.append("ignored: `torch_autocast` with dtype float32: torch.autocast computes only in bfloat16 or "
+                     "float16 and turns itself off for float32, so the forward runs in the parameters' dtype")
 
 
 def check_resolved(config: RayZeroConfig, problems: list[Problem], notes: list[str] | None = None) -> None:
@@ -87,15 +92,20 @@ def _offload(config: RayZeroConfig, notes: list[str], problems: list[Problem]) -
         zero.offload_param = None
     optimizer = zero.offload_optimizer
     if optimizer is not None and optimizer.ratio < 1.0:
-        if optimizer.device.value == "nvme":
+        # DeepSpeed 0.19.8 refuses it below stage 3 (zero/config.py offload_ratio_check: "Partial
+        # offloading only supported for ZeRO Stage 3"); offloading everything instead would hold
+        # more in host memory than the run was sized for, so it is refused here too.
+        if zero.stage != 3:
+            problems.append(Problem(
+                f"{_ZERO}.offload_optimizer.ratio", optimizer.ratio,
+                f"partial optimizer offload (ratio < 1) works at ZeRO stage 3 only (stage is {zero.stage}); "
+                "DeepSpeed refuses it too",
+                f'set ratio to 1.0 (offload all optimizer state), or "{_ZERO}.stage": 3'))
+        elif optimizer.device.value == "nvme":
             problems.append(Problem(
                 f"{_ZERO}.offload_optimizer.ratio", optimizer.ratio,
                 "partial optimizer offload (ratio < 1) works with device \"cpu\" only",
                 'set ratio to 1.0, or use "device": "cpu"'))
-        elif zero.stage != 3:
-            notes.append(f"ignored: `{_ZERO}.offload_optimizer.ratio` = {optimizer.ratio} only applies to ZeRO stage 3 "
-                         f"(stage is {zero.stage}): all optimizer state is offloaded")
-            optimizer.ratio = 1.0
     for name in ("offload_param", "offload_optimizer"):
         section = getattr(zero, name)
         if section is not None and section.device.value == "nvme" and not section.nvme_path:
@@ -172,7 +182,7 @@ def _flagged_fields(config: RayZeroConfig, notes: list[str]) -> None:
         # a key that does not apply at stage 3 gets that note below, not a second one
         if extra.get(UNIMPLEMENTED) and not _asks_nothing(key, value) and not (extra.get(NOT_STAGE3) and stage == 3):
             notes.append(f"recognised but not implemented: `{key}` = {_short(value)} is accepted and ignored")
-        # offload_param and ratio below stage 3 are errors (see _offload), not warnings.
+        # offload_param below stage 3 gets its own note and ratio below stage 3 is an error (see _offload).
         # NVMe optimizer offload tiles its swap by sub_group_size at every stage ([Note: NVMe tiles]).
         nvme_tiles = key == "zero_optimization.sub_group_size" and \
             config.zero_optimization.offload_optimizer_device == "nvme"

@@ -4,11 +4,12 @@ trains with", used before anything starts.
 [Note: valid vs runnable]
 `load_config` answers DeepSpeed's question (does DeepSpeed 0.19 accept this file? the differential
 corpus test holds it to that). A valid config may still ask for something this build does not
-implement: a DeepSpeed-only optimizer (OneBitAdam, FusedLamb, ...), an Adam variant torch has no
-equivalent for, or an "auto" that only a trainer can fill while no trainer is there. Those must be
-refused before a worker, a cluster or a pod starts, with the same words everywhere, so every entry
-point calls `runnable_problems` / `check_runnable`: `rayzero config validate`, `rayzero.fit` (driver,
-before Ray starts workers), `rayzero.initialize` (engine) and the operator (before it creates a RayJob).
+implement: a DeepSpeed-only optimizer (OneBitAdam, FusedLamb, ...), an Adam flag DeepSpeed's own
+kernel cannot combine with, or an "auto" that only a trainer can fill while no trainer is there.
+Those must be refused before a worker, a cluster or a pod starts, with the same words everywhere, so
+every entry point calls `runnable_problems` / `check_runnable`: `rayzero config validate`,
+`rayzero.fit` (driver, before Ray starts workers), `rayzero.initialize` (engine) and the operator
+(before it creates a RayJob).
 Offload modes are runnable (the engine's offload backends own their details).
 
 Keys DeepSpeed implements and this build does not fall in two kinds. Those that only change
@@ -16,15 +17,18 @@ precision or speed (ZeRO++ quantisation, bf16 masters, DeepCompile, ...) are acc
 naming them: rayzero then trains the same update at full precision. Those that change *what* is
 trained are refused here (`_changes_what_is_trained`): tensor or sequence parallelism would make
 DeepSpeed train `world / degree` data-parallel ranks (another global batch) where rayzero would
-train `world`; ZenFlow applies part of each update steps late; torch_autocast computes forward in
-a lower dtype than the parameters.
+train `world`; ZenFlow applies part of each update steps late. torch_autocast runs (engine/autocast.py)
+and is refused only where DeepSpeed refuses it.
 """
 from __future__ import annotations
+
+from typing import Any
 
 from rayzero.config.errors import ConfigError, Problem
 from rayzero.config.extras import tensor_parallel_degree
 from rayzero.config.model import RayZeroConfig
 from rayzero.config.params import OPTIMIZER_PARAMS, RECOGNISED_OPTIMIZERS, SCHEDULER_PARAMS
+from rayzero.config.sections import AUTOCAST_DTYPES
 
 MODEL_AUTOS = ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
                "stage3_param_persistence_threshold")
@@ -89,9 +93,15 @@ def _optimizer(config: RayZeroConfig, problems: list[Problem]) -> None:
             "set \"zero_allow_untested_optimizer\": true to use it anyway (as DeepSpeed requires), or use "
             "Adam, AdamW or SGD"))
     if name in OPTIMIZER_PARAMS and name != "sgd" and section.params.get("bias_correction") is False:
-        problems.append(Problem(
-            "optimizer.params.bias_correction", False, "Adam without bias correction is not available "
-            "(torch's Adam/AdamW always correct)", "remove bias_correction (true is the default)"))
+        # DeepSpeed's own Adam kernel runs this (rayzero's DeepSpeedAdam, engine/optimizers.py): it
+        # has no AMSGrad or maximize, and torch's Adam (torch_adam) takes no bias_correction.
+        for key, why in (("torch_adam", "torch's Adam always corrects (DeepSpeed fails to build it)"),
+                         ("amsgrad", "DeepSpeed's Adam kernel has no AMSGrad variant"),
+                         ("maximize", "DeepSpeed's Adam kernel only minimises")):
+            if section.params.get(key) is True:
+                problems.append(Problem(
+                    f"optimizer.params.{key}", True, f"cannot be combined with bias_correction false: {why}",
+                    f"remove {key}, or bias_correction"))
 
 
 def _scheduler(config: RayZeroConfig, problems: list[Problem]) -> None:
@@ -125,9 +135,20 @@ def _changes_what_is_trained(config: RayZeroConfig, problems: list[Problem]) -> 
             "remove zero_optimization.zenflow (rayzero steps every gradient at once; offload_optimizer "
             "with the step overlapped with backward is the nearest)"))
     autocast = config.torch_autocast
-    if isinstance(autocast, dict) and str(autocast.get("enabled", False)).lower() == "true":
+    if autocast is not None and autocast.enabled:
+        _torch_autocast(config, autocast, problems)
+
+
+def _torch_autocast(config: RayZeroConfig, autocast: Any, problems: list[Problem]) -> None:
+    """What DeepSpeed refuses with torch_autocast, and the dtype autocast cannot compute in
+    ([Note: torch_autocast] in rayzero/engine/autocast.py)."""
+    if config.zero_optimization.zero_quantized_weights:
+        # DeepSpeed 0.19.8 torch_autocast.py `_validate_auto_cast_settings`
         problems.append(Problem(
-            "torch_autocast.enabled", True, "torch.autocast mixed precision is not implemented: DeepSpeed "
-            f"runs the forward under torch.autocast({autocast.get('dtype', 'bfloat16')}), each op in the dtype "
-            f"autocast picks for it; rayzero would run every op in {config.compute_dtype}",
-            "remove torch_autocast and use \"bf16\": {\"enabled\": true} (or fp16) for 16-bit compute"))
+            "torch_autocast.enabled", True, "Cannot enable both torch autocast and zero quantized weights "
+            "(DeepSpeed refuses them together)",
+            "remove zero_optimization.zero_quantized_weights, or torch_autocast"))
+    if autocast.dtype is not None and AUTOCAST_DTYPES[autocast.dtype] == "int8":
+        problems.append(Problem(
+            "torch_autocast.dtype", autocast.dtype, "torch.autocast computes in a floating dtype "
+            "(DeepSpeed would reduce gradients in int8)", 'use "bfloat16" or "float16"'))

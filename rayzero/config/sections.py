@@ -85,6 +85,40 @@ class AmpConfig(ConfigModel):
     """apex optimisation level (O0-O3). "auto" = the trainer's `fp16_opt_level`."""
 
 
+AUTOCAST_DTYPES = {
+    "torch.float16": "fp16", "fp16": "fp16", "float16": "fp16", "half": "fp16",
+    "torch.bfloat16": "bf16", "bf16": "bf16", "bfloat16": "bf16",
+    "torch.float32": "fp32", "fp32": "fp32", "float32": "fp32", "float": "fp32",
+    "torch.int8": "int8", "int8": "int8",
+}
+"""Every spelling DeepSpeed 0.19's `DtypeEnum` accepts for `torch_autocast.dtype` -> its short name."""
+
+
+def _autocast_dtype(value: Any) -> Any:
+    if value not in AUTOCAST_DTYPES:
+        raise ValueError(f"expected one of DeepSpeed's dtype names ({', '.join(AUTOCAST_DTYPES)})")
+    return value
+
+
+class TorchAutocastConfig(ConfigModel):
+    """DeepSpeed 0.19's torch.autocast mixed precision ([Note: torch_autocast] in
+    rayzero/engine/autocast.py): parameters, masters and optimizer state stay as they are (fp32 unless
+    bf16/fp16 is enabled too); the forward runs under `torch.autocast(dtype)`, which runs each op in
+    the dtype torch's autocast lists give it."""
+
+    enabled: Bool = False
+    """Run the forward under torch.autocast."""
+    dtype: Annotated[Optional[str], AfterValidator(lambda v: v if v is None else _autocast_dtype(v))] = None
+    """The lower precision: "bfloat16" or "float16" (any DeepSpeed dtype name, e.g. "torch.bfloat16",
+    "bf16"). Unset = torch.autocast's default for the device (bfloat16 on CPU, float16 on CUDA).
+    float16 adds a dynamic loss scale with torch GradScaler's settings (2**16, x2 after 2000 steps
+    without overflow, /2 and the step skipped on one)."""
+    lower_precision_safe_modules: Optional[list[str]] = None
+    """Module classes (import paths, e.g. "torch.nn.Linear") whose parameters' gradients are reduced,
+    and at stage 3 gathered, in `dtype` at ZeRO stages 1-3 (the others in their own dtype); an exact
+    class match, as DeepSpeed. Unset = torch.nn's Linear, Conv1d, Conv2d, Conv3d."""
+
+
 class OptimizerConfig(ConfigModel):
     """The optimizer rayzero builds (DeepSpeed's `optimizer` block); its `params` are checked per type."""
 

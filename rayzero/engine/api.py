@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from rayzero.config.errors import RayZeroValueError
+from rayzero.engine.autocast import build_autocast_policy
 from rayzero.engine.comm import Communicator
 from rayzero.engine.config_resolution import resolve_config
 from rayzero.engine.data import build_dataloader
@@ -19,7 +20,7 @@ from rayzero.engine.offload import build_offload_backend
 from rayzero.engine.offload_overlap import overlap_allowed
 from rayzero.engine.optimizers import TESTED_OPTIMIZERS, optimizer_factory
 from rayzero.engine.param_groups import broadcast_module_state, named_parameter_ids, trainable_param_groups
-from rayzero.engine.policies import MixedPrecisionPolicy, Precision, ReducePolicy
+from rayzero.engine.policies import MixedPrecisionPolicy, ReducePolicy
 from rayzero.engine.schedulers import build_scheduler
 from rayzero.engine.strategy import StrategyContext, build_strategy
 
@@ -65,7 +66,8 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None,
     device = compute_device()
     if not any(p.device.type == "meta" for p in model.parameters()):
         model.to(device)  # a model built partitioned (stage 3 zero_init) places itself
-    precision = MixedPrecisionPolicy.from_config(cfg)
+    autocast = build_autocast_policy(cfg.torch_autocast, model, device)  # [Note: torch_autocast]
+    precision = MixedPrecisionPolicy.from_config(cfg, autocast)
     offload = build_offload_backend(cfg, device, comm.rank)
     groups = trainable_param_groups(model, model_parameters, optimizer)
     broadcast_module_state(model, comm)
@@ -83,11 +85,11 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None,
     step_policy = StepPolicy(gradient_accumulation_steps=int(cfg.gradient_accumulation_steps or 1),
                              gradient_clipping=float(cfg.gradient_clipping or 0.0),
                              micro_batch_size=cfg.train_micro_batch_size_per_gpu)
-    if overlap_allowed(step_policy.gradient_clipping, precision.precision is Precision.FP16,
-                       strategy.optimizer, TESTED_OPTIMIZERS):
+    if overlap_allowed(step_policy.gradient_clipping, precision.scales_loss, strategy.optimizer,
+                       TESTED_OPTIMIZERS):
         strategy.enable_step_overlap()
-    engine = ZeroEngine(model, strategy, comm, precision, step_policy, build_loss_scaler(cfg.fp16),
-                        scheduler, cfg)
+    loss_scaler = build_loss_scaler(cfg.fp16, autocast_fp16=autocast is not None and autocast.scales_loss)
+    engine = ZeroEngine(model, strategy, comm, precision, step_policy, loss_scaler, scheduler, cfg)
     loader = build_dataloader(training_data, step_policy.micro_batch_size,
                                        cfg.train_batch_size or engine.train_batch_size(), comm, collate_fn)
     engine.training_dataloader = loader

@@ -3,7 +3,8 @@ strategy (strategy.py), numerics in the policies and the loss scaler.
 
 [Note: engine step]
   engine(*inputs)      strategy.before_forward(); module(*inputs) (floating positional inputs
-                       cast to fp16 only with fp16.auto_cast, as DeepSpeed)
+                       cast to fp16 only with fp16.auto_cast, as DeepSpeed), under torch.autocast
+                       with torch_autocast ([Note: torch_autocast] in autocast.py)
   engine.backward(l)   strategy.before_backward(boundary); (scale · l / gas).backward() — the
                        strategy's hooks reduce buckets as gradients appear; strategy.after_backward()
   engine.step()        not at a boundary: count the micro step, nothing else. At a boundary:
@@ -18,7 +19,6 @@ import enum
 import logging
 import math
 import resource
-import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -28,12 +28,14 @@ import torch
 from rayzero.checkpoint.types import ShardedTensor, ShardSpec
 from rayzero.config.errors import RayZeroRuntimeError, RayZeroValueError
 from rayzero.engine import activation_checkpointing, optim_state
+from rayzero.engine.autocast import forward_region
 from rayzero.engine.comm import Communicator
 from rayzero.engine.distributed import compute_device
 from rayzero.engine.engine_accessors import DeepSpeedAccessors
 from rayzero.engine.monitor import StepTimers, build_monitor, progress_line
 from rayzero.engine.policies import MixedPrecisionPolicy, Precision
 from rayzero.engine.strategy import ZeroStrategy
+from rayzero.engine.wrapping import ensure_not_wrapped, register, unregister
 
 logger = logging.getLogger(__name__)
 
@@ -80,30 +82,6 @@ class StepPolicy:
     micro_batch_size: int | None
 
 
-# [Note: one engine per module]
-# An engine re-lays a module's parameters out (flat buffers; at stage 3, partitions and hooks that
-# gather them). A second engine over the same module would flatten or partition what the first
-# still owns and train wrong without a word, so `rayzero.initialize` refuses a module (or any of its
-# submodules) that a live engine wraps; `engine.close()` hands the module back (stage 3 leaves its
-# parameters gathered), after which wrapping it again is fine. This process-wide map is the one
-# piece of global state the engine keeps: it must see engines the caller may have lost track of.
-_WRAPPED: weakref.WeakKeyDictionary[torch.nn.Module, weakref.ReferenceType] = weakref.WeakKeyDictionary()
-
-
-def ensure_not_wrapped(module: torch.nn.Module) -> None:
-    """Refuse a module a live engine already wraps ([Note: one engine per module])."""
-    for name, submodule in module.named_modules():
-        owner_ref = _WRAPPED.get(submodule)
-        owner = owner_ref() if owner_ref is not None else None
-        if owner is not None and not owner.closed:
-            where = "this model" if not name else f"its submodule `{name}`"
-            how = "wrapped by" if submodule is owner.module else "part of a model wrapped by"
-            raise RayZeroValueError(
-                f"rayzero.initialize: {where} is already {how} a ZeroEngine (ZeRO stage {owner.strategy.stage}) "
-                "that is still open; a second engine would re-partition parameters the first one owns. Call "
-                "engine.close() on the first engine before wrapping the model again, or keep using it")
-
-
 def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
     """DeepSpeed's `_cast_inputs_half`: floating tensors to `dtype`, containers rebuilt, rest as is."""
     if isinstance(value, (list, tuple)):
@@ -130,10 +108,9 @@ class ZeroEngine(DeepSpeedAccessors):
         self.loss_scaler = loss_scaler  # static 1.0 unless fp16
         self.lr_scheduler = lr_scheduler
         self.config = config  # the resolved RayZeroConfig, for the checkpoint layer and logs
-        self.closed = False  # close() hands the module back ([Note: one engine per module])
+        self.closed = False  # close() hands the module back ([Note: one engine per module] in wrapping.py)
         ensure_not_wrapped(module)
-        for submodule in module.modules():
-            _WRAPPED[submodule] = weakref.ref(self)
+        register(self)
         self.global_steps = 0  # optimizer steps, skipped ones included (DeepSpeed's count)
         self.micro_steps = 0  # backward passes completed by step()
         self.skipped_steps = 0  # fp16 overflows
@@ -169,7 +146,7 @@ class ZeroEngine(DeepSpeedAccessors):
         if self.precision.precision is Precision.FP16 and self._auto_cast:
             inputs = _cast_floats(inputs, torch.float16)
         self.phase = Phase.FORWARD
-        with self.timers.time("forward"):
+        with self.timers.time("forward"), forward_region(self.precision.autocast, compute_device().type):
             return self.module(*inputs, **kwargs)
 
     @property
@@ -194,9 +171,10 @@ class ZeroEngine(DeepSpeedAccessors):
         # no extra pass over Ψ elements; DeepSpeed's gradient_predivide_factor does the same.
         # `gradient_allreduce_op: "sum"` (stages 0-2; the config refuses it at stage 3) keeps the
         # plain sum of the ranks' gradients, as DeepSpeed's all-reduce without its average.
-        divisor = self.strategy.loss_divisor()
-        if self.config.gradient_allreduce_op == "sum":
-            divisor /= self.comm.world_size
+        # Under a loss scale (fp16) the world part waits for the unscale multiply instead (no extra
+        # pass either): DeepSpeed averages after its reductions, so its fp16 gradients in backward
+        # are world times the mean, and these must overflow at the same loss scale as DeepSpeed's.
+        divisor = 1.0 if self.precision.scales_loss else self._average_divisor()
         if scale_wrt_gas:
             divisor *= self.step_policy.gradient_accumulation_steps
         scaled = loss.float() / divisor if divisor != 1.0 else loss.float()
@@ -205,6 +183,13 @@ class ZeroEngine(DeepSpeedAccessors):
         with self.timers.time("backward_allreduce"):
             self.strategy.after_backward()
         self.phase = Phase.BACKWARD
+
+    def _average_divisor(self) -> float:
+        """The divisor that makes summed gradients the mean over ranks ([Note: gradient averaging])."""
+        divisor = self.strategy.loss_divisor()
+        if self.config.gradient_allreduce_op == "sum":
+            divisor /= self.comm.world_size
+        return divisor
 
     def step(self) -> None:
         """Optimizer step at an accumulation boundary; otherwise only counts the micro step."""
@@ -247,8 +232,9 @@ class ZeroEngine(DeepSpeedAccessors):
         if losses:
             mean = float(torch.stack([loss.float() for loss in losses]).mean())
             events.insert(0, ("Train/Samples/train_loss", mean, self.global_samples))
-        if self.precision.precision is Precision.FP16:
-            events.append(("Train/Samples/loss_scale", float(self.loss_scaler.loss_scale), self.global_samples))
+        if self.precision.scales_loss:
+            events.append(("Train/Samples/loss_scale", float(self.loss_scaler.loss_scale),
+                           self.global_samples))
         if timings is not None:
             events += [(f"Train/Samples/elapsed_time_ms_{name}", value, self.global_samples)
                        for name, value in timings.items()]
@@ -256,9 +242,11 @@ class ZeroEngine(DeepSpeedAccessors):
 
     def _apply_update(self) -> bool:
         """Unscale, clip, step; returns True when the step was skipped for overflow."""
-        fp16 = self.precision.precision is Precision.FP16
+        fp16 = self.precision.scales_loss  # the fp16 section, or torch_autocast in float16
         clip = self.step_policy.gradient_clipping
         scale = float(self.loss_scaler.loss_scale)
+        if fp16:  # the world part of the average was left for now ([Note: gradient averaging])
+            scale *= self._average_divisor()
         self.last_grad_norm = None
         factor = 1.0 / scale
         if fp16 or clip > 0:
@@ -413,3 +401,4 @@ class ZeroEngine(DeepSpeedAccessors):
         self.strategy.close()
         self.strategy.offload.close()
         self.closed = True
+        unregister(self)

@@ -73,6 +73,8 @@ class Bucket:
     remaining: int = 0
     master_range: tuple[int, int] = (0, 0)
     """[start, end) of `master` inside the bucket's flat buffer."""
+    reduce_dtype: torch.dtype = torch.float32
+    """dtype its gradients are reduced in (one per bucket: [Note: torch_autocast] in autocast.py)."""
 
 
 class BucketedStrategy(ZeroStrategy):
@@ -86,6 +88,9 @@ class BucketedStrategy(ZeroStrategy):
     """Stages 0-1 accumulate into full flat gradient buffers that `param.grad` views."""
     always_overlaps: ClassVar[bool] = False
     """Stage 0 overlaps its all-reduces with backward like DDP (overlap_comm is a ZeRO key)."""
+    reduces_per_parameter_dtype: ClassVar[bool] = True
+    """Under torch_autocast stages 1-2 reduce each parameter in its own wire dtype (DeepSpeed's
+    ZeRO optimizer); stage 0 reduces everything in `reduce_dtype` (DeepSpeed's engine all-reduce)."""
 
     def __init__(self, ctx: StrategyContext) -> None:
         self.comm = ctx.comm
@@ -105,13 +110,14 @@ class BucketedStrategy(ZeroStrategy):
         optimizer_groups = []
         for group_index, group in enumerate(ctx.param_groups):
             ordered = list(reversed(group["params"]))  # backward order, see [Note: bucket partitioning]
-            layout = plan_buckets([p.numel() for p in ordered], ctx.reduce.reduce_bucket_size, world,
-                                  self._first_bucket_elements(ordered, group_index))
             masters = []
-            for bucket_layout in layout.buckets:
-                bucket = self._build_bucket(group_index, bucket_layout, ordered)
-                self.buckets.append(bucket)
-                masters.append(bucket.master)
+            for reduce_dtype, members in self._by_reduce_dtype(ordered):
+                layout = plan_buckets([p.numel() for p in members], ctx.reduce.reduce_bucket_size, world,
+                                      self._first_bucket_elements(members, group_index))
+                for bucket_layout in layout.buckets:
+                    bucket = self._build_bucket(group_index, bucket_layout, members, reduce_dtype)
+                    self.buckets.append(bucket)
+                    masters.append(bucket.master)
             hyper = {k: v for k, v in group.items() if k != "params"}
             optimizer_groups.append({**hyper, "params": masters})
         self._cast_untracked_state(ctx)
@@ -138,7 +144,19 @@ class BucketedStrategy(ZeroStrategy):
         """A smaller first bucket, so communication starts early in backward (stage 0: DDP's)."""
         return None
 
-    def _build_bucket(self, group: int, layout: BucketLayout, ordered: list) -> Bucket:
+    def _by_reduce_dtype(self, ordered: list) -> list[tuple[torch.dtype, list]]:
+        """`ordered` split by the dtype each gradient is reduced in, order kept within each: one
+        bucket never mixes two (DeepSpeed keeps one bucket per communication dtype). Without
+        torch_autocast (or at stage 0) that is one run of every parameter."""
+        runs: dict[torch.dtype, list] = {}
+        for param in ordered:
+            dtype = self.precision.wire_dtype(param) if self.reduces_per_parameter_dtype \
+                else self.precision.reduce_dtype
+            runs.setdefault(dtype, []).append(param)
+        return sorted(runs.items(), key=lambda run: str(run[0]))  # the same order on every rank
+
+    def _build_bucket(self, group: int, layout: BucketLayout, ordered: list,
+                      reduce_dtype: torch.dtype) -> Bucket:
         dtype = self.precision.param_dtype
         param_buffer = torch.zeros(layout.padded_numel, dtype=dtype, device=self.device)
         master_layout = layout if self.partitions_optimizer_state else BucketLayout(layout.slots, 1)
@@ -157,7 +175,7 @@ class BucketedStrategy(ZeroStrategy):
                     flat[piece.param_start:piece.param_end])
             param.data = param_buffer[slot.offset:slot.end].view_as(param)
         return Bucket(layout, master_layout, group, params, param_buffer, master,
-                      fired=[False] * len(params), master_range=(start, end))
+                      fired=[False] * len(params), master_range=(start, end), reduce_dtype=reduce_dtype)
 
     def _cast_untracked_state(self, ctx: StrategyContext) -> None:
         """Frozen parameters and floating buffers compute in the compute dtype too."""

@@ -57,7 +57,9 @@ class GatheredParameters:
 
     def __enter__(self) -> GatheredParameters:
         for owner, entry in self._items:
-            owner.gather([entry])
+            if entry.wire_dtype is not None and entry.users == 0:
+                owner.release(entry, force=True)  # gathered in torch_autocast's dtype (e.g. persistent)
+            owner.gather([entry], exact=True)  # the exact values, also of a weight forward gathers in 16 bits
         for owner, entry in self._items:
             owner.wait(entry)
             entry.users += 1

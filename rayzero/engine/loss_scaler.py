@@ -88,14 +88,26 @@ class StaticLossScaler:
         self.overflow_count = int(state.get("overflow_count", 0))
 
 
-class DynamicLossScaler:
+class _ChangingScale:
+    """What a dynamic scaler shares: the scale it multiplies the loss by."""
+
+    dynamic = True
+    cur_scale: float
+
+    @property
+    def loss_scale(self) -> float:
+        return self.cur_scale
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.cur_scale
+
+
+class DynamicLossScaler(_ChangingScale):
     """DeepSpeed's dynamic loss scale (``fp16.loss_scale == 0``).
 
     Call :meth:`update_scale` once per optimizer step with whether any rank's gradients
     overflowed (the caller reduces the flag across ranks first, so all ranks stay in lockstep).
     """
-
-    dynamic = True
 
     def __init__(
         self,
@@ -126,13 +138,6 @@ class DynamicLossScaler:
         self.cur_iter = 0
         self.last_overflow_iter = -1
         self.overflow_count = 0
-
-    @property
-    def loss_scale(self) -> float:
-        return self.cur_scale
-
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        return loss * self.cur_scale
 
     def update_scale(self, overflow: bool) -> None:
         """Advance one optimizer step; ``overflow`` means that step was skipped."""
@@ -186,17 +191,59 @@ class DynamicLossScaler:
         self.overflow_count = int(state.get("overflow_count", 0))
 
 
-LossScaler = StaticLossScaler | DynamicLossScaler
+class GradScalerLossScaler(_ChangingScale):
+    """torch.amp.GradScaler's dynamic scale with its default settings: what DeepSpeed 0.19 uses for
+    `torch_autocast` in float16 ([Note: torch_autocast] in autocast.py). Starts at 2**16; an
+    overflow halves it (the step is skipped); `growth_interval` steps in a row without one double it.
+    No floor and no hysteresis, unlike the fp16 section's scaler."""
+
+    def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
+                 growth_interval: int = 2000) -> None:
+        self.cur_scale = float(init_scale)
+        self.growth_factor = float(growth_factor)
+        self.backoff_factor = float(backoff_factor)
+        self.growth_interval = int(growth_interval)
+        self.growth_tracker = 0  # GradScaler's _growth_tracker: steps since the last overflow or growth
+        self.overflow_count = 0
+
+    def update_scale(self, overflow: bool) -> None:
+        """torch's `_amp_update_scale_` rule, once per optimizer step."""
+        if overflow:
+            self.overflow_count += 1
+            self.cur_scale *= self.backoff_factor
+            self.growth_tracker = 0
+            return
+        self.growth_tracker += 1
+        if self.growth_tracker == self.growth_interval:
+            self.cur_scale *= self.growth_factor
+            self.growth_tracker = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"type": "grad_scaler", "cur_scale": self.cur_scale, "growth_tracker": self.growth_tracker,
+                "overflow_count": self.overflow_count}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("type") != "grad_scaler":
+            raise RayZeroValueError(
+                f"loss scaler state of type {state.get('type')!r} cannot be loaded into torch_autocast's "
+                "float16 scaler: the checkpoint was written with another precision (fp16, torch_autocast)")
+        self.cur_scale = float(state["cur_scale"])
+        self.growth_tracker = int(state["growth_tracker"])
+        self.overflow_count = int(state.get("overflow_count", 0))
 
 
-def build_loss_scaler(fp16_config: Any | None) -> LossScaler:
-    """The scaler for a run: dynamic for ``fp16.enabled`` with ``loss_scale == 0``, else static.
+LossScaler = StaticLossScaler | DynamicLossScaler | GradScalerLossScaler
+
+
+def build_loss_scaler(fp16_config: Any | None, autocast_fp16: bool = False) -> LossScaler:
+    """The scaler for a run: dynamic for ``fp16.enabled`` with ``loss_scale == 0``, else static;
+    torch GradScaler's for float16 `torch_autocast` without the fp16 section (`autocast_fp16`).
 
     ``fp16_config`` is the config model's ``fp16`` section (or None / disabled for bf16 and fp32,
     which get a static scale of 1.0: nothing to scale). Attribute names are DeepSpeed's keys.
     """
     if fp16_config is None or not fp16_config.enabled:
-        return StaticLossScaler(1.0)
+        return GradScalerLossScaler() if autocast_fp16 else StaticLossScaler(1.0)
     # Every key is read from the config model: its defaults (DeepSpeed's) live in rayzero.config.
     loss_scale = float(fp16_config.loss_scale)
     if loss_scale > 0:

@@ -12,6 +12,7 @@ from rayzero.config.errors import RayZeroValueError
 if TYPE_CHECKING:
     from rayzero.config.model import RayZeroConfig
     from rayzero.config.zero import ZeroConfig
+    from rayzero.engine.autocast import AutocastPolicy
 
 
 class Precision(enum.Enum):
@@ -38,9 +39,25 @@ class MixedPrecisionPolicy:
     accumulate_dtype: torch.dtype | None = None
     """dtype gradients accumulate in across micro steps at stages 0-1 (`data_types.grad_accum_dtype`);
     None: param_dtype (the gradients themselves). Stages 2-3 accumulate into fp32 master gradients."""
+    autocast: AutocastPolicy | None = None
+    """`torch_autocast`: the forward's autocast dtype and which parameters communicate in it
+    ([Note: torch_autocast] in autocast.py); None without it."""
+
+    def wire_dtype(self, param: torch.Tensor) -> torch.dtype:
+        """The dtype ZeRO stages 1-3 reduce `param`'s gradient in (stage 3 also gathers it in that
+        dtype): per parameter under torch_autocast, else `reduce_dtype`. Stage 0 uses `reduce_dtype`."""
+        if self.autocast is None:
+            return self.reduce_dtype
+        return self.autocast.wire_dtype(param, self.param_dtype)
+
+    @property
+    def scales_loss(self) -> bool:
+        """fp16 compute (the fp16 section, or torch_autocast in float16): a dynamic loss scale, and
+        an overflow check before each step."""
+        return self.precision is Precision.FP16 or (self.autocast is not None and self.autocast.scales_loss)
 
     @classmethod
-    def from_config(cls, cfg: RayZeroConfig) -> MixedPrecisionPolicy:
+    def from_config(cls, cfg: RayZeroConfig, autocast: AutocastPolicy | None = None) -> MixedPrecisionPolicy:
         # Defaults live in rayzero.config only: every key read here exists on a loaded config.
         fp16, bf16 = bool(cfg.fp16.enabled), bool(cfg.bf16.enabled)
         if fp16 and bf16:
@@ -59,7 +76,7 @@ class MixedPrecisionPolicy:
         # Only fp32 accumulation of 16-bit gradients is honoured (the config warns about other asks).
         fp32_accumulation = cfg.data_types.grad_accum_dtype == "fp32" and param_dtype != torch.float32
         return cls(precision, param_dtype, reduce_dtype,
-                   accumulate_dtype=torch.float32 if fp32_accumulation else None)
+                   accumulate_dtype=torch.float32 if fp32_accumulation else None, autocast=autocast)
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ class Stage0Strategy(BucketedStrategy):
     partitions_optimizer_state = False
     gradients_partitioned = False  # every rank holds the same full gradients: no norm all-reduce
     always_overlaps = True
+    reduces_per_parameter_dtype = False
 
     FIRST_BUCKET_BYTES = 1 << 20
     """DDP's first bucket (`torch.distributed._DEFAULT_FIRST_BUCKET_BYTES`): the gradients backward
@@ -32,7 +33,7 @@ class Stage0Strategy(BucketedStrategy):
     def _init_gradient_storage(self, bucket: Bucket) -> None:
         self._attach_full_gradient_buffer(bucket)
         numel = bucket.layout.numel
-        if self.aliased and self.precision.reduce_dtype == torch.float32:
+        if self.aliased and bucket.reduce_dtype == torch.float32:
             bucket.master_grad = bucket.grad_buffer[:numel]
         else:
             bucket.master_grad = self.offload.allocate(StateKind.MASTER_GRAD, numel, torch.float32)
@@ -40,8 +41,8 @@ class Stage0Strategy(BucketedStrategy):
     def _reduce_bucket(self, bucket: Bucket, async_op: bool) -> tuple[object, Finish]:
         numel = bucket.layout.numel
         grads = bucket.grad_buffer[:numel]
-        in_place = grads.dtype == self.precision.reduce_dtype
-        wire = grads if in_place else grads.to(self.precision.reduce_dtype)
+        in_place = grads.dtype == bucket.reduce_dtype
+        wire = grads if in_place else grads.to(bucket.reduce_dtype)
         work = self.comm.all_reduce(wire, async_op=async_op)
 
         def finish() -> None:

@@ -20,14 +20,14 @@ class Stage1Strategy(BucketedStrategy):
     def _init_gradient_storage(self, bucket: Bucket) -> None:
         self._attach_full_gradient_buffer(bucket)
         start, end = bucket.master_range
-        if self.aliased and self.precision.reduce_dtype == torch.float32:
+        if self.aliased and bucket.reduce_dtype == torch.float32:
             # The reduced slice lands in this rank's own part of the full gradient buffer.
             bucket.master_grad = bucket.grad_buffer[start:end]
         else:
             bucket.master_grad = self.offload.allocate(StateKind.MASTER_GRAD, end - start, torch.float32)
 
     def _reduce_bucket(self, bucket: Bucket, async_op: bool) -> tuple[object, Finish]:
-        reduce_dtype = self.precision.reduce_dtype
+        reduce_dtype = bucket.reduce_dtype
         wire = bucket.grad_buffer if bucket.grad_buffer.dtype == reduce_dtype else \
             bucket.grad_buffer.to(reduce_dtype)
         # A separate output: gloo's reduce-scatter does not allow output inside input.

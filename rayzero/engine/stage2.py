@@ -33,13 +33,13 @@ class Stage2Strategy(BucketedStrategy):
             self._staging: list[torch.Tensor] = []
             self._staging_turn = 0
 
-    def _staging_buffer(self, numel: int) -> torch.Tensor:
-        dtype = self.precision.reduce_dtype
+    def _staging_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         if not self.policy.contiguous_gradients:
             return torch.zeros(numel, dtype=dtype, device=self.device)
         if not self._staging:
             largest = max(bucket.layout.padded_numel for bucket in self.buckets)
-            self._staging = [torch.empty(largest, dtype=dtype, device=self.device)
+            widest = max(bucket.reduce_dtype.itemsize for bucket in self.buckets)
+            self._staging = [torch.empty(largest * widest, dtype=torch.uint8, device=self.device)
                              for _ in range(self._STAGING_RING)]
         # Reusing a buffer requires the collective that last read it to be done.
         while len(self._inflight) >= self._STAGING_RING:
@@ -47,14 +47,16 @@ class Stage2Strategy(BucketedStrategy):
             if work is not None:
                 work.wait()
             self._timed_finish(finish)
-        buffer = self._staging[self._staging_turn][:numel]
+        # Raw bytes viewed as the bucket's reduce dtype: buckets of two dtypes (torch_autocast)
+        # share the ring ([Note: torch_autocast] in autocast.py).
+        buffer = self._staging[self._staging_turn][:numel * dtype.itemsize].view(dtype)
         self._staging_turn = (self._staging_turn + 1) % self._STAGING_RING
         buffer.zero_()
         return buffer
 
     def _reduce_bucket(self, bucket: Bucket, async_op: bool) -> tuple[object, Finish]:
         layout = bucket.layout
-        staging = self._staging_buffer(layout.padded_numel)
+        staging = self._staging_buffer(layout.padded_numel, bucket.reduce_dtype)
         for slot, param in zip(layout.slots, bucket.params):
             if param.grad is not None:  # None: unused this backward, its slot stays zero
                 staging[slot.offset:slot.end].copy_(param.grad.reshape(-1))

@@ -100,17 +100,22 @@ class Stage3Strategy(ZeroStrategy):
                     shard.copy_(piece)
                 entry = self.partitions.add(param, name, shard, shape, persistent, swap)
                 entry.master = masters.get(id(param))
+                if ctx.precision.autocast is not None:  # [Note: torch_autocast] in autocast.py
+                    wire = ctx.precision.wire_dtype(param)
+                    entry.wire_dtype = wire if wire != shard.dtype else None
             del pieces
             self.partitions.refresh_persistent([e for e in self.partitions.entries if e.persistent])
             self._cast_buffers()
         by_param = {id(e.param): e for e in self.partitions.entries}
+        by_id = {id(e): e for e in self.partitions.entries}
         self.groups = [([by_param[id(p)] for p in params], master, master_grad)
                        for params, master, master_grad in self.groups]
         master_grad_views = {id(by_param[key]): view for key, view in master_grads.items()}
         self.optimizer = ctx.build_optimizer(optimizer_groups)
+        wire = {key: ctx.precision.wire_dtype(by_id[key].param) for key in master_grad_views}
         self.reducer = GradientReducer(ctx.comm, ctx.reduce.reduce_bucket_size, ctx.precision.reduce_dtype,
-                                       ctx.reduce.overlap_comm, master_grad_views)
-        self.coordinator = Stage3Coordinator(ctx.module, self.partitions, self.knobs, self.reducer.add,
+                                       ctx.reduce.overlap_comm, master_grad_views, wire)
+        self.coordinator = Stage3Coordinator(ctx.module, self.partitions, self.knobs, self._reduce_gradient,
                                              external_parameters(ctx.module))
         self.reducer.waiter = self.coordinator.stall.wait
         self._trainable_entries = [e for entries, _, _ in self.groups for e in entries]
@@ -121,6 +126,12 @@ class Stage3Strategy(ZeroStrategy):
         self._waiting: list[int] = []
         self._pending: list = []
         self._backward_end = 0.0
+
+    def _reduce_gradient(self, entry: PartitionedParam, grad: torch.Tensor) -> None:
+        """The hooks' way to the reducer. Through this method the hooks on the module keep the
+        strategy alive after its engine was dropped, so the next `initialize` can release it
+        ([Note: one engine per module] in wrapping.py)."""
+        self.reducer.add(entry, grad)
 
     def _fp32_piece(self, param: torch.nn.Parameter) -> tuple[torch.Tensor, torch.Size]:
         """This rank's padded fp32 piece of `param`, adopting a `rayzero.zero.Init` partition."""

@@ -64,10 +64,14 @@ class GradientReducer:
     into master gradients ([Note: stage 3 bucket plan])."""
 
     def __init__(self, comm: Communicator, bucket_size: int, reduce_dtype: torch.dtype,
-                 overlap: bool, master_grads: dict[int, torch.Tensor]) -> None:
+                 overlap: bool, master_grads: dict[int, torch.Tensor],
+                 reduce_dtypes: dict[int, torch.dtype] | None = None) -> None:
         self.comm = comm
         self.bucket_size = max(1, int(bucket_size))
         self.reduce_dtype = reduce_dtype
+        # id(entry) -> the dtype its gradient is reduced in, where not `reduce_dtype` (torch_autocast:
+        # [Note: torch_autocast] in autocast.py); a bucket never mixes two.
+        self.reduce_dtypes = reduce_dtypes or {}
         self.overlap = overlap
         # id(entry) -> fp32 view of that parameter's master-gradient shard (padded length).
         self.master_grads = master_grads
@@ -116,21 +120,24 @@ class GradientReducer:
         """
         world = self.comm.world_size
         plan: list[list[int]] = []
-        current: list[int] = []
-        numel = 0
+        current: dict[torch.dtype, list[int]] = {}  # the filling bucket of each reduce dtype
+        numel: dict[torch.dtype, int] = {}
         for key in keys:
             full = self.master_grads[key].numel() * world
             if full >= self.bucket_size:
                 plan.append([key])
                 continue
-            current.append(key)
-            numel += full
-            if numel >= self.bucket_size:
-                plan.append(current)
-                current, numel = [], 0
-        if current:
-            plan.append(current)
+            dtype = self._dtype(key)
+            current.setdefault(dtype, []).append(key)
+            numel[dtype] = numel.get(dtype, 0) + full
+            if numel[dtype] >= self.bucket_size:
+                plan.append(current.pop(dtype))
+                numel[dtype] = 0
+        plan.extend(current[dtype] for dtype in sorted(current, key=str))
         return plan
+
+    def _dtype(self, key: int) -> torch.dtype:
+        return self.reduce_dtypes.get(key, self.reduce_dtype)
 
     def _open_round(self) -> None:
         self._open = True
@@ -169,10 +176,11 @@ class GradientReducer:
         arrived = self._arrived[index]
         self._arrived[index] = {}
         world = self.comm.world_size
+        dtype = self._dtype(keys[0])
         widths = [self.master_grads[key].numel() for key in keys]
         shard_total = sum(widths)
         only = arrived.get(keys[0]) if len(keys) == 1 else None
-        if only is not None and only[1].numel() == world * shard_total and only[1].dtype == self.reduce_dtype \
+        if only is not None and only[1].numel() == world * shard_total and only[1].dtype == dtype \
                 and only[1].is_contiguous():
             # One parameter whose gradient is already rank-major (no padding): send it as it is,
             # instead of a zeroed copy of the same size (one full gradient less at the peak).
@@ -180,7 +188,7 @@ class GradientReducer:
             del arrived
             self._issue(send, shard_total, keys, device)
             return
-        send = torch.zeros(world * shard_total, dtype=self.reduce_dtype, device=device)
+        send = torch.zeros(world * shard_total, dtype=dtype, device=device)
         rows = send.view(world, shard_total)
         offset = 0
         for key, width in zip(keys, widths):
@@ -189,7 +197,7 @@ class GradientReducer:
                 if flat.numel() == world * width:
                     rows[:, offset:offset + width].copy_(flat.view(world, width))
                 else:  # the last rank's shard ends in padding: copy the real elements, zero the rest
-                    padded = torch.zeros(world * width, dtype=self.reduce_dtype, device=device)
+                    padded = torch.zeros(world * width, dtype=dtype, device=device)
                     padded[: flat.numel()].copy_(flat)
                     rows[:, offset:offset + width].copy_(padded.view(world, width))
             # else: not used on this rank in this backward -> its rows stay zero
@@ -201,9 +209,9 @@ class GradientReducer:
         """Reduce-scatter the rank-major `send` into this rank's shards (kept in flight until `wait`)."""
         self.bucket_bytes_peak = max(self.bucket_bytes_peak, send.numel() * send.element_size())
         target = self.master_grads[keys[0]] if len(keys) == 1 else None
-        direct = (target is not None and keys[0] in self._zero and target.dtype == self.reduce_dtype
+        direct = (target is not None and keys[0] in self._zero and target.dtype == send.dtype
                   and target.device == device and target.numel() == shard_total and target.is_contiguous())
-        received = target if direct else torch.empty(shard_total, dtype=self.reduce_dtype, device=device)
+        received = target if direct else torch.empty(shard_total, dtype=send.dtype, device=device)
         self._zero.difference_update(keys)
         self.wait()  # at most one bucket in flight besides the one being filled
         # `send` is this bucket's own: a zeroed copy, or a gradient autograd handed over (p.grad is None).

@@ -312,3 +312,4 @@ class Stage3Coordinator:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self.stall.close()

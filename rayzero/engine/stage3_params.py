@@ -79,6 +79,9 @@ class PartitionedParam:
     swap: Any = None
     """The shard's place in the NVMe swap file when it lives there (`shard` is then a 0-element
     placeholder): [Note: NVMe parameter shards] in offload_params.py."""
+    wire_dtype: torch.dtype | None = None
+    """dtype the all-gather carries it in when not the shard's: torch_autocast's lower precision for
+    a lower-precision-safe module's weight ([Note: torch_autocast] in autocast.py)."""
 
     @property
     def shard_numel(self) -> int:
@@ -204,7 +207,7 @@ class ParamPartitions:
         return piece
 
     # ---- gather / release -------------------------------------------------------------------
-    def gather(self, entries: Iterable[PartitionedParam]) -> int:
+    def gather(self, entries: Iterable[PartitionedParam], exact: bool = False) -> int:
         """Issue one all-gather for the released `entries` (async); returns elements issued.
 
         [Note: coalesced gathers] Several parameters travel in *one* collective: each rank sends
@@ -214,7 +217,9 @@ class ParamPartitions:
         batch instead of one per parameter: on gloo each call costs ~0.5 ms whatever its size.
         A large parameter (gathered size >= COALESCE_MAX_ELEMENTS) is gathered alone, straight into
         its own buffer: coalesced, it would exist twice at the peak (the batch's output and its
-        buffer), for a call overhead that is small next to its transfer.
+        buffer), for a call overhead that is small next to its transfer. A parameter carried in
+        another dtype (`wire_dtype`, unless `exact`) travels in a batch of its dtype, converted into
+        its buffer on arrival; a batch never mixes dtypes.
         """
         todo = [entry for entry in entries if entry.state is ParamState.RELEASED]
         for entry in todo:
@@ -223,15 +228,22 @@ class ParamPartitions:
             if not entry.persistent:
                 self.live_elements += entry.numel
         self.peak_live_elements = max(self.peak_live_elements, self.live_elements)
-        alone = [entry for entry in todo if entry.full.numel() >= COALESCE_MAX_ELEMENTS]
-        together = [entry for entry in todo if entry.full.numel() < COALESCE_MAX_ELEMENTS]
-        if len(together) == 1:
-            alone, together = alone + together, []
+        alone: list[PartitionedParam] = []
+        batches: dict[torch.dtype, list[PartitionedParam]] = {}  # by wire dtype, in `todo` order
+        for entry in todo:
+            wire = entry.full.dtype if exact or entry.wire_dtype is None else entry.wire_dtype
+            if wire == entry.full.dtype and entry.full.numel() >= COALESCE_MAX_ELEMENTS:
+                alone.append(entry)
+            else:
+                batches.setdefault(wire, []).append(entry)
+        for wire, together in list(batches.items()):
+            if len(together) == 1 and wire == together[0].full.dtype:
+                alone.append(batches.pop(wire)[0])
         for entry in alone:
             entry.pending = self.comm.all_gather(entry.full, self._send_piece(entry), async_op=True)
-        if together:
-            send = torch.cat([self._send_piece(entry) for entry in together])
-            received = torch.empty(send.numel() * self.comm.world_size, dtype=send.dtype, device=self.device)
+        for wire, together in batches.items():
+            send = torch.cat([self._send_piece(entry).to(wire) for entry in together])
+            received = torch.empty(send.numel() * self.comm.world_size, dtype=wire, device=self.device)
             batch = _GatherBatch(self.comm.all_gather(received, send, async_op=True), received, together, send)
             for entry in together:
                 entry.pending = batch
@@ -327,7 +339,9 @@ class ParamPartitions:
     def close(self) -> None:
         """Forget the registry entries; parameters are left gathered so the module stays usable."""
         for entry in self.entries:
-            self.gather([entry])
+            if entry.wire_dtype is not None:  # gathered in a lower precision: re-gather the exact values
+                self.release(entry, force=True)
+            self.gather([entry], exact=True)
             self.wait(entry)
             # Detach the parameter from the padded buffer so it owns exactly its elements.
             entry.param.data = entry.full[: entry.numel].view(entry.shape).clone()

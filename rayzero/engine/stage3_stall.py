@@ -81,6 +81,14 @@ class StallWatch:
             self._check()
         work.wait()
 
+    def close(self) -> None:
+        """Stop the waiting thread, if one was started, and watch no more: the engine is being
+        closed, and its last gathers (handing the parameters back) wait plainly."""
+        self.seconds = 0.0
+        if self._waiter is not None:
+            self._waiter.shutdown(wait=False)  # its last wait already returned, or timed out
+            self._waiter = None
+
     def _check(self) -> None:
         step, name, departed = self._where()
         if step == self._checked_step:

@@ -35,9 +35,13 @@ def test_torch_optimizers_need_zero_allow_untested_optimizer_above_stage_0_as_in
     assert _paths({**source, "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True}) == {}
 
 
-def test_adam_without_bias_correction_is_refused():
-    text = _paths({"optimizer": {"type": "Adam", "params": {"bias_correction": False}}})
-    assert "bias correction" in text["optimizer.params.bias_correction"]
+def test_adam_without_bias_correction_runs_and_refuses_what_deepspeeds_kernel_lacks():
+    """DeepSpeed trains it (its BingBertSquad configs): tests/dist/test_fidelity_bias_correction.py."""
+    for kind in ("Adam", "AdamW"):
+        assert _paths({"optimizer": {"type": kind, "params": {"bias_correction": False, "adam_w_mode": False}}}) == {}
+    for key in ("torch_adam", "amsgrad", "maximize"):
+        text = _paths({"optimizer": {"type": "Adam", "params": {"bias_correction": False, key: True}}})
+        assert list(text) == [f"optimizer.params.{key}"] and "bias_correction false" in text[f"optimizer.params.{key}"]
 
 
 def test_autos_only_a_trainer_fills_are_refused_unless_a_trainer_is_there():
@@ -57,11 +61,30 @@ def test_offload_modes_are_runnable():
     ({"tensor_parallel": {"autotp_size": 2}}, "tensor_parallel.autotp_size"),
     ({"sequence_parallel_size": 4}, "sequence_parallel_size"),
     ({"zero_optimization": {"stage": 2, "zenflow": {"topk_ratio": 0.05}}}, "zero_optimization.zenflow"),
-    ({"torch_autocast": {"enabled": True, "dtype": "bfloat16"}}, "torch_autocast.enabled"),
 ])
 def test_deepspeed_features_that_change_what_is_trained_are_refused(source, path):
     assert load_config({**BATCH, **source})  # DeepSpeed accepts each
     assert set(_paths(source)) == {path}
+
+
+@pytest.mark.parametrize("source, path, words", [
+    # DeepSpeed 0.19.8's own refusal (runtime/torch_autocast.py), its words
+    ({"torch_autocast": {"enabled": True}, "zero_optimization": {"stage": 3, "zero_quantized_weights": True}},
+     "torch_autocast.enabled", "Cannot enable both torch autocast and zero quantized weights"),
+    ({"torch_autocast": {"enabled": True, "dtype": "int8"}}, "torch_autocast.dtype", "floating dtype"),
+])
+def test_torch_autocast_is_refused_only_where_it_cannot_train(source, path, words):
+    assert load_config({**BATCH, **source})  # DeepSpeed's parser accepts each
+    problems = _paths(source)
+    assert list(problems) == [path] and words in problems[path]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_torch_autocast_runs_at_every_stage(stage):
+    """DeepSpeed accepts it at every stage; the parity test is tests/dist/test_fidelity_torch_autocast.py."""
+    for dtype in ("bfloat16", "torch.float16", None):
+        section = {"enabled": True, **({"dtype": dtype} if dtype else {})}
+        assert _paths({"torch_autocast": section, "zero_optimization": {"stage": stage}}) == {}
 
 
 @pytest.mark.parametrize("source", [
