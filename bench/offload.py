@@ -369,6 +369,8 @@ def main() -> None:
     args = parser.parse_args()
     rounds = args.rounds or (3 if args.quick else 5)
     scratch = args.scratch or tempfile.mkdtemp(prefix="rayzero-bench-offload-")
+    for name in ("nvme", "rss-nvme"):  # nvme_path must exist: rayzero does not create it
+        os.makedirs(os.path.join(scratch, name), exist_ok=True)
     sections = set(args.sections.split(","))
     result: dict[str, Any] = {"machine": {"cpus": os.cpu_count(), "torch": torch.__version__}, "rounds": rounds}
     try:

@@ -26,7 +26,9 @@ class OffloadParamConfig(ConfigModel):
     device: OffloadDevice = OffloadDevice.none
     """Where parameter shards live: `none` (accelerator memory), `cpu`, or `nvme`."""
     nvme_path: Optional[str] = None
-    """Directory on a fast local NVMe drive for parameter swap files; required when device is `nvme`."""
+    """Directory on a fast local NVMe drive for parameter swap files; required when device is `nvme`.
+    It must exist on every node: rayzero does not create it (DeepSpeed does), so a mistyped path is an
+    error, not swap files on another disk."""
     buffer_count: Int = Field(5, ge=0)
     """Number of pinned staging buffers used to swap parameters in from NVMe."""
     buffer_size: Int = Field(100_000_000, ge=0)
@@ -43,7 +45,9 @@ class OffloadOptimizerConfig(ConfigModel):
     device: OffloadDevice = OffloadDevice.none
     """Where optimizer state lives and the optimizer step runs: `none`, `cpu`, or `nvme`."""
     nvme_path: Optional[str] = None
-    """Directory on a fast local NVMe drive for optimizer swap files; required when device is `nvme`."""
+    """Directory on a fast local NVMe drive for optimizer swap files; required when device is `nvme`.
+    It must exist on every node: rayzero does not create it (DeepSpeed does), so a mistyped path is an
+    error, not swap files on another disk."""
     buffer_count: Int = Field(4, ge=0, json_schema_extra={UNIMPLEMENTED: True})
     """DeepSpeed: staging buffers for optimizer-state swapping. Recognised, not used: rayzero's NVMe
     step holds at most three tile buffers, each with every state tensor of its tile."""

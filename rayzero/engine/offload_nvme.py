@@ -146,11 +146,13 @@ def _checked_directory(nvme_path: str | None, key: str) -> str:
     if not nvme_path:
         raise RayZeroValueError(f"{key} is missing: NVMe offload needs a directory on a fast local disk, e.g. "
                                 f"\"nvme_path\": \"/local_nvme\" (or set device to \"cpu\")")
-    try:
-        os.makedirs(nvme_path, exist_ok=True)
-    except OSError as error:
-        raise RayZeroValueError(f"{key}={nvme_path!r} cannot be created ({error.strerror}): point it at a "
-                                "writable directory on a local disk") from error
+    if not os.path.isdir(nvme_path):
+        # Not created: a typo (/local_nvmee) would put the swap files on another disk, often the root
+        # filesystem. DeepSpeed 0.19.8 creates it (swap_tensor: os.makedirs); rayzero asks for it.
+        raise RayZeroValueError(
+            f"{key}={nvme_path!r} does not exist on node {socket.gethostname()}: rayzero does not create it, "
+            "so a mistyped path cannot put swap files on another disk. Create it on every node (the fast "
+            f"local disk's mount point, e.g. `mkdir -p {nvme_path}`), or fix the path")
     if not os.access(nvme_path, os.W_OK | os.X_OK):
         raise RayZeroValueError(f"{key}={nvme_path!r} is not writable by this process: point it at a writable "
                                 "directory on a local disk")

@@ -18,6 +18,7 @@ from offload_workers import ESTIMATE_WIDTH, checkpoint_hop, measured_memory, mlp
 
 _SCRATCH = tempfile.TemporaryDirectory(prefix="rayzero-offload-")
 NVME = _SCRATCH.name + "/nvme"
+os.makedirs(NVME, exist_ok=True)  # rayzero does not create nvme_path
 CPU = {"device": "cpu"}
 
 

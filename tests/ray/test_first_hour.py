@@ -190,3 +190,18 @@ def test_by_default_a_failure_that_keeps_coming_back_ends_the_run_saying_how_to_
     assert "3 failures in a row came without a newer checkpoint" in message
     assert "max_failures_without_progress" in message and "Run it again with the same name" in message
     assert capsys.readouterr().out.count("restarting the worker group") == 2  # three tries in all
+
+
+@pytest.mark.parametrize(("flags", "expected"), [
+    (["--workers", "0"], "--workers 0: give a count >= 1 or a range with 1 <= min <= max: (2, 8) in Python, "
+                         "--workers 2:8 on the command line"),
+    (["--name", "../escape"], "run name '../escape' contains a path separator; use one plain directory name"),
+    (["--hang-timeout", "-1"], "--hang-timeout -1.0: must be greater than or equal to 0"),
+])
+def test_the_cli_names_the_flag_its_value_and_the_fix(tmp_path, flags, expected):
+    (tmp_path / "train.py").write_text("def loop(config):\n    pass\n")
+    (tmp_path / "ds.json").write_text('{"train_micro_batch_size_per_gpu": 1}')
+    done = subprocess.run([sys.executable, "-m", "rayzero.cli", "run", "train.py:loop", "--config", "ds.json", *flags],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 2 and expected in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr

@@ -47,6 +47,7 @@ def _runnable(path: Path, scratch: Path) -> dict:
     for key in ("offload_optimizer", "offload_param"):
         if zero.get(key, {}).get("nvme_path"):
             zero[key]["nvme_path"] = str(scratch / "nvme")
+            (scratch / "nvme").mkdir(parents=True, exist_ok=True)
     if (config.get("fp16") or {}).get("enabled"):  # fp16 on a CPU is emulated and slow: same path in bf16
         config["fp16"] = {"enabled": False}
         config["bf16"] = {"enabled": True}

@@ -30,12 +30,17 @@ def test_missing_nvme_path_names_the_key() -> None:
         _init({"device": "nvme"})
 
 
+def test_a_missing_nvme_path_is_refused_not_created(tmp_path) -> None:
+    """Issue 21: a mistyped path must not put swap files on another disk."""
+    target = tmp_path / "local_nvmee"
+    with pytest.raises(RayZeroValueError, match=f"{KEY}='{target}' does not exist on node .*mkdir -p {target}"):
+        _init({"device": "nvme", "nvme_path": str(target)})
+    assert not target.exists()
+
+
 def test_unwritable_nvme_path_names_key_and_path(tmp_path) -> None:
     if os.geteuid() == 0:
-        target = "/proc/rayzero-nvme"  # not creatable even for root
-        with pytest.raises(RayZeroValueError, match=f"{KEY}='{target}' cannot be created"):
-            _init({"device": "nvme", "nvme_path": target})
-        return
+        return  # root writes anywhere; the missing-path refusal is tested above
     locked = tmp_path / "locked"
     locked.mkdir(mode=0o500)
     with pytest.raises(RayZeroValueError, match=f"{KEY}='{locked}' is not writable"):

@@ -59,6 +59,7 @@ def _run(tmp_path, keep: int, offload: str = "nvme") -> dict:
     from rayzero.ports import free_port
 
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"}  # freed large blocks go back: VmHWM is what was live
+    (tmp_path / f"{offload}{keep}").mkdir()  # nvme_path must exist: rayzero does not create it
     run = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / f"{offload}{keep}"), str(keep), offload,
                           str(free_port())], capture_output=True, text=True, timeout=300, env=env)
     assert run.returncode == 0, run.stderr[-3000:]

@@ -13,8 +13,9 @@ import pytest
 pytestmark = pytest.mark.unit
 
 SCRIPT = r"""
-import json, resource, sys, torch, rayzero
+import json, os, resource, sys, torch, rayzero
 root = sys.argv[1]
+os.makedirs(root + "/nvme", exist_ok=True)
 torch.manual_seed(0)
 model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(32)])
 config = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0,
