@@ -84,10 +84,13 @@ def _wrap(module: Any) -> None:
 
 
 def _resume_due() -> bool:
+    """This process continues earlier training of the same run: a restart, a same-name rerun, or a
+    resume point given (`get_context().resuming`)."""
     from rayzero.workers.session import get_context
 
     context = get_context()
-    return context.attempt > 0 or context.resume_from is not None
+    return bool(getattr(context, "resuming", False)) or context.attempt > 0 or context.resume_from is not None \
+        or os.environ.get("RAYZERO_RESUMING") == "1"
 
 
 def newest_complete_checkpoint(output_dir: str) -> str | None:
