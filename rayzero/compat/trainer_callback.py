@@ -22,12 +22,19 @@ class RayZeroCallback(TrainerCallback):
 
     def __init__(self) -> None:
         self._saved_for: tuple[int, int] | None = None  # the handled request already turned into a save
+        # Everything logged at the current step: the Trainer logs a step's loss, then maybe its eval
+        # or the end-of-training summary at the same step, and rayzero's metrics log keeps one row
+        # per (rank, step), the newest; so each report carries the step's metrics so far.
+        self._step_metrics: dict[str, Any] = {}
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
         metrics = {key: value for key, value in (logs or {}).items()
                    if isinstance(value, (int, float)) and not isinstance(value, bool)}
         if not metrics:
             return
+        if self._step_metrics.get("step") != state.global_step:
+            self._step_metrics = {}
+        metrics = self._step_metrics = {**self._step_metrics, **metrics}
         metrics["step"] = state.global_step
         metrics["samples"] = (state.global_step * args.per_device_train_batch_size * args.gradient_accumulation_steps
                               * args.world_size)
