@@ -25,9 +25,9 @@ defect that would otherwise stop an unchanged program:
 1. accelerate's `PartialState` picks its communication backend from the accelerators it finds; on a
    CPU-only machine it finds none, keeps `backend=None` while handing DeepSpeed the process group,
    and then counts one process at local rank 0 on every rank (DeepSpeed 0.19.8 fails there with
-   "train_batch_size ... 4 != 4 * 1 * 2"). `deepspeed.comm.init_distributed`, which accelerate calls
-   at that moment, records the backend it chose ("gloo") in accelerate's shared state, so accelerate
-   reads the world size and ranks from the group (comm.py).
+   "train_batch_size ... 4 != 4 * 1 * 2"). `deepspeed.comm.is_initialized` / `init_distributed`,
+   which accelerate calls at that moment, record the group's backend ("gloo") in accelerate's shared
+   state when it holds None, so accelerate reads the world size and ranks from the group (comm.py).
 2. transformers' `Trainer.train` is wrapped (trainer.py): when the run is restarted or resumed and
    the script passed no `resume_from_checkpoint`, it resumes from the newest complete `checkpoint-N`
    under `output_dir`; and it adds rayzero's `TrainerCallback`, which reports `on_log` metrics with

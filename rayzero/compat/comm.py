@@ -43,9 +43,10 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
 
 
 def _tell_accelerate(backend: str | None) -> None:
-    """[Note: the DeepSpeed compatibility layer], item 1: accelerate's `PartialState` calls this
-    function while it is being built, having kept `backend=None` on a machine without accelerators;
-    record the backend the group uses so it takes world size and ranks from the group."""
+    """[Note: the DeepSpeed compatibility layer], item 1: accelerate's `PartialState`, while it is
+    being built, asks `is_initialized()` and then calls `init_distributed()` unless a group exists,
+    having kept `backend=None` on a machine without accelerators; record the backend the group uses
+    so it takes world size and ranks from the group. No effect once accelerate has a backend."""
     state_module = sys.modules.get("accelerate.state")
     if backend is None or state_module is None:
         return
@@ -56,7 +57,10 @@ def _tell_accelerate(backend: str | None) -> None:
 
 
 def is_initialized() -> bool:
-    return dist.is_initialized()
+    initialized = dist.is_initialized()
+    if initialized:  # a group the script formed itself: accelerate skips init_distributed
+        _tell_accelerate(dist.get_backend())
+    return initialized
 
 
 def is_available() -> bool:

@@ -92,7 +92,7 @@ class DeepSpeedEngine(ZeroEngine, torch.nn.Module):
                "submodules yourself before initialize, or drop the dynamo/compile option")
 
 
-def _deepspeed_values(config: Any) -> Any:
+def translate_in_process_values(config: Any) -> Any:
     """Values DeepSpeed accepts in a config dict built in-process that JSON cannot hold."""
     if isinstance(config, Mapping):
         every = config.get("steps_per_print")
@@ -110,8 +110,8 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     return _rayzero_initialize(
         args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
         training_data=training_data, lr_scheduler=lr_scheduler, distributed_port=distributed_port, mpu=mpu,
-        dist_init_required=dist_init_required, collate_fn=collate_fn, config=_deepspeed_values(config),
-        mesh_param=mesh_param, config_params=_deepspeed_values(config_params), engine_class=DeepSpeedEngine)
+        dist_init_required=dist_init_required, collate_fn=collate_fn, config=translate_in_process_values(config),
+        mesh_param=mesh_param, config_params=translate_in_process_values(config_params), engine_class=DeepSpeedEngine)
 
 
 def clone_tensors_for_torch_save(item: Any, device: torch.device | str = "cpu") -> Any:

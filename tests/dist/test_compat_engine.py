@@ -25,7 +25,7 @@ STEPS, MICRO = 3, 2
 def _config(stage: int, **extra) -> dict:
     return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+            "zero_optimization": {"stage": stage},
             "steps_per_print": float("inf"), **extra}  # Accelerate writes inf ("never print")
 
 
@@ -108,7 +108,48 @@ def _cases(rank: int, world: int, directory: str) -> dict:
         out["other_rank_gets_none"] = state is None
     engine.close()
     out["hf"] = _transformers_zero3_build(rank, directory)
+    out["trainer_arguments"] = _trainer_arguments(rank, directory)
     return out
+
+
+GUIDE_ZERO3 = {  # the HF DeepSpeed guide's ZeRO-3 file, every "auto" in it
+    "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
+             "hysteresis": 2, "min_loss_scale": 1},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+    "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                 "warmup_num_steps": "auto"}},
+    "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                          "offload_param": {"device": "cpu", "pin_memory": True}, "overlap_comm": True,
+                          "contiguous_gradients": True, "sub_group_size": 1e9, "reduce_bucket_size": "auto",
+                          "stage3_prefetch_bucket_size": "auto", "stage3_param_persistence_threshold": "auto",
+                          "stage3_max_live_parameters": 1e9, "stage3_max_reuse_distance": 1e9,
+                          "stage3_gather_16bit_weights_on_model_save": True},
+    "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "steps_per_print": 2000,
+    "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "wall_clock_breakdown": False,
+}
+
+
+def _trainer_arguments(rank: int, directory: str) -> dict:
+    """`TrainingArguments(deepspeed=...)` on a machine without accelerators, in a group the script
+    formed itself: Accelerate's state counts both processes (DeepSpeed 0.19.8 counts one, rank 0, on
+    every rank), and the config HF fills from TrainingArguments reaches rayzero fully resolved, with
+    nothing for rayzero's validation to resolve, warn about or refuse."""
+    from rayzero.compat.engine import translate_in_process_values
+    from rayzero.config import load_config
+
+    args = transformers.TrainingArguments(output_dir=os.path.join(directory, "trainer"), deepspeed=GUIDE_ZERO3,
+                                          per_device_train_batch_size=3, gradient_accumulation_steps=2,
+                                          learning_rate=3e-4, warmup_steps=2, report_to="none")
+    model = transformers.GPT2LMHeadModel(_gpt2_config())
+    hf_config = args.hf_deepspeed_config
+    hf_config.trainer_config_finalize(args, model, 10)
+    # what reaches rayzero: HF's filled config, as deepspeed.initialize hands it on
+    resolved = load_config(translate_in_process_values(hf_config.config), world_size=args.world_size)
+    return {"world": (args.world_size, args.process_index, args.local_process_index, str(args.parallel_mode)),
+            "unresolved": resolved.unresolved_autos(), "notes": [n for n in resolved.notes if not n.startswith("auto:")],
+            "batch": (resolved.train_batch_size, resolved.train_micro_batch_size_per_gpu,
+                      resolved.gradient_accumulation_steps),
+            "scheduler": dict(resolved.scheduler.params), "bucket": resolved.zero_optimization.reduce_bucket_size}
 
 
 def _transformers_zero3_build(rank: int, directory: str) -> dict:
@@ -162,6 +203,12 @@ def test_compat_engine_as_accelerate_and_the_trainer_drive_it():
         assert out["hf"]["zero3_enabled"]
         for how in ("from_config", "from_pretrained"):
             assert out["hf"][how] == {"partitioned": True, "mismatch": []}, (rank, how)
+        filled = out["trainer_arguments"]
+        assert filled["world"] == (2, rank, rank, "ParallelMode.DISTRIBUTED")
+        assert filled["unresolved"] == [] and filled["notes"] == []
+        assert filled["batch"] == (3 * 2 * 2, 3, 2)
+        assert filled["scheduler"] == {"warmup_min_lr": 0, "warmup_max_lr": 3e-4, "warmup_num_steps": 2}
+        assert filled["bucket"] == 32 * 32  # HF's hidden_size * hidden_size
     first, second = ranks
     assert first["consolidated_equals_checkpoint"] == [] and first["tie_kept"] and first["names"]
     assert first["sharded"] == (True, "model.safetensors.index.json", [])
