@@ -12,8 +12,9 @@ differs for code written against DeepSpeed lives here:
 """
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -83,6 +84,16 @@ class DeepSpeedEngine(ZeroEngine, torch.nn.Module):
             frozen = {prefix + name for name, param in self.module.named_parameters() if not param.requires_grad}
             state = {name: value for name, value in state.items() if name not in frozen}
         return state
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """DeepSpeed's: no gradient reduction inside. At stages 0-1 rayzero reduces only at the
+        accumulation boundary anyway, so there is nothing to switch off; stages 2-3 reduce as
+        gradients appear (they partition them), where DeepSpeed refuses this as well."""
+        if self.zero_optimization_stage() >= 2:
+            refuse(f"DeepSpeedEngine.no_sync() at ZeRO stage {self.zero_optimization_stage()}",
+                   "gradient partitioning reduces every micro step, as in DeepSpeed, which refuses it too")
+        yield
 
     def destroy(self) -> None:
         self.close()
