@@ -29,6 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from report import machine_description, versions
+
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures"
 HF_SCRIPT = FIXTURES / "hf" / "run_clm.py"
@@ -188,13 +190,14 @@ def main() -> None:
         "rayzero_cold_command_to_first_step_s": cold.get("command_to_first_step_s"),
         "final_losses": [(r["torchrun_ddp"].get("final_loss"), r["rayzero_stage0"].get("final_loss")) for r in rounds],
         "load_1min_start_end": [load_start, _load()],
+        "machine": machine_description(),
+        "versions": versions(),
         "cold": cold,
         "per_round": rounds,
     }
-    text = json.dumps(result, indent=2)
-    print(text)
     if args.json:
-        Path(args.json).write_text(text)
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":
