@@ -22,12 +22,15 @@ _LAZY = {
     "init_distributed": "rayzero.engine",
     "ZeroEngine": "rayzero.engine",
     # the driver API, Ray Train's shapes (rayzero.driver)
-    "fit": "rayzero.driver",
+    "fit": "rayzero.driver.fit",
     "ScalingConfig": "rayzero.driver",
     "RunConfig": "rayzero.driver",
     "FailureConfig": "rayzero.driver",
-    "Result": "rayzero.driver",
+    "Result": "rayzero.driver.fit",
     "TrainingFailedError": "rayzero.driver",
+    "read_metrics": "rayzero.driver.metrics_store",  # a run's metrics.parquet as one table
+    # a training script run as __main__ on every worker, as torchrun would (rayzero run SCRIPT.py)
+    "Script": "rayzero.integrations.script_args",
     # inside a train loop run by rayzero.fit (rayzero.workers)
     "get_context": "rayzero.workers",
     "report": "rayzero.workers",

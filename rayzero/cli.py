@@ -11,7 +11,7 @@ import sys
 # sub-command -> (module exposing `main(argv) -> int`, or "module:function", one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "config": ("rayzero.config.cli", "validate a DeepSpeed config, export its JSON schema or docs"),
-    "run": ("rayzero.driver.cli", "run a training loop on Ray: rayzero run file.py:fn --config ds.json"),
+    "run": ("rayzero.cli:run_main", "run a training script or loop on Ray: rayzero run train.py --workers 2 -- ARGS"),
     "demo": ("rayzero.driver.demo", "train the built-in character language model (the main job)"),
     "checkpoint": ("rayzero.checkpoint.cli", "list, verify, consolidate or import checkpoints; `now` on a live run"),
     "status": ("rayzero.control.cli:status_main", "live runs' status: rayzero status [NAME] [--json] [--watch]"),
@@ -23,6 +23,16 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 # `rayzero checkpoint now NAME` talks to a live run; the other `checkpoint` commands read files.
 CHECKPOINT_NOW = "rayzero.control.cli:checkpoint_now_main"
+
+
+def run_main(argv: list[str]) -> int:
+    """`rayzero run`: the driver's command, with script targets as `rayzero.Script` so a script's trainer
+    flags (`--deepspeed ds.json`) are checked before anything starts. Wired here, above the layers: the
+    driver may not import the integrations (import-linter: "integrations sit on top")."""
+    from rayzero.driver import cli as run_cli
+    from rayzero.integrations.script_args import Script
+
+    return run_cli.main(argv, script_type=Script)
 
 
 def _usage() -> str:

@@ -47,7 +47,9 @@ def train(config: dict) -> None:
         model = GPT2LMHeadModel(MODEL_CONFIG)
     engine, _, _, scheduler = rayzero.initialize(model=model)  # the run's config; "auto"s resolved
     micro = engine.config.train_micro_batch_size_per_gpu
-    for step in range(args.steps):
+    # engine.steps: after a restart or a same-name rerun it loads the newest checkpoint and goes on from
+    # its step; it ends early at a planned stop (`rayzero stop`, Ctrl-C), whose checkpoint is committed
+    for step in engine.steps(args.steps):
         ids = _batch(step, dist.get_rank(), micro)
         loss = engine(ids, labels=ids).loss
         engine.backward(loss)
@@ -55,5 +57,7 @@ def train(config: dict) -> None:
         lr = scheduler.get_last_lr()[0] if scheduler is not None else engine.config.optimizer.params["lr"]
         rayzero.report({"step": step + 1, "loss": loss.item(), "lr": lr,
                         "samples": (step + 1) * engine.config.train_batch_size})
+        if (step + 1) % 10 == 0:
+            engine.save_checkpoint(context.checkpoint_dir)  # asynchronous: training goes on while it writes
     engine.save_checkpoint(context.checkpoint_dir)
     engine.wait_for_checkpoint()

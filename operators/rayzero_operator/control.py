@@ -12,6 +12,8 @@ the RayZeroJob's status; and
 - a new `spec.workers.replicas` within [minReplicas, maxReplicas] → `Scale` (once per value).
 The service is found through the RayJob's status as KubeRay writes it: the head's service IP (else
 pod IP, else service name) and the `rayzero-control` endpoint port (else `spec.head.controlPort`).
+It speaks TLS with the attempt's certificate: the operator trusts only the CA in the job's Secret and
+checks the job's control name (manifests.control_server_name), whatever address it dials.
 When it cannot be reached, the last values stay in the status and the next reconcile tries again.
 """
 from __future__ import annotations
@@ -88,13 +90,22 @@ def _apply(status: dict[str, Any], run: Any) -> None:
         _record_checkpoint(status, max(durable or run.checkpoints, key=lambda record: record.step))
 
 
-def converse(job: dict[str, Any], spec: RayZeroJobSpec, ray_job: dict[str, Any], token: str | None, *,
-             stop_first: bool) -> Outcome:
-    """One exchange with the attempt's controller (see the module docstring)."""
+def serves_tls(ray_job: dict[str, Any]) -> bool:
+    """Whether the attempt's head was given TLS files (every RayJob this operator version makes is;
+    one made before it is not, and is still spoken to in plain text until its attempt ends)."""
+    head = ray_job["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    return any(item.get("name") == "RAYZERO_CONTROL_TLS_CERT" for item in head.get("env") or [])
+
+
+def converse(job: dict[str, Any], spec: RayZeroJobSpec, ray_job: dict[str, Any], token: str | None,
+             ca: str | None, *, stop_first: bool) -> Outcome:
+    """One exchange with the attempt's controller (see the module docstring); `token` and `ca` come
+    from the job's Secret."""
     meta = job["metadata"]
     outcome = Outcome(carried(job))
     address = control_address(ray_job, spec, meta["namespace"])
-    if address is None or not token:
+    tls = serves_tls(ray_job)
+    if address is None or not token or (tls and not ca):
         return outcome
     old = job.get("status") or {}
     request = (meta.get("annotations") or {}).get(CHECKPOINT_NOW_ANNOTATION)
@@ -102,7 +113,8 @@ def converse(job: dict[str, Any], spec: RayZeroJobSpec, ray_job: dict[str, Any],
     if not (stop_first or checkpoint_pending or _scale_wanted(spec, ray_job, old) or _refresh_due(old)):
         return outcome
     try:
-        with ControlClient(address, token, timeout_s=CALL_TIMEOUT_S) as client:
+        with ControlClient(address, token, tls=tls, root_certificates=ca, timeout_s=CALL_TIMEOUT_S,
+                           server_name=manifests.control_server_name(meta["name"], meta["namespace"])) as client:
             if stop_first:
                 checkpoint = client.stop(CHECKPOINT_TIMEOUT_S)
                 if checkpoint is not None:

@@ -19,7 +19,7 @@ from rayzero.config.k8s_job import CONFIG_FILE_NAME, GROUP, PLURAL, VERSION
 from rayzero_operator import control, manifests
 from rayzero_operator.kube import KubeApi, load_client
 from rayzero_operator.plan import Observed, Plan, attempt_of, attempt_state, plan
-from rayzero_operator.spec import parse_spec
+from rayzero_operator.spec import ALLOWED_HOST_PATHS_ENV, parse_allowed_host_paths, parse_spec
 
 RESYNC_SECONDS = float(os.environ.get("RAYZERO_OPERATOR_RESYNC_SECONDS", "30"))
 # Fault-injection seam for the k8s tests: exit hard right after the named step of a reconcile
@@ -44,6 +44,11 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     memo.locks = {}
     memo.requeued = set()
     memo.crash_after = os.environ.get(CRASH_AFTER_ENV, "")
+    # A wrong value stops the operator at start-up, naming the variable: better than guessing.
+    try:
+        memo.allowed_host_paths = parse_allowed_host_paths(os.environ.get(ALLOWED_HOST_PATHS_ENV))
+    except ValueError as error:
+        raise kopf.PermanentError(str(error)) from None
 
 
 @kopf.on.login()
@@ -77,8 +82,11 @@ def reconcile(memo: kopf.Memo, namespace: str, name: str) -> float | None:
                 raise
             ray_jobs, missing = [], True  # no RayJob API: KubeRay is not installed (yet)
         generated = api.config_map_labels(namespace, manifests.config_map_name(name))
-        decided = plan(Observed(job, ray_jobs, text, kuberay_missing=missing,
-                                generated_config_map_labels=generated))
+        credentials = ((job.get("spec") or {}).get("storage") or {}).get("credentialsSecret")
+        decided = plan(Observed(
+            job, ray_jobs, text, kuberay_missing=missing, generated_config_map_labels=generated,
+            credentials_secret=api.secret_facts(namespace, credentials) if isinstance(credentials, str) else None,
+            allowed_host_paths=memo.allowed_host_paths))
         if missing:
             decided.requeue_after = RESYNC_SECONDS
         created_ray_job = True
@@ -115,8 +123,8 @@ def _talk_to_the_run(api: KubeApi, job: dict[str, Any], ray_jobs: list[dict[str,
         running = attempt_state(latest) == "running"
         if running and (suspending or decided.status.get("phase") == "Running"):
             meta = job["metadata"]
-            token = api.control_token(meta["namespace"], meta["name"])
-            outcome = control.converse(job, spec, latest, token, stop_first=suspending)
+            token, ca = api.control_credentials(meta["namespace"], meta["name"])
+            outcome = control.converse(job, spec, latest, token, ca, stop_first=suspending)
             if not suspending:  # look again soon: the status follows the run while it trains
                 decided.requeue_after = min(decided.requeue_after or control.REFRESH_S, control.REFRESH_S)
     decided.status.update(outcome.status)

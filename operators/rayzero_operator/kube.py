@@ -1,11 +1,13 @@
 """The only module of our own that talks to the Kubernetes API (kopf does its own watching).
 
-Every call here is one the Helm chart's ClusterRole grants, and nothing more: when you add a call,
-add its verb to helm/rayzero-operator/templates/clusterrole.yaml (the k8s tests run the operator
-with exactly that role, so a missing verb fails them).
+Every call here is one the Helm chart's rules grant, and nothing more: when you add a call, add its
+verb to `rayzero-operator.rules` in helm/rayzero-operator/templates/_helpers.tpl (the ClusterRole and
+the namespaced Roles both use it; the k8s tests run the operator with exactly those, so a missing
+verb fails them).
 """
 from __future__ import annotations
 
+import base64
 import datetime as dt
 import logging
 from typing import Any
@@ -51,18 +53,29 @@ class KubeApi:
             label_selector=f"{manifests.LABEL_JOB}={job_name}")
         return list(found.get("items", []))
 
-    def control_token(self, namespace: str, job_name: str) -> str | None:
-        """The job's control-service token from its Secret ([Note: the job's tokens]); None if absent."""
-        import base64
-
+    def control_credentials(self, namespace: str, job_name: str) -> tuple[str | None, str | None]:
+        """(token, CA certificate PEM) of the job's control service from its Secret ([Note: the job's
+        tokens]); None for what is absent."""
         try:
             secret = self.core.read_namespaced_secret(manifests.auth_secret_name(job_name), namespace)
         except ApiException as error:
             if error.status == 404:
+                return None, None
+            raise
+        data = secret.data or {}
+        token, ca = (data.get(key) for key in (manifests.CONTROL_TOKEN_KEY, manifests.CA_KEY))
+        return (base64.b64decode(token).decode() if token else None, base64.b64decode(ca).decode() if ca else None)
+
+    def secret_facts(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """Type and labels of a Secret (what spec.storage.credentialsSecret is checked against); None
+        when there is none. Its data is not kept."""
+        try:
+            secret = self.core.read_namespaced_secret(name, namespace)
+        except ApiException as error:
+            if error.status == 404:
                 return None
             raise
-        value = (secret.data or {}).get(manifests.CONTROL_TOKEN_KEY)
-        return base64.b64decode(value).decode() if value else None
+        return {"type": secret.type, "labels": dict(secret.metadata.labels or {})}
 
     def config_map_labels(self, namespace: str, name: str) -> dict[str, str] | None:
         """Labels of a ConfigMap, or None when there is none of that name."""
@@ -86,7 +99,8 @@ class KubeApi:
 
     def create(self, manifest: dict[str, Any]) -> bool:
         """Create a Secret, ConfigMap or RayJob; False when it already exists (another reconcile made it).
-        An existing Secret is kept as it is (the job's pods hold its tokens).
+        An existing Secret keeps Ray's token; its control credentials are replaced when the manifest is
+        for a newer attempt than theirs, once ([Note: the job's tokens]).
 
         An existing ConfigMap is brought up to date (its content follows the spec for the next
         attempt); an existing RayJob is left alone (one RayJob per attempt, never rewritten).
@@ -107,7 +121,23 @@ class KubeApi:
                 raise
         if manifest["kind"] == "ConfigMap":
             self.core.patch_namespaced_config_map(meta["name"], meta["namespace"], {"data": manifest["data"]})
+        elif manifest["kind"] == "Secret":
+            self._rotate_control_credentials(manifest)
         return False
+
+    def _rotate_control_credentials(self, manifest: dict[str, Any]) -> None:
+        meta = manifest["metadata"]
+        existing = self.core.read_namespaced_secret(meta["name"], meta["namespace"])
+        key = manifests.CONTROL_ATTEMPT_ANNOTATION
+        had = int((existing.metadata.annotations or {}).get(key) or 0)
+        if had >= int(meta["annotations"][key]):
+            return  # this attempt's credentials are there already (a repeated reconcile)
+        fresh = {name: value for name, value in manifest["data"].items() if name != manifests.RAY_TOKEN_KEY}
+        # resourceVersion: of two racing reconciles only one replaces them; the other gets a 409.
+        self.core.patch_namespaced_secret(meta["name"], meta["namespace"], {
+            "metadata": {"annotations": {key: meta["annotations"][key]},
+                         "resourceVersion": existing.metadata.resource_version},
+            "data": fresh})
 
     def patch_ray_job(self, namespace: str, name: str, patch: dict[str, Any]) -> None:
         self.custom.patch_namespaced_custom_object(

@@ -37,12 +37,22 @@ NODE_LOCAL_VOLUME = "rayzero-node-local"
 DEFAULT_NODE_LOCAL_MOUNT = "/mnt/rayzero-local"
 ENV_RESUME_FROM = "RAYZERO_RESUME_FROM"
 # [Note: the job's tokens] One Secret per RayZeroJob, created by the operator and owned by the job,
-# holds two tokens: `auth_token` for Ray's own token authentication (KubeRay's key name, so
-# `authOptions.secretName` can point at it and KubeRay's job submitter authenticates too) and
-# `control_token` for rayzero's control service, which the operator uses to read status and to ask
-# for checkpoints, stops and scaling. Neither is ever in a RayJob or a status: pods read them through
-# secretKeyRef.
+# holds `auth_token` for Ray's own token authentication (KubeRay's key name, so
+# `authOptions.secretName` can point at it and KubeRay's job submitter authenticates too), made once
+# per job, and the control service's credentials, made again for every attempt (RayJob):
+# `control_token` (the bearer token the operator sends to read status and ask for checkpoints, stops
+# and scaling) and the service's TLS material, `ca.crt`, `tls.crt`, `tls.key` ([Note: control-plane
+# TLS] in rayzero/control/tls.py). The annotation `rayzero.io/control-attempt` says which attempt
+# they belong to, so a restarted operator never rotates them twice. None of it is ever in a RayJob or
+# a status: pods read the tokens through secretKeyRef and the TLS files from a Secret volume (the
+# key on the head only), and control.json never holds the token.
 RAY_TOKEN_KEY, CONTROL_TOKEN_KEY = "auth_token", "control_token"
+CA_KEY, CERT_KEY, PRIVATE_KEY_KEY = "ca.crt", "tls.crt", "tls.key"
+CONTROL_ATTEMPT_ANNOTATION = f"{GROUP}/control-attempt"
+CONTROL_TLS_VOLUME = "rayzero-control-tls"
+CONTROL_TLS_DIR = "/etc/rayzero-control"
+SCRATCH_VOLUME, SCRATCH_DIR = "rayzero-tmp", "/tmp"
+SERVICE_ACCOUNT_TOKEN_VOLUME = "kube-api-access-autoscaler"
 CONTROL_PORT_NAME = "rayzero-control"
 RAY_USER_ID, RAY_GROUP_ID = 1000, 100  # the `ray` user of Ray's images and of workers/Dockerfile
 ENV_NODE_LOCAL_DIR = "RAYZERO_NODE_LOCAL_DIR"
@@ -61,14 +71,31 @@ def auth_secret_name(job_name: str) -> str:
     return f"{job_name}-rayzero-auth"
 
 
-def auth_secret(job: dict[str, Any]) -> dict[str, Any]:
-    """The job's token Secret with fresh random tokens. Created once: an existing one is never
-    rewritten (running pods hold its tokens)."""
+def control_server_name(job_name: str, namespace: str) -> str:
+    """The DNS name in the control service's certificate: an identity the operator verifies whatever
+    address it dials (the head's Service IP changes with every attempt)."""
+    return f"control.{job_name}.{namespace}.rayzero"
+
+
+def _encoded(text: str) -> str:
+    return base64.b64encode(text.encode()).decode()
+
+
+def control_credentials(job: dict[str, Any]) -> dict[str, str]:
+    """Fresh control-service credentials for one attempt, as Secret `data` (base64): a token, and a CA
+    made for this attempt with the certificate it signed for the job's control name."""
+    from rayzero.control.tls import make_service_certificates
+
     meta = job["metadata"]
+    made = make_service_certificates(control_server_name(meta["name"], meta["namespace"]))
+    return {CONTROL_TOKEN_KEY: _encoded(secrets.token_urlsafe(32)), CA_KEY: _encoded(made.ca_certificate),
+            CERT_KEY: _encoded(made.certificate), PRIVATE_KEY_KEY: _encoded(made.private_key)}
 
-    def token() -> str:
-        return base64.b64encode(secrets.token_urlsafe(32).encode()).decode()
 
+def auth_secret(job: dict[str, Any], attempt: int) -> dict[str, Any]:
+    """The job's Secret as attempt `attempt` needs it ([Note: the job's tokens]). When it exists, only
+    the control credentials are replaced, and only for a newer attempt (KubeApi.create)."""
+    meta = job["metadata"]
     return {
         "apiVersion": "v1",
         "kind": "Secret",
@@ -77,9 +104,10 @@ def auth_secret(job: dict[str, Any]) -> dict[str, Any]:
             "name": auth_secret_name(meta["name"]),
             "namespace": meta["namespace"],
             "labels": labels(meta["name"]),
+            "annotations": {CONTROL_ATTEMPT_ANNOTATION: str(attempt)},
             "ownerReferences": [owner_reference(job)],
         },
-        "data": {RAY_TOKEN_KEY: token(), CONTROL_TOKEN_KEY: token()},
+        "data": {RAY_TOKEN_KEY: _encoded(secrets.token_urlsafe(32)), **control_credentials(job)},
     }
 
 
@@ -182,7 +210,10 @@ def _node_local_volume(spec: RayZeroJobSpec) -> dict[str, Any]:
     if local is None:
         return {"name": NODE_LOCAL_VOLUME, "emptyDir": {}}
     if local.host_path is not None:
-        return {"name": NODE_LOCAL_VOLUME, "hostPath": {"path": local.host_path, "type": "DirectoryOrCreate"}}
+        # `Directory`, not `DirectoryOrCreate`: the node's administrator prepares it (workers/README.md);
+        # a typo fails the pod instead of making directories as root on the host. Which roots a job may
+        # name at all is the operator's allowedHostPaths (spec.py).
+        return {"name": NODE_LOCAL_VOLUME, "hostPath": {"path": local.host_path, "type": "Directory"}}
     return {"name": NODE_LOCAL_VOLUME, "ephemeral": {"volumeClaimTemplate": {"spec": {
         "accessModes": ["ReadWriteOnce"],
         "storageClassName": local.storage_class_name,
@@ -190,20 +221,42 @@ def _node_local_volume(spec: RayZeroJobSpec) -> dict[str, Any]:
     }}}}
 
 
-def _container(spec: RayZeroJobSpec, job_name: str, attempt: int, name: str, resources: Resources
-               ) -> dict[str, Any]:
+def _control_tls_volume(job_name: str, head: bool) -> dict[str, Any]:
+    """The attempt's control TLS files from the job's Secret: the private key only on the head (the
+    controller serves there), the CA everywhere (`rayzero status` in any pod pins it). 0440 with the
+    pods' fsGroup: readable by the `ray` user's group, nobody else."""
+    keys = (CA_KEY, CERT_KEY, PRIVATE_KEY_KEY) if head else (CA_KEY,)
+    return {"name": CONTROL_TLS_VOLUME, "secret": {"secretName": auth_secret_name(job_name), "defaultMode": 0o440,
+                                                   "items": [{"key": key, "path": key} for key in keys]}}
+
+
+def _container(spec: RayZeroJobSpec, job_name: str, attempt: int, name: str, resources: Resources, *,
+               head: bool) -> dict[str, Any]:
     mount_path = spec.storage.node_local.mount_path if spec.storage.node_local else DEFAULT_NODE_LOCAL_MOUNT
     # The head gets the variable too: the rayzero controller runs there and tells workers where to write.
     env = [{"name": "RAYZERO_JOB_NAME", "value": job_name},
            {"name": "RAYZERO_ATTEMPT", "value": str(attempt)},
-           {"name": ENV_NODE_LOCAL_DIR, "value": mount_path}]
+           {"name": ENV_NODE_LOCAL_DIR, "value": mount_path},
+           {"name": "RAYZERO_CONTROL_TLS_CA", "value": f"{CONTROL_TLS_DIR}/{CA_KEY}"}]
+    # The root filesystem is read-only; Ray writes its sessions, logs and sockets under /tmp/ray
+    # (its default temp dir), Python's tempfile and torch's caches under /tmp: an emptyDir there.
     mounts = [{"name": CONFIG_VOLUME, "mountPath": CONFIG_MOUNT_DIR, "readOnly": True},
-              {"name": NODE_LOCAL_VOLUME, "mountPath": mount_path}]
+              {"name": NODE_LOCAL_VOLUME, "mountPath": mount_path},
+              {"name": SCRATCH_VOLUME, "mountPath": SCRATCH_DIR},
+              {"name": CONTROL_TLS_VOLUME, "mountPath": CONTROL_TLS_DIR, "readOnly": True}]
     # Ray's token authentication: every Ray process and client in the cluster needs the token
     # (KubeRay sets the same from authOptions; set here too so the pods never run without it).
     secret = auth_secret_name(job_name)
     env += [{"name": "RAY_AUTH_MODE", "value": "token"},
             {"name": "RAY_AUTH_TOKEN", "valueFrom": {"secretKeyRef": {"name": secret, "key": RAY_TOKEN_KEY}}}]
+    if head:
+        # The controller's control service: a fixed port the head Service exposes, the attempt's
+        # token, and TLS with the attempt's certificate ([Note: the job's tokens]).
+        env += [{"name": "RAYZERO_CONTROL_PORT", "value": str(spec.head.control_port)},
+                {"name": "RAYZERO_CONTROL_TOKEN", "valueFrom": {"secretKeyRef": {
+                    "name": secret, "key": CONTROL_TOKEN_KEY}}},
+                {"name": "RAYZERO_CONTROL_TLS_CERT", "value": f"{CONTROL_TLS_DIR}/{CERT_KEY}"},
+                {"name": "RAYZERO_CONTROL_TLS_KEY", "value": f"{CONTROL_TLS_DIR}/{PRIVATE_KEY_KEY}"}]
     container: dict[str, Any] = {
         "name": name,
         "image": spec.image,
@@ -211,18 +264,40 @@ def _container(spec: RayZeroJobSpec, job_name: str, attempt: int, name: str, res
         "env": env,
         "volumeMounts": mounts,
         "resources": _resources(resources),
-        "securityContext": {"allowPrivilegeEscalation": False, "privileged": False,
+        "securityContext": {"allowPrivilegeEscalation": False, "privileged": False, "readOnlyRootFilesystem": True,
                             "capabilities": {"drop": ["ALL"]}},
     }
     if spec.storage.credentials_secret is not None:
+        # The only Secret a job author can bring, and only one labelled for it (spec.py).
         container["envFrom"] = [{"secretRef": {"name": spec.storage.credentials_secret}}]
     return container
 
 
-def _pod_security() -> dict[str, Any]:
-    """Ray pods run as the image's non-root `ray` user; volumes are group-writable through fsGroup."""
-    return {"runAsNonRoot": True, "runAsUser": RAY_USER_ID, "runAsGroup": RAY_GROUP_ID, "fsGroup": RAY_GROUP_ID,
-            "seccompProfile": {"type": "RuntimeDefault"}}
+def _pod_spec(spec: RayZeroJobSpec, job_name: str, container: dict[str, Any], *, head: bool) -> dict[str, Any]:
+    """Ray pods run as the image's non-root `ray` user, volumes group-writable through fsGroup, and
+    without the namespace's ServiceAccount token: training code has no business with the API."""
+    # The head trains nothing: scratch space only, never a node-local claim.
+    node_local = {"name": NODE_LOCAL_VOLUME, "emptyDir": {}} if head else _node_local_volume(spec)
+    return {
+        "containers": [container],
+        "automountServiceAccountToken": False,
+        "securityContext": {"runAsNonRoot": True, "runAsUser": RAY_USER_ID, "runAsGroup": RAY_GROUP_ID,
+                            "fsGroup": RAY_GROUP_ID, "seccompProfile": {"type": "RuntimeDefault"}},
+        "volumes": [_config_volume(spec, job_name), node_local, {"name": SCRATCH_VOLUME, "emptyDir": {}},
+                    _control_tls_volume(job_name, head)],
+    }
+
+
+def _autoscaler_token_volume() -> dict[str, Any]:
+    """What the ServiceAccount admission plugin would mount in every container, for KubeRay's
+    autoscaler sidecar alone (autoscalerOptions.volumeMounts): it scales the RayCluster through the
+    API with the ServiceAccount KubeRay gives the head; the Ray container never sees the token."""
+    return {"name": SERVICE_ACCOUNT_TOKEN_VOLUME, "projected": {"defaultMode": 0o444, "sources": [
+        {"serviceAccountToken": {"path": "token", "expirationSeconds": 3607}},
+        {"configMap": {"name": "kube-root-ca.crt", "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
+        {"downwardAPI": {"items": [{"path": "namespace", "fieldRef": {"apiVersion": "v1",
+                                                                      "fieldPath": "metadata.namespace"}}]}},
+    ]}}
 
 
 def ray_job(job: dict[str, Any], spec: RayZeroJobSpec, attempt: int,
@@ -231,21 +306,16 @@ def ray_job(job: dict[str, Any], spec: RayZeroJobSpec, attempt: int,
     meta = job["metadata"]
     name = meta["name"]
     low, high = spec.world_bounds()
-    head = _container(spec, name, attempt, "ray-head", spec.head.resources)
+    head = _container(spec, name, attempt, "ray-head", spec.head.resources, head=True)
     head["ports"] = [{"containerPort": 6379, "name": "gcs-server"},
                      {"containerPort": 8265, "name": "dashboard"},
                      {"containerPort": 10001, "name": "client"},
                      {"containerPort": spec.head.control_port, "name": CONTROL_PORT_NAME}]
-    # The controller's control service: a fixed port the head Service exposes, the job's token.
-    head["env"] += [{"name": "RAYZERO_CONTROL_PORT", "value": str(spec.head.control_port)},
-                    {"name": "RAYZERO_CONTROL_TOKEN", "valueFrom": {"secretKeyRef": {
-                        "name": auth_secret_name(name), "key": CONTROL_TOKEN_KEY}}}]
-    worker = _container(spec, name, attempt, "ray-worker", spec.workers.resources)
-    worker_pod: dict[str, Any] = {"containers": [worker],
-                                  "volumes": [_config_volume(spec, name), _node_local_volume(spec)],
-                                  "securityContext": _pod_security(),
-                                  # time for the planned stop to commit the current step on SIGTERM
-                                  "terminationGracePeriodSeconds": spec.workers.termination_grace_period_seconds}
+    head_pod = _pod_spec(spec, name, head, head=True)
+    worker_pod = _pod_spec(spec, name, _container(spec, name, attempt, "ray-worker", spec.workers.resources,
+                                                  head=False), head=False)
+    # time for the planned stop to commit the current step on SIGTERM
+    worker_pod["terminationGracePeriodSeconds"] = spec.workers.termination_grace_period_seconds
     if spec.workers.node_selector:
         worker_pod["nodeSelector"] = dict(spec.workers.node_selector)
     ray_job_spec: dict[str, Any] = {
@@ -263,10 +333,7 @@ def ray_job(job: dict[str, Any], spec: RayZeroJobSpec, attempt: int,
             "authOptions": {"mode": "token", "secretName": auth_secret_name(name)},
             "headGroupSpec": {
                 "rayStartParams": {"dashboard-host": "0.0.0.0"},
-                "template": {"metadata": {"labels": labels(name, attempt)},
-                             # The head trains nothing: scratch space only, never a node-local claim.
-                             "spec": {"containers": [head], "securityContext": _pod_security(), "volumes": [
-                                 _config_volume(spec, name), {"name": NODE_LOCAL_VOLUME, "emptyDir": {}}]}},
+                "template": {"metadata": {"labels": labels(name, attempt)}, "spec": head_pod},
             },
             "workerGroupSpecs": [{
                 "groupName": WORKER_GROUP,
@@ -278,6 +345,11 @@ def ray_job(job: dict[str, Any], spec: RayZeroJobSpec, attempt: int,
             }],
         },
     }
+    if low < high:
+        head_pod["volumes"].append(_autoscaler_token_volume())
+        ray_job_spec["rayClusterSpec"]["autoscalerOptions"] = {"volumeMounts": [{
+            "name": SERVICE_ACCOUNT_TOKEN_VOLUME, "mountPath": "/var/run/secrets/kubernetes.io/serviceaccount",
+            "readOnly": True}]}
     if spec.ttl_seconds_after_finished is not None:
         ray_job_spec["ttlSecondsAfterFinished"] = spec.ttl_seconds_after_finished
     runtime_env = runtime_env_yaml(resume_from)

@@ -21,7 +21,14 @@ import yaml
 
 from rayzero.config.k8s_job import RayZeroJobSpec
 from rayzero_operator import manifests
-from rayzero_operator.spec import SpecProblem, deepspeed_problems, parse_spec
+from rayzero_operator.spec import (
+    DEFAULT_ALLOWED_HOST_PATHS,
+    SpecProblem,
+    credentials_problems,
+    deepspeed_problems,
+    parse_spec,
+    storage_problems,
+)
 
 TERMINAL = ("Succeeded", "Failed")
 
@@ -40,6 +47,10 @@ class Observed:
     """The cluster does not serve ray.io/v1 RayJobs (KubeRay is not installed)."""
     generated_config_map_labels: dict[str, str] | None = None
     """Labels of the ConfigMap named `<job>-deepspeed`, if one exists (ours, or somebody else's)."""
+    credentials_secret: dict[str, Any] | None = None
+    """`{"type", "labels"}` of the Secret `spec.storage.credentialsSecret` names; None when absent."""
+    allowed_host_paths: tuple[str, ...] = DEFAULT_ALLOWED_HOST_PATHS
+    """The operator's allowedHostPaths (Helm value)."""
     now: dt.datetime = field(default_factory=lambda: dt.datetime.now(dt.timezone.utc))
 
 
@@ -128,6 +139,9 @@ def _check(observed: Observed) -> tuple[RayZeroJobSpec | None, list[SpecProblem]
         else:
             problems += deepspeed_problems(observed.config_map_text, spec.world_size(),
                                            f"spec.deepspeed.configMapRef({ref.name}/{ref.key})")
+    if spec is not None:
+        problems += storage_problems(spec, observed.allowed_host_paths)
+        problems += credentials_problems(spec, observed.credentials_secret, job["metadata"]["namespace"])
     taken = observed.generated_config_map_labels
     if (spec is not None and spec.deepspeed.config is not None and taken is not None
             and taken.get(manifests.LABEL_JOB) != name):
@@ -226,7 +240,8 @@ def _status(observed: Observed, phase: str, reason: str, message: str, problems:
 
 def _start(result: Plan, job: dict[str, Any], spec: RayZeroJobSpec, attempt: int,
            resume: str | None) -> None:
-    result.create.append(manifests.auth_secret(job))  # kept when it exists: pods of the job hold its tokens
+    # New control credentials for this attempt; Ray's token is kept ([Note: the job's tokens]).
+    result.create.append(manifests.auth_secret(job, attempt))
     if spec.deepspeed.config is not None:
         result.create.append(manifests.config_map(job, spec))
     result.create.append(manifests.ray_job(job, spec, attempt, resume))

@@ -10,6 +10,7 @@ what to change.
 from __future__ import annotations
 
 import json
+import posixpath
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,8 +18,24 @@ from pydantic import ValidationError
 
 from rayzero.config import ConfigError, load_config
 from rayzero.config.errors import nearest
-from rayzero.config.k8s_job import RayZeroJobSpec
+from rayzero.config.k8s_job import CONFIG_MOUNT_DIR, GROUP, RayZeroJobSpec
 from rayzero.config.runnable import check_runnable
+from rayzero_operator import manifests
+
+# [Note: what a RayZeroJob author can bring into a pod]
+# People who may create RayZeroJobs but not pods must not get, through the operator, what a pod
+# would give them: the operator refuses (InvalidSpec, naming the field) a `storage.nodeLocal.hostPath`
+# outside the operator's allowedHostPaths (Helm value; default the node-local root of
+# workers/README.md; matched per path component, as PodSecurityPolicy's allowedHostPaths did), and
+# a `storage.credentialsSecret` that its owner did not mark for RayZeroJobs with the label
+# `rayzero.io/credentials=true` or that is not an Opaque Secret (never a ServiceAccount token, never
+# the operator's own per-job Secrets). Nothing else in a spec names a host path or a Secret; the
+# pods run without the namespace's ServiceAccount token (manifests.py).
+ALLOWED_HOST_PATHS_ENV = "RAYZERO_OPERATOR_ALLOWED_HOST_PATHS"
+DEFAULT_ALLOWED_HOST_PATHS = ("/mnt/nvme/rayzero",)
+CREDENTIALS_LABEL = f"{GROUP}/credentials"
+RESERVED_MOUNT_PATHS = (CONFIG_MOUNT_DIR, manifests.CONTROL_TLS_DIR, manifests.SCRATCH_DIR)
+"""Where the operator mounts its own volumes in the Ray containers."""
 
 
 @dataclass(frozen=True)
@@ -103,6 +120,75 @@ def _cross_field_problems(spec: RayZeroJobSpec) -> list[SpecProblem]:
             "spec.storage.nodeLocal", "needs exactly one of `hostPath` and `storageClassName`",
             "keep one of spec.storage.nodeLocal.hostPath and spec.storage.nodeLocal.storageClassName"))
     return problems
+
+
+def _is_within(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def parse_allowed_host_paths(text: str | None) -> tuple[str, ...]:
+    """The operator's allowedHostPaths from its environment (a JSON list; unset: the default)."""
+    if text is None:
+        return DEFAULT_ALLOWED_HOST_PATHS
+    try:
+        roots = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{ALLOWED_HOST_PATHS_ENV}={text!r} is not JSON ({error}); set a JSON list of "
+                         "absolute directories, e.g. [\"/mnt/nvme/rayzero\"] (Helm value allowedHostPaths)") from None
+    bad = [root for root in roots if not isinstance(root, str) or not root.startswith("/")
+           or posixpath.normpath(root) != root or root == "/"] if isinstance(roots, list) else [roots]
+    if bad:
+        raise ValueError(f"{ALLOWED_HOST_PATHS_ENV}: {bad!r} are not normalized absolute directories other than "
+                         "/; set a JSON list such as [\"/mnt/nvme/rayzero\"] (Helm value allowedHostPaths)")
+    return tuple(roots)
+
+
+def storage_problems(spec: RayZeroJobSpec, allowed_host_paths: tuple[str, ...]) -> list[SpecProblem]:
+    """The node-local volume's paths ([Note: what a RayZeroJob author can bring into a pod])."""
+    local = spec.storage.node_local
+    if local is None:
+        return []
+    problems = []
+    if local.host_path is not None and not any(_is_within(local.host_path, root) for root in allowed_host_paths):
+        allowed = ", ".join(allowed_host_paths) or "none: hostPath volumes are turned off"
+        problems.append(SpecProblem(
+            "spec.storage.nodeLocal.hostPath", f"{local.host_path!r} is outside the directories this operator "
+            f"lets RayZeroJobs mount from the node ({allowed})",
+            "use a directory under one of them, or storageClassName for a local volume; a cluster admin "
+            "widens the list with the Helm value allowedHostPaths"))
+    clashes = [reserved for reserved in RESERVED_MOUNT_PATHS
+               if _is_within(local.mount_path, reserved) or _is_within(reserved, local.mount_path)]
+    if clashes:
+        problems.append(SpecProblem(
+            "spec.storage.nodeLocal.mountPath", f"{local.mount_path!r} overlaps {', '.join(clashes)}, where "
+            "the operator mounts its own volumes", "use another directory, e.g. /mnt/rayzero-local"))
+    return problems
+
+
+def credentials_problems(spec: RayZeroJobSpec, secret: dict[str, Any] | None, namespace: str
+                         ) -> list[SpecProblem]:
+    """`storage.credentialsSecret` against the Secret found (`{"type": ..., "labels": {...}}`, None
+    when there is none): see [Note: what a RayZeroJob author can bring into a pod]."""
+    name = spec.storage.credentials_secret
+    if name is None:
+        return []
+    field = "spec.storage.credentialsSecret"
+    label = f"`kubectl label secret -n {namespace} {name} {CREDENTIALS_LABEL}=true`"
+    if secret is None:
+        return [SpecProblem(field, f"Secret {name!r} was not found in namespace {namespace!r}",
+                            f"create it, then mark it for RayZeroJobs: {label}")]
+    labels = secret.get("labels") or {}
+    if labels.get("app.kubernetes.io/managed-by") == manifests.MANAGED_BY:
+        return [SpecProblem(field, f"Secret {name!r} is one the rayzero operator made for a job",
+                            "name a Secret holding your storage credentials")]
+    if (secret.get("type") or "Opaque") != "Opaque":
+        return [SpecProblem(field, f"Secret {name!r} has type {secret.get('type')!r}; only Opaque Secrets can "
+                            "hold storage credentials", "put the credentials in an Opaque Secret")]
+    if labels.get(CREDENTIALS_LABEL) != "true":
+        return [SpecProblem(field, f"Secret {name!r} is not marked for RayZeroJobs (label {CREDENTIALS_LABEL}="
+                            "true): a RayZeroJob may only bring Secrets whose owner allowed it",
+                            f"someone who may manage Secrets in {namespace!r} runs {label}")]
+    return []
 
 
 def deepspeed_problems(config: Any, world_size: int, where: str) -> list[SpecProblem]:

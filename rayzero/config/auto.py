@@ -37,10 +37,12 @@ class TrainerFacts(ConfigModel):
     """Fills `optimizer.params.eps`."""
     weight_decay: Optional[Float] = None
     """Fills `optimizer.params.weight_decay`."""
-    warmup_steps: Optional[Int] = Field(None, ge=0)
-    """Fills `scheduler.params.warmup_num_steps`."""
+    warmup_steps: Optional[Float] = Field(None, ge=0)
+    """Fills `scheduler.params.warmup_num_steps`: a step count (>= 1), or in [0, 1) a share of
+    `max_steps` (transformers 5); at least 1, as HF fills it."""
     warmup_ratio: Optional[Float] = Field(None, ge=0, le=1)
-    """With `max_steps`, fills `scheduler.params.warmup_num_steps` when `warmup_steps` is not given."""
+    """With `max_steps`, fills `scheduler.params.warmup_num_steps` when `warmup_steps` is not given
+    (transformers 4's name for the share)."""
     max_steps: Optional[Int] = Field(None, ge=1)
     """Fills `scheduler.params.total_num_steps`."""
     fp16: Optional[Bool] = None
@@ -187,10 +189,7 @@ def _from_trainer(config: RayZeroConfig, facts: TrainerFacts, fill: Any) -> None
              check=False)
         fill(params, "warmup_max_lr", "scheduler.params.warmup_max_lr", facts.learning_rate,
              trainer + "learning_rate")
-        warmup = facts.warmup_steps
-        source = trainer + "warmup_steps"
-        if warmup is None and facts.warmup_ratio is not None and facts.max_steps is not None:
-            warmup, source = math.ceil(facts.warmup_ratio * facts.max_steps), trainer + "warmup_ratio × max_steps"
+        warmup, source = _warmup_steps(facts)
         fill(params, "warmup_num_steps", "scheduler.params.warmup_num_steps", warmup, source)
         fill(params, "total_num_steps", "scheduler.params.total_num_steps", facts.max_steps, trainer + "max_steps")
     apex = (facts.half_precision_backend or "").lower() == "apex"
@@ -201,6 +200,25 @@ def _from_trainer(config: RayZeroConfig, facts: TrainerFacts, fill: Any) -> None
         fill(config.amp, "enabled", "amp.enabled", None if facts.fp16 is None else facts.fp16 and apex,
              trainer + "fp16 with half_precision_backend")
         fill(config.amp, "opt_level", "amp.opt_level", facts.fp16_opt_level, trainer + "fp16_opt_level")
+
+
+def _warmup_steps(facts: TrainerFacts) -> tuple[int | None, str]:
+    """`TrainingArguments.get_warmup_steps` (transformers 5.24): a count >= 1 as is, a share in
+    [0, 1) of the training steps; then at least 1, as `HfTrainerDeepSpeedConfig` fills
+    `warmup_num_steps` (DeepSpeed 0.19.6+ refuses 0). None when a share has no `max_steps` to apply to."""
+    steps, share = facts.warmup_steps, None
+    if steps is not None and steps >= 1:
+        return max(1, int(steps)), "trainer warmup_steps"
+    if steps is not None and steps > 0:
+        share, name = steps, "warmup_steps"
+    elif facts.warmup_ratio:
+        share, name = facts.warmup_ratio, "warmup_ratio"
+    if share is None:
+        return (1, "trainer warmup_steps (0: one step, as HF fills it)") if steps is not None else (
+            None, "trainer warmup_steps")
+    if facts.max_steps is None:
+        return None, f"trainer {name} with max_steps"
+    return max(1, math.ceil(share * facts.max_steps)), f"trainer {name} × max_steps"
 
 
 def _derive_batch(config: RayZeroConfig, world: int, notes: list[str], problems: list[Problem]) -> None:

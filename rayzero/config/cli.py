@@ -52,6 +52,7 @@ def _validate(args: argparse.Namespace) -> int:
     from rayzero.config.errors import ConfigError
     from rayzero.config.loader import load_config
     from rayzero.config.runnable import check_runnable
+    from rayzero.config.trainer import with_trainer_semantics
 
     # This command prints every note itself (below), once: the loader's own log lines would repeat
     # the warnings among them.
@@ -59,10 +60,11 @@ def _validate(args: argparse.Namespace) -> int:
     previous_level = config_logger.level
     config_logger.setLevel(logging.ERROR)
     try:
-        config = load_config(
-            args.file, world_size=args.world_size, hidden_size=args.hidden_size,
-            trainer=dict(args.trainer) if args.trainer else None, allow_unresolved=args.allow_auto,
-        )
+        source, trainer = args.file, dict(args.trainer) if args.trainer else None
+        if trainer:  # as `rayzero run --trainer` sees it: HF's defaults for every value not given
+            source, trainer = with_trainer_semantics(args.file, trainer)
+        config = load_config(source, world_size=args.world_size, hidden_size=args.hidden_size,
+                             trainer=trainer, allow_unresolved=args.allow_auto)
         # --allow-auto keeps "auto" on purpose (a trainer fills it later): only the rest is checked.
         check_runnable(config, args.file, trainer_present=args.allow_auto)
     except ConfigError as error:

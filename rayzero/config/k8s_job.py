@@ -39,6 +39,8 @@ CONFIG_FILE_NAME = "ds_config.json"
 QUANTITY_PATTERN = (
     r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
 )
+# An absolute, normalized path other than "/": no empty, "." or ".." component (RE2: no lookarounds).
+NORMALIZED_PATH_PATTERN = r"^(/([^/.][^/]*|\.[^/.][^/]*|\.\.[^/]+))+$"
 # DNS-1123 subdomain: what Kubernetes accepts for ConfigMap and Secret names.
 DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 
@@ -148,8 +150,9 @@ class NodeLocal(K8sModel):
     """Fast node-local disk for the first checkpoint tier and NVMe offload: a hostPath or a local
     volume (a generic ephemeral volume from a local-storage StorageClass) — exactly one."""
 
-    host_path: str | None = Field(default=None, pattern=r"^/")
-    """A directory on every node (e.g. an NVMe mount prepared as in workers/README.md)."""
+    host_path: str | None = Field(default=None, pattern=NORMALIZED_PATH_PATTERN)
+    """A directory on every node, prepared by its administrator (e.g. an NVMe mount as in
+    workers/README.md); it must lie under one of the operator's allowedHostPaths."""
     storage_class_name: str | None = Field(default=None, min_length=1)
     """A StorageClass of local PersistentVolumes; each pod gets its own claim of `size`."""
     size: Quantity = "100Gi"

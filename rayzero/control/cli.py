@@ -1,8 +1,9 @@
 """`rayzero status|stop|scale|kill` and `rayzero checkpoint now`: talk to a live run.
 
 A run is named as `rayzero run --name` / RunConfig.name named it, under the same storage (`--storage`,
-default `$RAYZERO_STORAGE_ROOT`, else ./runs); its control.json gives the address and token. From a
-machine that cannot read the storage, pass `--address HOST:PORT --token-file FILE` instead of NAME.
+default `$RAYZERO_STORAGE_ROOT`, else ./runs); its control.json gives the address and TLS details. The
+token is never there: `--token-file`, $RAYZERO_CONTROL_TOKEN, or, on the controller's node, the run's
+local token file. From a machine that cannot read the storage, pass `--address HOST:PORT` instead of NAME.
 Exit codes: 0 done, 1 the run refused or could not be reached, 2 bad arguments.
 """
 from __future__ import annotations
@@ -23,25 +24,33 @@ def _target_arguments(parser: argparse.ArgumentParser, name_optional: bool = Tru
     parser.add_argument("--storage", default=None,
                         help="root URI of the runs, as given to the run (default $RAYZERO_STORAGE_ROOT, else ./runs)")
     parser.add_argument("--address", default=None, help="HOST:PORT of the run's control service, instead of NAME")
-    parser.add_argument("--token-file", default=None, help="file holding the run's token (with --address)")
+    parser.add_argument("--token-file", default=None,
+                        help="file holding the run's token (default: $RAYZERO_CONTROL_TOKEN, else the run's local "
+                             "token file on the controller's node)")
     parser.add_argument("--tls", action="store_true", help="the service at --address speaks TLS")
-    parser.add_argument("--ca-file", default=None, help="PEM root certificate(s) to verify --address with TLS")
+    parser.add_argument("--ca-file", default=None,
+                        help="the run's PEM CA certificate, pinned (default $RAYZERO_CONTROL_TLS_CA)")
+    parser.add_argument("--server-name", default=None,
+                        help="with --address: the name the service's certificate carries (control.json's "
+                             "server_name)")
 
 
 def _client(args: argparse.Namespace, prog: str):
-    from rayzero.control.client import ControlClient, connect
+    import os
+
+    from rayzero.control.client import connect
+    from rayzero.control.tokens import TOKEN_ENV
 
     if args.address:
         if args.name:
             raise _Usage(f"{prog}: give NAME or --address, not both")
-        if not args.token_file:
-            raise _Usage(f"{prog}: --address needs --token-file FILE (the run's token)")
-        ca = open(args.ca_file).read() if args.ca_file else None  # noqa: SIM115
-        token = open(args.token_file).read().strip()  # noqa: SIM115
-        return ControlClient(args.address, token, tls=args.tls or ca is not None, root_certificates=ca)
+        if not args.token_file and not os.environ.get(TOKEN_ENV):
+            raise _Usage(f"{prog}: --address needs --token-file FILE (the run's token) or {TOKEN_ENV}")
+        return connect(address=args.address, token_file=args.token_file, ca_file=args.ca_file, tls=args.tls,
+                       server_name=args.server_name)
     if not args.name:
         raise _Usage(f"{prog}: give the run NAME (or --address HOST:PORT --token-file FILE)")
-    return connect(args.name, storage=args.storage)
+    return connect(args.name, storage=args.storage, token_file=args.token_file, ca_file=args.ca_file)
 
 
 class _Usage(Exception):
@@ -132,7 +141,7 @@ def _list_live_runs(args: argparse.Namespace) -> int:
     from rayzero.control.client import connect, status_dict
     from rayzero.control.discovery import live_runs, storage_root
 
-    names = live_runs(args.storage)
+    names = live_runs(args.storage)  # each found by name: its token comes from this node or the environment
     if not names:
         print(f"no live run under {storage_root(args.storage)} (none has a control.json); pass --storage "
               "as given to the runs", file=sys.stderr)
@@ -140,7 +149,7 @@ def _list_live_runs(args: argparse.Namespace) -> int:
     rows = {}
     for name in names:
         try:
-            with connect(name, storage=args.storage, timeout_s=3) as client:
+            with connect(name, storage=args.storage, ca_file=args.ca_file, timeout_s=3) as client:
                 rows[name] = client.status()
         except RayZeroError as error:
             rows[name] = error
@@ -198,7 +207,8 @@ def _scale(argv: list[str]) -> int:
     parser.add_argument("name", nargs="?", help="run name")
     parser.add_argument("workers", type=int, help="workers (ranks) wanted")
     for flag, help_text in (("--storage", "root URI of the runs"), ("--address", "HOST:PORT instead of NAME"),
-                            ("--token-file", "file holding the run's token"), ("--ca-file", "PEM root certificates")):
+                            ("--token-file", "file holding the run's token"), ("--ca-file", "the run's PEM CA, pinned"),
+                            ("--server-name", "with --address: the name in the service's certificate")):
         parser.add_argument(flag, default=None, help=help_text)
     parser.add_argument("--tls", action="store_true", help="the service at --address speaks TLS")
     args = parser.parse_args(argv)

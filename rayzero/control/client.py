@@ -4,45 +4,71 @@
         print(run.status().step)
         checkpoint = run.checkpoint_now()
         run.stop()
+
+The address and TLS details come from the run's control.json, the token from the caller, the
+environment or the controller's local token file ([Note: the control token never goes to run
+storage] in tokens.py). A CA given here or in RAYZERO_CONTROL_TLS_CA is pinned: the service must
+present a certificate it signed, and a run without TLS is refused rather than sent the token.
 """
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
+import os
 from typing import Any
 
 import grpc
 
 from rayzero.config.errors import RayZeroValueError
+from rayzero.control import tls as control_tls
 from rayzero.control.discovery import ControlInfo, read_control_file, run_uri
 from rayzero.control.errors import ControlError, ControlValueError
+from rayzero.control.tokens import TOKEN_ENV, find_token, read_token_file
 from rayzero.control.v1 import control_pb2, control_pb2_grpc
 
 DEFAULT_CALL_TIMEOUT_S = 10.0
 """Deadline of the quick calls (status, scale, kill)."""
 DEFAULT_CHECKPOINT_TIMEOUT_S = 600.0
 """How long checkpoint-now and stop wait for the commit (a large model's save takes minutes)."""
+TLS_CA_ENV = "RAYZERO_CONTROL_TLS_CA"
+"""A PEM CA file clients pin (the Ray pods of a RayZeroJob have the job's)."""
 
 
 class ControlClient:
     """One channel to one run's control service; every call carries the run's bearer token."""
 
     def __init__(self, address: str, token: str, *, tls: bool = False, root_certificates: str | None = None,
-                 timeout_s: float = DEFAULT_CALL_TIMEOUT_S) -> None:
+                 server_name: str | None = None, timeout_s: float = DEFAULT_CALL_TIMEOUT_S) -> None:
+        """`root_certificates`: PEM CA(s) to trust (None: the system's roots); `server_name`: the name
+        the service's certificate must carry, whatever `address` is ([Note: control-plane TLS])."""
         self.address = address
         self.timeout_s = timeout_s
         self._metadata = (("authorization", f"Bearer {token}"),)
         if tls:
             credentials = grpc.ssl_channel_credentials(
                 root_certificates=root_certificates.encode() if root_certificates else None)
-            self._channel = grpc.secure_channel(address, credentials)
+            options = [("grpc.ssl_target_name_override", server_name)] if server_name else []
+            self._channel = grpc.secure_channel(address, credentials, options=options)
         else:
             self._channel = grpc.insecure_channel(address)
         self._stub = control_pb2_grpc.ControlStub(self._channel)
 
     @classmethod
-    def from_info(cls, info: ControlInfo, **kwargs: Any) -> ControlClient:
-        return cls(info.address, info.token, tls=info.tls, root_certificates=info.root_certificates, **kwargs)
+    def from_info(cls, info: ControlInfo, token: str, *, pinned_ca: str | None = None, **kwargs: Any
+                  ) -> ControlClient:
+        """A client of the service `info` describes. With `pinned_ca` (PEM) the service must use TLS
+        with a certificate that CA signed; otherwise control.json's CA is trusted."""
+        if pinned_ca is not None:
+            if not info.tls:
+                raise ControlError(f"the run at {info.address} serves its control service without TLS, but this "
+                                   f"client pins a CA ({TLS_CA_ENV} / --ca-file): the token is not sent in plain "
+                                   "text. Start the run with TLS, or drop the CA", "FAILED_PRECONDITION")
+            pinned = control_tls.fingerprint(pinned_ca)
+            if info.ca_fingerprint and info.ca_fingerprint != pinned:
+                raise ControlError(f"the run at {info.address} uses the CA {info.ca_fingerprint}, not the pinned CA "
+                                   f"{pinned} ({TLS_CA_ENV} / --ca-file): give this run's CA (in Kubernetes: "
+                                   "`ca.crt` of the job's Secret <job>-rayzero-auth)", "FAILED_PRECONDITION")
+        return cls(info.address, token, tls=info.tls, root_certificates=pinned_ca or info.root_certificates,
+                   server_name=info.server_name, **kwargs)
 
     def _call(self, method: Any, request: Any, timeout_s: float) -> Any:
         try:
@@ -96,12 +122,20 @@ class ControlClient:
         self.close()
 
 
+_TLS_FAILURE_WORDS = ("handshake", "certificate", "verification", "ssl")
+"""How gRPC's details say a connection failed in TLS (a wrong CA or name) rather than found nobody."""
+
+
 def _translate(error: grpc.RpcError, address: str) -> Exception:
     code = error.code()
     detail = error.details() or ""
     if code == grpc.StatusCode.UNAUTHENTICATED:
         return ControlError(f"{address} refused the call: {detail}. Use the token of this run (its "
                             "control.json, or --token-file)", code.name)
+    if code == grpc.StatusCode.UNAVAILABLE and any(word in detail.lower() for word in _TLS_FAILURE_WORDS):
+        return ControlError(f"TLS with {address} failed ({detail}): the service's certificate is not one the CA this "
+                            "client trusts signed for the expected name. Use the run's CA (--ca-file, "
+                            f"{TLS_CA_ENV}; in Kubernetes `ca.crt` of the job's Secret)", code.name)
     if code == grpc.StatusCode.UNAVAILABLE:
         return ControlError(f"no control service answers at {address} ({detail}): the run has ended or "
                             "its control.json is stale", code.name)
@@ -129,17 +163,40 @@ def status_dict(status: control_pb2.Status) -> dict[str, Any]:
     return out
 
 
+def pinned_ca(ca_file: str | None = None) -> str | None:
+    """The PEM CA to pin: `ca_file`, else the file $RAYZERO_CONTROL_TLS_CA names, else None."""
+    path = ca_file or os.environ.get(TLS_CA_ENV)
+    if not path:
+        return None
+    try:
+        with open(path) as handle:
+            return control_tls.first_certificate(handle.read())
+    except OSError as error:
+        source = "--ca-file" if ca_file else TLS_CA_ENV
+        raise RayZeroValueError(f"{source}={path!r} cannot be read ({error.strerror}); give the run's PEM CA "
+                                "certificate") from None
+
+
 def connect(name: str | None = None, storage: str | None = None, *, address: str | None = None,
-            token: str | None = None, token_file: str | None = None, **kwargs: Any) -> ControlClient:
+            token: str | None = None, token_file: str | None = None, ca_file: str | None = None,
+            tls: bool = False, server_name: str | None = None, **kwargs: Any) -> ControlClient:
     """A client of the live run `name` under `storage` (found through its control.json; storage
-    defaults as for `rayzero run`), or of the service at `address` with `token` / `token_file`."""
+    defaults as for `rayzero run`), or of the service at `address`.
+
+    The token: `token`, else `token_file`, else $RAYZERO_CONTROL_TOKEN, else (by name, on the
+    controller's node) the run's local token file. The CA: `ca_file`, else $RAYZERO_CONTROL_TLS_CA,
+    pinned; by name without either, the CA recorded in control.json."""
+    ca = pinned_ca(ca_file)
     if address is None:
         if not name:
             raise RayZeroValueError("connect() needs a run name (with storage=) or address= and token/token_file")
-        return ControlClient.from_info(read_control_file(run_uri(name, storage), name), **kwargs)
-    if token is None and token_file is not None:
-        token = Path(token_file).read_text().strip()
+        uri = run_uri(name, storage)
+        info = read_control_file(uri, name)
+        return ControlClient.from_info(info, token or find_token(uri, name, token_file), pinned_ca=ca, **kwargs)
+    if token is None:
+        token = read_token_file(token_file) if token_file else os.environ.get(TOKEN_ENV)
     if not token:
-        raise RayZeroValueError(f"connect(address={address!r}) needs token= or token_file= (the run's token, "
-                                "from its control.json or the job's Secret)")
-    return ControlClient(address, token, **kwargs)
+        raise RayZeroValueError(f"connect(address={address!r}) needs token= or token_file= (the run's token: its "
+                                f"local token file, {TOKEN_ENV}, or the job's Secret)")
+    return ControlClient(address, token, tls=tls or ca is not None, root_certificates=ca, server_name=server_name,
+                         **kwargs)

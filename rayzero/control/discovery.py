@@ -1,14 +1,16 @@
 """`<storage>/<run name>/control.json`: how a client finds a live run's control service.
 
-The controller writes it when its service is up and removes it when the run ends; it holds the
-address and the run's bearer token, so on file:// storage it is created with mode 0600 (other
-storage is only as private as its bucket's permissions). Written through `pyarrow.fs` like every
-other file of a run, so s3:// / gs:// runs are found from anywhere that can read the storage.
+The controller writes it when its service is up and removes it when the run ends. It holds what a
+client needs to find and verify the service (address, TLS name, the CA and its fingerprint) and never
+the run's bearer token ([Note: the control token never goes to run storage] in tokens.py): storage
+may be a bucket without access control. Written through `pyarrow.fs` like every other file of a run,
+so s3:// / gs:// runs are found from anywhere that can read the storage.
 """
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -24,12 +26,16 @@ class ControlInfo:
 
     address: str
     """host:port the service listens on."""
-    token: str
-    """The run's bearer token (sent as `authorization: Bearer <token>`)."""
     run_name: str = ""
     tls: bool = False
-    """The service speaks TLS; `root_certificates` (PEM) verifies it when it is self-signed."""
+    """The service speaks TLS ([Note: control-plane TLS] in tls.py)."""
     root_certificates: str | None = None
+    """PEM of the CA that signed the service's certificate (public): what a client with no CA of its
+    own verifies the service with."""
+    ca_fingerprint: str | None = None
+    """`sha256:<hex>` of that CA certificate: a client holding its own copy of the CA checks it here."""
+    server_name: str | None = None
+    """The DNS name in the service's certificate that clients verify (whatever address they dial)."""
     pid: int = 0
     """Process id of the controller actor (for a human reading the file)."""
     written_at: float = field(default_factory=time.time)
@@ -65,9 +71,9 @@ def write_control_file(run_directory: str, info: ControlInfo) -> str:
         directory = run_directory.removeprefix("file://")
         os.makedirs(directory, exist_ok=True)
         target = os.path.join(directory, CONTROL_FILE)
-        temporary = f"{target}.tmp-{os.getpid()}"
-        # 0600 from the first byte: never a moment where another user could read the token.
-        descriptor = os.open(temporary, os.O_CREAT | os.O_TRUNC | os.O_WRONLY, 0o600)
+        temporary = f"{target}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+        # Nothing secret inside; O_EXCL | O_NOFOLLOW still, so a planted link cannot redirect the write.
+        descriptor = os.open(temporary, os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_WRONLY, 0o644)
         with os.fdopen(descriptor, "w") as handle:
             handle.write(text)
         os.replace(temporary, target)
@@ -99,8 +105,8 @@ def read_control_file(run_directory: str, name: str = "") -> ControlInfo:
         raise RayZeroRuntimeError(f"{uri}/{CONTROL_FILE} is not valid JSON ({error}); the run "
                                   "writes it, so it is damaged: remove it, the next run writes it again") from None
     known = {key: raw[key] for key in ControlInfo.__dataclass_fields__ if key in raw}
-    if not isinstance(known.get("address"), str) or not isinstance(known.get("token"), str):
-        raise RayZeroRuntimeError(f"{uri}/{CONTROL_FILE} lacks `address` or `token`; remove it and restart the run")
+    if not isinstance(known.get("address"), str):
+        raise RayZeroRuntimeError(f"{uri}/{CONTROL_FILE} lacks `address`; remove it and restart the run")
     return ControlInfo(**known)
 
 

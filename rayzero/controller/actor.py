@@ -18,6 +18,9 @@ if TYPE_CHECKING:
     from rayzero.controller.controller import Controller, ControllerUpdate
 
 
+POLL_BATCH_S = 0.1
+
+
 class ControllerActor:
     """The controller as a Ray actor (threaded): `start()` runs steps in a thread, `poll()` streams,
     and the `ControlTarget` methods ([Note: the control seam]) take requests from the control plane."""
@@ -32,6 +35,7 @@ class ControllerActor:
         self._calls_in_flight = 0  # control calls not yet answered (the driver waits before killing us)
         self._calls_lock = threading.Lock()
         self._answered_at = 0.0
+        self._polled_at = 0.0  # when the previous poll answered (POLL_BATCH_S)
 
     def start(self) -> None:
         import ray
@@ -60,6 +64,17 @@ class ControllerActor:
         self._control.close()  # control.json goes first; a Stop waiting for this end still gets its answer
 
     def poll(self, timeout_s: float) -> ControllerUpdate:
+        # Reports are batched: a poll answers at most every POLL_BATCH_S, so a fast loop costs the
+        # driver a few calls a second, not one per step (each call is Ray work on both sides).
+        wait = self._polled_at + POLL_BATCH_S - time.monotonic()
+        if wait > 0 and not self._controller.state.is_terminal:
+            time.sleep(wait)
+        try:
+            return self._poll(timeout_s)
+        finally:
+            self._polled_at = time.monotonic()
+
+    def _poll(self, timeout_s: float) -> ControllerUpdate:
         deadline = time.monotonic() + timeout_s
         while True:
             update = self._controller.take_update()

@@ -14,40 +14,48 @@ from rayzero.controller.status import CheckpointRecord
 from rayzero.workers.boundary import NODE_LOCAL_RESUME
 
 
+def _save_directory(location: str) -> str:
+    """The save directory of a reported tag directory (`.../global_stepN` -> `...`)."""
+    parent, _, last = location.rstrip("/").rpartition("/")
+    return parent if last.startswith("global_step") else location
+
+
 class CheckpointTracker:
     """The newest committed checkpoint of one run, across attempts."""
 
     def __init__(self, locations: tuple[str, ...], node_local: bool) -> None:
         self._locations = locations  # the run's checkpoint directory and durable copy (from fit)
         self._node_local = node_local  # checkpoints live on the workers' disks
-        self.reported: list[str] = []  # locations loops attached to reports, in order
+        # save directories of the checkpoints loops attached to reports, in order: one entry per
+        # directory, not per checkpoint, so listing costs the same at step 100 and step 100,000
+        self.reported: dict[str, None] = {}
         self.latest: CheckpointRecord | None = None  # the newest known, for Result and status()
         self._from_heartbeats: CheckpointRecord | None = None  # newest a rank's heartbeat found on its disk
 
     def note_reported(self, location: str) -> None:
-        if location not in self.reported:
-            self.reported.append(location)
+        self.reported[_save_directory(location)] = None
 
     def note_heartbeat(self, committed: tuple[int, str] | None) -> None:
-        """A rank's heartbeat named the newest checkpoint committed on its node (node-local runs)."""
-        if not self._node_local or committed is None:
+        """A rank's heartbeat named the newest checkpoint committed in its checkpoint directory: the
+        node's disk for node-local runs, else the run's own directory when it is a local path. So
+        `status()` sees a loop's own saves as they commit, not only at the end of an attempt."""
+        if committed is None:
             return
-        if self._from_heartbeats is None or committed[0] > self._from_heartbeats.step:
-            self._from_heartbeats = CheckpointRecord("node_local", committed[1], committed[0], time.time())
-            self.latest = self._from_heartbeats
+        if self._node_local:
+            if self._from_heartbeats is None or committed[0] > self._from_heartbeats.step:
+                self._from_heartbeats = CheckpointRecord("node_local", committed[1], committed[0], time.time())
+                self.latest = self._from_heartbeats
+        elif self.latest is None or committed[0] > self.latest.step:
+            self.latest = CheckpointRecord("durable", committed[1], committed[0], time.time())
 
     def locations(self) -> list[str]:
         """Where to list: the configured locations, then each reported tag directory's save directory."""
-        def save_directory(location: str) -> str:
-            parent, _, last = location.rstrip("/").rpartition("/")
-            return parent if last.startswith("global_step") else location
-
-        return list(self._locations) + [save_directory(location) for location in self.reported]
+        return list(self._locations) + list(self.reported)
 
     def refresh(self) -> CheckpointRecord | None:
         """List the locations again; the newest committed checkpoint known afterwards."""
         found = registry.newest(self.locations())
-        if found is not None:
+        if found is not None and (self.latest is None or found.record.step >= self.latest.step):
             self.latest = found.record
         return self.latest
 

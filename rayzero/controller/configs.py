@@ -100,9 +100,13 @@ class RunConfig(_Settings):
 class FailureConfig(_Settings):
     """What to do when a worker fails."""
 
-    max_failures: int = Field(0, ge=-1)
+    max_failures: int = Field(-1, ge=-1)
     """Worker failures tolerated over the whole run before it fails; each one restarts the worker
-    group from the newest checkpoint. 0: fail at the first; -1: never give up."""
+    group from the newest checkpoint. -1 (default): no total limit (see
+    `max_failures_without_progress`); 0: fail at the first."""
+    max_failures_without_progress: int = Field(3, ge=0)
+    """Failures in a row with no newer committed checkpoint between them that end the run: a crash
+    that comes back at the same place is not fixed by restarting. 0: no such limit."""
     process_group_timeout_s: float = Field(600.0, gt=0)
     """Timeout of the torch process group: forming it and every collective. A rank that hangs
     makes the others fail after this long instead of blocking forever."""

@@ -5,38 +5,50 @@ calls the target, maps the answer out. What it adds is access and discovery:
 
 - it binds the controller node's address on a free port (`RAYZERO_CONTROL_HOST` / `RAYZERO_CONTROL_PORT`
   override both; tests bind loopback);
-- every call must carry `authorization: Bearer <token>` with the run's token (generated per run,
+- every call must carry `authorization: Bearer <token>` with the run's token (made per attempt,
   compared in constant time); anything else is refused with UNAUTHENTICATED before the target sees it;
-- TLS when `RAYZERO_CONTROL_TLS_CERT` and `RAYZERO_CONTROL_TLS_KEY` name a PEM certificate and key;
-- `<run directory>/control.json` (address, token) is written once the port is bound and removed at
-  `close()`, so `rayzero status NAME` finds a live run and nothing else.
+- TLS when `RAYZERO_CONTROL_TLS_CERT` and `RAYZERO_CONTROL_TLS_KEY` name a PEM certificate and key
+  (`RAYZERO_CONTROL_TLS_CA`: the CA clients should trust; [Note: control-plane TLS] in
+  rayzero/control/tls.py). The Kubernetes operator always sets them. A bind beyond loopback without
+  TLS logs a warning that says how to turn it on;
+- `<run directory>/control.json` (address, TLS name, CA fingerprint; never the token) is written once
+  the port is bound and removed at `close()`, so `rayzero status NAME` finds a live run and nothing
+  else. A token the service made itself goes to a 0600 file on this node ([Note: the control token
+  never goes to run storage] in rayzero/control/tokens.py).
 """
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import logging
 import os
 import secrets
 import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import grpc
 
 from rayzero.config.errors import RayZeroRuntimeError, RayZeroValueError
+from rayzero.control import tls as control_tls
 from rayzero.control.discovery import ControlInfo, remove_control_file, write_control_file
+from rayzero.control.tokens import TOKEN_ENV, remove_token_file, token_path, write_token_file
 from rayzero.control.v1 import control_pb2, control_pb2_grpc
 from rayzero.controller.status import CheckpointRecord, ControlTarget, RunStatus
 
 logger = logging.getLogger(__name__)
 
 HOST_ENV, PORT_ENV = "RAYZERO_CONTROL_HOST", "RAYZERO_CONTROL_PORT"
-TLS_CERT_ENV, TLS_KEY_ENV = "RAYZERO_CONTROL_TLS_CERT", "RAYZERO_CONTROL_TLS_KEY"
-TOKEN_ENV = "RAYZERO_CONTROL_TOKEN"
-"""A token to use instead of a generated one (the Kubernetes operator passes the job Secret's)."""
+TLS_CERT_ENV, TLS_KEY_ENV, TLS_CA_ENV = "RAYZERO_CONTROL_TLS_CERT", "RAYZERO_CONTROL_TLS_KEY", "RAYZERO_CONTROL_TLS_CA"
+# TOKEN_ENV: a token to use instead of a generated one (the Kubernetes operator passes the job Secret's).
 WATCH_DEFAULT_INTERVAL_S, WATCH_MAX_INTERVAL_S, WATCH_MIN_INTERVAL_S = 0.5, 1.0, 0.05
+
+
+def watch_interval(requested_s: float) -> float:
+    """Seconds between a watch's updates: as asked, within [0.05, 1] (0: the default, 0.5)."""
+    return min(max(requested_s or WATCH_DEFAULT_INTERVAL_S, WATCH_MIN_INTERVAL_S), WATCH_MAX_INTERVAL_S)
 DEFAULT_WAIT_S = 600.0
 TERMINAL_STATES = ("finished", "errored")
 
@@ -104,8 +116,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
 
     def WatchStatus(self, request: control_pb2.WatchStatusRequest, context: grpc.ServicerContext
                     ) -> Iterator[control_pb2.Status]:
-        interval = request.interval_s or WATCH_DEFAULT_INTERVAL_S
-        interval = min(max(interval, WATCH_MIN_INTERVAL_S), WATCH_MAX_INTERVAL_S)
+        interval = watch_interval(request.interval_s)
         while context.is_active():
             try:
                 status = self._target.status()
@@ -165,23 +176,55 @@ class BearerTokenInterceptor(grpc.ServerInterceptor):
 @dataclass(frozen=True)
 class TlsFiles:
     certificate: str
-    """PEM certificate chain file."""
+    """PEM certificate chain file (the service's certificate first)."""
     private_key: str
     """PEM private key file."""
+    ca: str | None = None
+    """PEM file of the CA clients should trust; None: the chain's last certificate (self-signed: itself)."""
 
     @classmethod
     def from_env(cls) -> TlsFiles | None:
-        cert, key = os.environ.get(TLS_CERT_ENV), os.environ.get(TLS_KEY_ENV)
+        cert, key, ca = os.environ.get(TLS_CERT_ENV), os.environ.get(TLS_KEY_ENV), os.environ.get(TLS_CA_ENV)
         if not cert and not key:
             return None
         if not (cert and key):
             raise RayZeroValueError(f"TLS for the control service needs both {TLS_CERT_ENV} and {TLS_KEY_ENV}; "
                                     f"got {TLS_CERT_ENV}={cert!r}, {TLS_KEY_ENV}={key!r}: set both or neither")
-        for variable, path in ((TLS_CERT_ENV, cert), (TLS_KEY_ENV, key)):
-            if not os.path.isfile(path):
+        for variable, path in ((TLS_CERT_ENV, cert), (TLS_KEY_ENV, key), (TLS_CA_ENV, ca)):
+            if path and not os.path.isfile(path):
                 raise RayZeroValueError(f"{variable}={path!r} is not a file; give a PEM file readable on the "
                                         "controller's node")
-        return cls(cert, key)
+        return cls(cert, key, ca or None)
+
+    def read(self) -> tuple[bytes, bytes, str]:
+        """(certificate chain, private key, CA certificate PEM)."""
+        with open(self.certificate, "rb") as chain_file, open(self.private_key, "rb") as key_file:
+            chain, key = chain_file.read(), key_file.read()
+        if self.ca is not None:
+            with open(self.ca) as ca_file:
+                return chain, key, control_tls.first_certificate(ca_file.read())
+        certificates = control_tls.all_certificates(chain.decode())
+        if not certificates:
+            raise RayZeroValueError(f"{TLS_CERT_ENV}={self.certificate!r} holds no PEM certificate")
+        return chain, key, certificates[-1]
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding `host` keeps the service on this machine (127.0.0.0/8, ::1, localhost)."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name: it resolves to whatever the network says
+
+
+def plaintext_warning(address: str, run_name: str) -> str:
+    return (f"the control service of run {run_name!r} listens on {address} without TLS: its bearer token, which "
+            "can stop or kill the run, crosses the network in plain text. Turn TLS on: `python -m "
+            "rayzero.control.tls --out DIR`, then start the run with RAYZERO_CONTROL_TLS_CERT=DIR/tls.crt "
+            "RAYZERO_CONTROL_TLS_KEY=DIR/tls.key RAYZERO_CONTROL_TLS_CA=DIR/ca.crt and give clients "
+            f"RAYZERO_CONTROL_TLS_CA=DIR/ca.crt (or --ca-file); or keep it on this machine with {HOST_ENV}=127.0.0.1")
 
 
 class ControlServer:
@@ -194,9 +237,12 @@ class ControlServer:
         self.run_directory = run_directory  # URI of <storage>/<name>; None: do not write control.json
         self.host = os.environ.get(HOST_ENV) or host or "127.0.0.1"
         self.requested_port = int(os.environ.get(PORT_ENV) or port or 0)  # 0: a free port
-        self.token = token or os.environ.get(TOKEN_ENV) or secrets.token_urlsafe(32)
+        given = token or os.environ.get(TOKEN_ENV)
+        self.token = given or secrets.token_urlsafe(32)  # made per attempt: one per controller start
+        self._made_token = not given  # only a token made here goes to the local token file
         self.tls = tls if tls is not None else TlsFiles.from_env()
         self.address = ""
+        self.token_file = None  # the local token file, when this server wrote one
         self._target = target
         self._server: grpc.Server | None = None
         self._wrote_file = False
@@ -210,12 +256,13 @@ class ControlServer:
                              interceptors=[BearerTokenInterceptor(self.token)], options=[("grpc.so_reuseport", 0)])
         control_pb2_grpc.add_ControlServicer_to_server(ControlServicer(self._target), server)
         bind = f"[{self.host}]:{self.requested_port}" if ":" in self.host else f"{self.host}:{self.requested_port}"
-        root_certificates = None
+        info = ControlInfo(address="", run_name=self.run_name, pid=os.getpid())
         if self.tls is not None:
-            with open(self.tls.certificate, "rb") as cert, open(self.tls.private_key, "rb") as key:
-                chain = cert.read()
-                credentials = grpc.ssl_server_credentials([(key.read(), chain)])
-            root_certificates = chain.decode()  # lets clients verify a self-signed certificate
+            chain, key, ca_pem = self.tls.read()
+            credentials = grpc.ssl_server_credentials([(key, chain)])
+            names = control_tls.dns_names(chain.decode())
+            info = replace(info, tls=True, root_certificates=ca_pem, ca_fingerprint=control_tls.fingerprint(ca_pem),
+                           server_name=names[0] if names else None)
             port = self._bind(server.add_secure_port, bind, credentials)
         else:
             port = self._bind(server.add_insecure_port, bind)
@@ -225,11 +272,17 @@ class ControlServer:
         server.start()
         self._server = server
         self.address = bind.rsplit(":", 1)[0] + f":{port}"
+        if self.tls is None and not is_loopback(self.host):
+            logger.warning(plaintext_warning(self.address, self.run_name))
         if self.run_directory:
-            write_control_file(self.run_directory, ControlInfo(
-                address=self.address, token=self.token, run_name=self.run_name, tls=self.tls is not None,
-                root_certificates=root_certificates, pid=os.getpid()))
-            self._wrote_file = True
+            try:
+                if self._made_token:
+                    self.token_file = write_token_file(token_path(self.run_directory, self.run_name), self.token)
+                write_control_file(self.run_directory, replace(info, address=self.address))
+                self._wrote_file = True
+            except BaseException:
+                self.close(grace_s=0)  # no service without its token file and control.json
+                raise
         return self
 
     @staticmethod
@@ -248,6 +301,9 @@ class ControlServer:
             except OSError as error:  # the run is over either way; a stale file only misleads clients
                 logger.warning("could not remove %s/control.json: %s", self.run_directory, error)
             self._wrote_file = False
+        if self.token_file is not None:
+            remove_token_file(self.token_file, self.token)
+            self.token_file = None
         if self._server is not None:
             self._server.stop(grace_s).wait(grace_s + 1)
             self._server = None

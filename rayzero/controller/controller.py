@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rayzero.config.errors import RayZeroRuntimeError
+from rayzero.controller import throughput
 from rayzero.controller.actor import ControllerActor  # re-exported: fit and the tests import it from here
 from rayzero.controller.checkpoints import CheckpointTracker
 from rayzero.controller.elastic import BatchPlan
@@ -31,7 +32,7 @@ from rayzero.controller.health import HangPolicy, Straggler, StragglerPolicy, fi
 from rayzero.controller.planned import PlannedStops
 from rayzero.controller.requests import ControlRequest, RequestKind
 from rayzero.controller.state import Fail, Failure, FailureKind, FailurePolicy, Retry, RunState
-from rayzero.controller.status import CheckpointRecord
+from rayzero.controller.status import AttemptStart, CheckpointRecord
 from rayzero.controller.worker_group import WorkerGroup, setup_failure
 from rayzero.workers.boundary import Heartbeat
 from rayzero.workers.session import Report
@@ -39,6 +40,12 @@ from rayzero.workers.session import Report
 __all__ = ["Controller", "ControllerActor", "ControllerSettings", "ControllerUpdate"]
 
 logger = logging.getLogger("rayzero.controller")
+
+# what a restart after each kind of failure is called in the run's record (plots, status)
+RESTART_CAUSES = {FailureKind.WORKER_DIED: "worker died", FailureKind.HANG: "hang",
+                  FailureKind.LOOP_ERROR: "loop error", FailureKind.SETUP_ERROR: "setup error",
+                  FailureKind.SCHEDULING: "placement"}
+MAX_STRAGGLERS_KEPT = 1000  # every update carries the list: the newest this many
 
 # attempt number, resume point, number of workers -> a fresh (not yet started) worker group
 GroupFactory = Callable[[int, str | None, int], WorkerGroup]
@@ -67,6 +74,10 @@ class ControllerUpdate:
     attempt: int = 0
     stragglers: list[Straggler] = field(default_factory=list)
     """Every straggler reported so far in the run ([Note: stragglers] in health.py)."""
+    dropped_reports: int = 0
+    """Reports dropped so far because the driver did not collect them ([Note: reporting never waits])."""
+    attempts: list[AttemptStart] = field(default_factory=list)
+    """Attempts begun since the previous poll, with why (the driver records them beside the metrics)."""
 
 
 @dataclass(frozen=True)
@@ -79,6 +90,9 @@ class ControllerSettings:
     """Seconds between heartbeat rounds (hang detection and request progress)."""
     grow_interval_s: float = 5.0
     """Seconds between checks for room to grow back towards max_workers."""
+    checkpoint_scan_interval_s: float = 30.0
+    """Seconds between listings of the checkpoint locations while the group runs, so `status()` sees
+    the loop's own saves on storage the heartbeats cannot read (s3://, gs://)."""
     stop_timeout_s: float = 300.0
     """A planned stop or resize waits this long for the boundary checkpoint, then ends the group."""
     checkpoint_locations: tuple[str, ...] = ()
@@ -107,6 +121,8 @@ class Controller(PlannedStops):
         self.state = RunState.INITIALIZING
         self.error: TrainingFailedError | None = None
         self.failures = 0  # failures so far, the policy's budget counter
+        self._failures_in_a_row = 0  # failures since the newest committed checkpoint changed
+        self._checkpoint_at_last_failure: int | None = None  # its step at the previous failure
         self.attempt = 0  # incremented on each restart or resize; passed to the group factory
         self.timings: dict[str, float] = {}
         self.stopped = False  # ended by a planned stop
@@ -114,6 +130,7 @@ class Controller(PlannedStops):
         self.heartbeats: dict[int, Heartbeat | None] = {}  # newest per rank, for status()
         self.message = ""  # the newest event, for status()
         self.last_rank0_report: Report | None = None  # for status(): step, loss, time
+        self.first_rank0_report: Report | None = None  # of the current attempt: status()'s rates start here
         self.stragglers: list[Straggler] = []  # reported, in order ([Note: stragglers])
         self._slow_rounds: dict[int, int] = {}  # rank -> consecutive heartbeat rounds it was slow
         self._factory = group_factory
@@ -130,6 +147,10 @@ class Controller(PlannedStops):
         self._group: WorkerGroup | None = None
         self._target_workers = 0  # the size of the group being scheduled
         self._outbox: list[Report] = []  # reports not yet handed to the driver
+        self._attempts: list[AttemptStart] = []  # attempts begun, not yet handed to the driver
+        self._restart_cause = "failure"  # why the next restart happens (the newest failure's kind)
+        self.max_outbox = 100_000  # the bound on that while the driver does not poll (it drops the rest)
+        self.dropped_reports = 0
         self._events: list[str] = []
         self._lock = threading.Lock()  # requests and take_update come from other threads
         self._requests: list[ControlRequest] = []  # recorded, not yet taken by step()
@@ -139,7 +160,8 @@ class Controller(PlannedStops):
         self._not_before = 0.0  # backoff: do not reschedule before this clock time
         self._next_heartbeat = 0.0
         self._next_grow_check = 0.0
-        self._silent_since: dict[int, float] = {}  # rank -> clock of its last heartbeat answer
+        self._next_checkpoint_scan = 0.0
+        self.heard_at: dict[int, float] = {}  # rank -> clock of its last heartbeat answer (status, hangs)
         self.checkpoints = CheckpointTracker(settings.checkpoint_locations, settings.node_local)
         self._size_cap: int | None = None  # an explicit scale(n) caps growing back at n
 
@@ -166,18 +188,25 @@ class Controller(PlannedStops):
         if workers is None:
             workers = self._smallest()
             self._event(f"fewer than {workers} worker(s) fit now; waiting for room (placement_timeout_s)")
-        self._new_group(workers)
+        self._new_group(workers, "rerun" if self._resume_from else "start")
 
     def _smallest(self) -> int:
         return min(self._plan.valid_sizes() or [self._plan.min_workers])
 
-    def _new_group(self, workers: int) -> None:
+    def _new_group(self, workers: int, cause: str = "") -> None:
+        if cause:  # a new attempt (not a smaller try of the same one)
+            latest = self.checkpoints.latest
+            resumed = latest.step if latest is not None and self._resume_from else None
+            with self._lock:
+                self._attempts.append(AttemptStart(self.attempt, cause, time.time(), resumed, workers))
         self._target_workers = workers
         self._group = self._factory(self.attempt, self._resume_from, workers)
         self.state = RunState.SCHEDULING
 
     def _schedule(self) -> None:
         assert self._group is not None
+        self._event(f"attempt {self.attempt}: placing {self._target_workers} worker(s), then forming their "
+                    "process group")
         try:
             timings = self._group.start()
         except Exception as error:  # noqa: BLE001 - every start-up failure goes through the policy
@@ -193,7 +222,7 @@ class Controller(PlannedStops):
             return
         self.timings.update({f"attempt{self.attempt}_{k}" if self.attempt else k: v for k, v in timings.items()})
         self.world_size = self._target_workers
-        self._silent_since = {rank: self._clock() for rank in range(self.world_size)}
+        self.heard_at = {rank: self._clock() for rank in range(self.world_size)}
         self.heartbeats, self._slow_rounds = {}, {}
         self._group.launch(self._loop, self._loop_config)
         self.state = RunState.RUNNING
@@ -205,9 +234,13 @@ class Controller(PlannedStops):
         assert self._group is not None
         polled = self._group.poll(self._poll_timeout_s)
         with self._lock:
-            self._outbox.extend(polled.reports)
+            room = max(0, self.max_outbox - len(self._outbox))
+            self._outbox.extend(polled.reports[:room])
+            self.dropped_reports += max(0, len(polled.reports) - room)
         for item in polled.reports:
             if item.rank == 0:
+                if self.first_rank0_report is None or throughput.went_back(item, self.last_rank0_report):
+                    self.first_rank0_report = item
                 self.last_rank0_report = item
             if item.checkpoint:
                 self.checkpoints.note_reported(item.checkpoint)
@@ -244,7 +277,7 @@ class Controller(PlannedStops):
             self.attempt += 1
             self._resume_from = self.checkpoints.resume_location() or self._resume_from
             planned.resolve(None)
-            self._new_group(planned.workers)
+            self._new_group(planned.workers, f"resize {planned.reason}".strip())
             return
         self.stopped = stopped
         latest = self.checkpoints.refresh()  # what the run leaves behind, for Result and status()
@@ -264,7 +297,7 @@ class Controller(PlannedStops):
         step = self.checkpoints.latest.step if self.checkpoints.latest is not None else None
         self._event(f"rank(s) {ranks or '?'} preempted (SIGTERM): checkpoint committed at step {step}; regrouping")
         workers = self._plan.choose(self._capacity())
-        self._new_group(workers if workers is not None else self._smallest())
+        self._new_group(workers if workers is not None else self._smallest(), "preemption")
 
     def _check_heartbeats(self, now: float) -> bool:
         """Take a round of heartbeats; False when it ended the attempt (a failure)."""
@@ -275,23 +308,26 @@ class Controller(PlannedStops):
             return False
         for rank, beat in beats.items():
             if beat is not None:
-                self._silent_since[rank] = now
+                self.heard_at[rank] = now
                 self.heartbeats[rank] = beat
                 self.checkpoints.note_heartbeat(beat.committed)
+        if now >= self._next_checkpoint_scan:
+            self._next_checkpoint_scan = now + self._settings.checkpoint_scan_interval_s
+            self.checkpoints.refresh()
         self._progress_awaiting()
         self._watch_stragglers()
         if self.state is RunState.RUNNING and self._planned is None:
             self._check_drain()
-        silent = {rank: now - since for rank, since in self._silent_since.items()}
+        silent = {rank: now - since for rank, since in self.heard_at.items()}
         hang = find_hang({rank: self.heartbeats.get(rank) for rank in range(self.world_size)}, silent,
                          self._settings.hang)
         if hang is None:
             return True
         stacks = self._group.stacks(5.0)
-        message = hang.reason + "\n\n" + "\n".join(
+        message = hang.reason + "\n\n" + "\n".join(  # the hung rank first
             f"--- rank {rank} Python stacks{' (culprit)' if rank == hang.culprit else ''} ---\n{text}"
-            for rank, text in sorted(stacks.items()))
-        self._event(f"hang detected: {hang.reason}")
+            for rank, text in sorted(stacks.items(), key=lambda item: (item[0] != hang.culprit, item[0])))
+        self._event(f"hang detected: {message}")
         self._on_failure(Failure(FailureKind.HANG, message, hang.culprit, stacks.get(hang.culprit, "")))
         return False
 
@@ -304,7 +340,7 @@ class Controller(PlannedStops):
             beat = self.heartbeats.get(rank)
             if self._slow_rounds[rank] == policy.rounds and beat is not None:
                 found = Straggler(rank, beat.node_id, self.attempt, own, median, step_time)
-                self.stragglers.append(found)
+                self.stragglers = [*self.stragglers[-(MAX_STRAGGLERS_KEPT - 1):], found]
                 self._event(found.describe())
 
     def _check_drain(self) -> None:
@@ -321,7 +357,7 @@ class Controller(PlannedStops):
             return
         target = self._plan.choose(self.world_size - len(hit)) or self._smallest()
         self._event(f"node(s) of rank(s) {sorted(hit)} are draining: checkpointing, then regrouping with {target}")
-        self._begin_planned(ControlRequest(RequestKind.SCALE, workers=target, reason="grow"))
+        self._begin_planned(ControlRequest(RequestKind.SCALE, workers=target, reason="drain"))
 
     def _maybe_grow(self, now: float) -> None:
         ceiling = min(self._plan.max_workers, self._size_cap or self._plan.max_workers)
@@ -345,11 +381,18 @@ class Controller(PlannedStops):
         self.attempt += 1
         self._resume_from = self.checkpoints.resume_location() or self._resume_from
         workers = self._plan.choose(self._capacity())  # as many as fit now, not the old count
-        self._new_group(workers if workers is not None else self._smallest())
+        self._new_group(workers if workers is not None else self._smallest(), self._restart_cause)
 
     def _on_failure(self, failure: Failure) -> None:
-        decision = self._policy.decide(failure, self.failures)
+        newest = self.checkpoints.refresh()
+        newest_step = newest.step if newest is not None else None
+        if newest_step != self._checkpoint_at_last_failure:  # progress since the previous failure
+            self._failures_in_a_row = 0
+        self._checkpoint_at_last_failure = newest_step
+        decision = self._policy.decide(failure, self.failures, self._failures_in_a_row)
+        self._restart_cause = RESTART_CAUSES.get(failure.kind, failure.kind.value)
         self.failures += 1
+        self._failures_in_a_row += 1
         self.world_size = 0
         self._resolve_awaiting(RayZeroRuntimeError(f"the worker group failed first: {failure.message.splitlines()[0]}"))
         if isinstance(decision, Retry):
@@ -363,17 +406,25 @@ class Controller(PlannedStops):
             self.state = RunState.RESTARTING
             return
         assert isinstance(decision, Fail)
-        self._end_errored(decision.failure)
+        self._end_errored(decision.failure, self._policy.ending(self.failures, self._failures_in_a_row - 1))
 
-    def _end_errored(self, failure: Failure) -> None:
+    def _end_errored(self, failure: Failure, why: str = "") -> None:
         if self._group is not None:
             self._group.shutdown()
-        self.error = training_failed(failure)
+        latest = self.checkpoints.latest
+        resume = (f"the checkpoint of step {latest.step} ({latest.location})" if latest is not None
+                  else "the start (no checkpoint was committed)")
+        self.error = training_failed(failure, (f"{why}. " if why else "")
+                                     + f"Run it again with the same name and storage to resume from {resume}.")
         self.state = RunState.ERRORED
 
     @property
     def latest_checkpoint(self) -> CheckpointRecord | None:
         return self.checkpoints.latest
+
+    def clock(self) -> float:
+        """The controller's clock (what `heard_at` is measured on)."""
+        return self._clock()
 
     @property
     def plan(self) -> BatchPlan:
@@ -394,6 +445,6 @@ class Controller(PlannedStops):
         with self._lock:
             update = ControllerUpdate(self.state, self._outbox, self.error, dict(self.timings), self._events,
                                       self.stopped, self.checkpoints.latest, self.failures, self.world_size,
-                                      self.attempt, list(self.stragglers))
-            self._outbox, self._events = [], []
+                                      self.attempt, list(self.stragglers), self.dropped_reports, self._attempts)
+            self._outbox, self._events, self._attempts = [], [], []
         return update

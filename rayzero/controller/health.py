@@ -74,6 +74,10 @@ def find_hang(beats: dict[int, Heartbeat | None], silent_for: dict[int, float], 
     where = (f"at step {beat.step} (micro step {beat.micro_step}, {'inside' if beat.in_step else 'outside'} an "
              "engine step)") if beat is not None else "before its first heartbeat"
     limit = policy.limit(beat)
+    silent = silent_for.get(culprit, 0.0)
+    if silent >= limit:  # not blocked in Python: the process itself does not run
+        where += (f" and stopped answering its heartbeats {silent:.0f}s ago (the process is stopped, e.g. "
+                  "SIGSTOP or a debugger, or wedged outside Python)")
     reason = (f"rank {culprit} made no progress for {ages[culprit]:.0f}s {where} (limit {limit:.0f}s: "
               f"FailureConfig.hang_timeout_s, at least {policy.multiple:g}x the median step time); "
               f"seconds without progress per rank: " + ", ".join(f"{r}: {a:.0f}" for r, a in sorted(ages.items())))

@@ -52,6 +52,23 @@ class CheckpointRecord:
 
 
 @dataclass(frozen=True)
+class AttemptStart:
+    """One attempt of a run (a worker group) as it began, and why."""
+
+    attempt: int
+    """The controller's attempt number in this `fit` call (0 first)."""
+    cause: str
+    """Why it began: start, rerun (a same-name run resuming), worker died, hang, loop error, setup
+    error, placement, preemption, resize (grow / scale / drain)."""
+    time: float
+    """Unix time it began."""
+    resumed_step: int | None
+    """The step of the checkpoint it resumed from (None: from the start)."""
+    workers: int
+    """Workers it was planned with."""
+
+
+@dataclass(frozen=True)
 class RunStatus:
     """A snapshot of a live (or just ended) run."""
 

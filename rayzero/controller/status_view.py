@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from rayzero.controller import throughput
 from rayzero.controller.status import RankStatus, RunStatus
 
 if TYPE_CHECKING:
@@ -19,13 +20,18 @@ def run_status(controller: Controller, run_name: str, started_at: float) -> RunS
         beat = beats.get(0)
         step = beat.step if beat is not None else 0
     loss = metrics.get("loss")
+    now, heard_at = controller.clock(), dict(controller.heard_at)
+    # the age is how long ago the rank last answered: a stopped or wedged rank's grows, while a rank
+    # blocked in a collective waiting for it still answers (its progress age is the hang detector's)
     ranks = tuple(
-        RankStatus(rank=rank, node_id=beat.node_id, heartbeat_age_s=beat.progress_age_s, step=beat.step,
+        RankStatus(rank=rank, node_id=beat.node_id, heartbeat_age_s=max(0.0, now - heard_at.get(rank, now)),
+                   step=beat.step,
                    micro_step=beat.micro_step, memory_bytes=beat.memory_bytes,
                    host_memory_bytes=beat.host_memory_bytes)
         for rank, beat in sorted(beats.items()) if beat is not None and rank < controller.world_size)
     latest = controller.latest_checkpoint
     plan = controller.plan
+    measured = throughput.rates(controller.first_rank0_report, report, plan.train_batch_size)
     budget = controller.policy_budget
     return RunStatus(
         run_name=run_name,
@@ -37,8 +43,8 @@ def run_status(controller: Controller, run_name: str, started_at: float) -> RunS
         started_at=started_at,
         step=int(step),
         loss=float(loss) if isinstance(loss, (int, float)) else None,
-        samples_per_s=_number(metrics.get("samples_per_s")),
-        tokens_per_s=_number(metrics.get("tokens_per_s")),
+        samples_per_s=_number(measured.get("samples_per_s", metrics.get("samples_per_s"))),
+        tokens_per_s=_number(measured.get("tokens_per_s", metrics.get("tokens_per_s"))),
         last_report_time=report.time if report is not None else 0.0,
         checkpoints=(latest,) if latest is not None else (),
         failures=controller.failures,

@@ -10,11 +10,12 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from rayzero.controller.configs import ScalingConfig
 from rayzero.controller.errors import ResourcesUnavailableError
@@ -64,6 +65,20 @@ class WorkerGroup(Protocol):
         ...
 
     def shutdown(self) -> None: ...
+
+
+@ray.remote
+def _py_spy_dump(pid: int) -> str:
+    """A process's Python stacks read from outside it (works on a stopped process: --nonblocking
+    reads its memory without attaching). py-spy comes with ray[default]."""
+    import shutil
+    import subprocess
+    import sys
+
+    py_spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    done = subprocess.run([py_spy, "dump", "--pid", str(pid), "--nonblocking"], capture_output=True, text=True,
+                          timeout=20, check=False)
+    return done.stdout if done.returncode == 0 else f"(py-spy failed: {done.stderr.strip() or done.returncode})"
 
 
 def draining_nodes() -> set[str]:
@@ -136,6 +151,7 @@ class RayWorkerGroup:
         self._node_local_root = node_local_root  # default; a node exporting its own wins (TrainWorker)
         self._pg = None
         self._workers: list[Any] = []  # actor handles, index = rank once started
+        self._infos: list[NodeInfo | None] = []  # where each rank runs (node, pid), index = rank
         self._poll_refs: dict[Any, int] = {}  # outstanding poll() call -> rank
         self._run_refs: dict[Any, int] = {}  # outstanding run() call -> rank
         self._done: set[int] = set()
@@ -174,8 +190,10 @@ class RayWorkerGroup:
         infos: list[NodeInfo] = ray.get([actor.node_info.remote() for actor in actors], timeout=self._timeout_s)
         ranks = assign_ranks(infos)
         self._workers = [None] * len(actors)
+        self._infos = [None] * len(actors)
         for index, (rank, _, _) in enumerate(ranks):
             self._workers[rank] = actors[index]
+            self._infos[rank] = infos[index]
         timings["worker_start_s"] = time.monotonic() - started
 
         started = time.monotonic()
@@ -185,6 +203,9 @@ class RayWorkerGroup:
         shards = self._split_datasets()
         backend = "nccl" if self._scaling.use_gpu else "gloo"
         setups = []
+        # torchrun's GROUP_RANK: the node's index, nodes in rank order (ranks are contiguous per node)
+        nodes = list(dict.fromkeys(infos[index].node_id for index in sorted(range(len(ranks)),
+                                                                            key=lambda i: ranks[i][0])))
         for index, (rank, local_rank, local_world) in enumerate(ranks):
             env = dict(self._run_env)
             env.update(
@@ -192,6 +213,9 @@ class RayWorkerGroup:
                 LOCAL_RANK=str(local_rank),
                 WORLD_SIZE=str(len(actors)),
                 LOCAL_WORLD_SIZE=str(local_world),
+                GROUP_RANK=str(nodes.index(infos[index].node_id)),
+                NODE_RANK=str(nodes.index(infos[index].node_id)),
+                GROUP_WORLD_SIZE=str(len(nodes)),
                 MASTER_ADDR=master_addr,
                 MASTER_PORT=str(master_port),
                 RAYZERO_NODE_ID=infos[index].node_id,
@@ -273,20 +297,37 @@ class RayWorkerGroup:
                 worker.request_boundary.remote(request_id, int(kind))  # fire and forget: answered by heartbeats
 
     def stacks(self, timeout_s: float) -> dict[int, str]:
+        """Every rank's Python stacks: asked of the worker itself, and for a rank that does not answer
+        (stopped, wedged outside Python) read from outside its process with py-spy, on its node."""
         refs = {worker.stacks.remote(): rank for rank, worker in enumerate(self._workers) if worker is not None}
-        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=min(timeout_s, 2.0))
         out = {}
         for ref in ready:
             try:
                 out[refs[ref]] = ray.get(ref)
             except ray.exceptions.RayError as error:
                 out[refs[ref]] = f"(no stacks: {error})"
+        silent = [rank for rank in refs.values() if rank not in out]
+        outside = {}
+        for rank in silent:
+            info = self._infos[rank] if rank < len(self._infos) else None
+            if info is not None:
+                outside[_py_spy_dump.options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(
+                    info.node_id, soft=False)).remote(info.pid)] = rank
+        ready, _ = ray.wait(list(outside), num_returns=len(outside), timeout=timeout_s) if outside else ([], [])
+        for ref in outside:
+            rank = outside[ref]
+            try:
+                out[rank] = ("(the process did not answer; read from outside with py-spy)\n" + ray.get(ref)
+                             if ref in ready else "(the process did not answer, and py-spy found nothing in time)")
+            except ray.exceptions.RayError as error:
+                out[rank] = f"(the process did not answer; py-spy could not run on its node: {error})"
         return out
 
     def _drain_survivors(self, result: GroupPoll) -> None:
         """A failure tears the group down next: first take what the other ranks already reported,
         so metrics made before the failure still reach the driver, in order. Bounded: a rank with
-        nothing queued answers within one worker poll (_WORKER_POLL_S)."""
+        nothing queued answers within one worker poll (_WORKER_POLL_S); a dead one raises at once."""
         failed = {failure.rank for failure in result.failures}
         refs = {ref: rank for ref, rank in self._poll_refs.items() if rank not in failed}
         for ref in refs:
@@ -294,7 +335,8 @@ class RayWorkerGroup:
         for rank, worker in enumerate(self._workers):
             if worker is not None and rank not in failed:
                 refs[worker.poll.remote(0.0)] = rank  # after the outstanding one, per rank
-        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=_WORKER_POLL_S + 1.0)
+        # an answer takes milliseconds; the margin is for a loaded machine (a report lost here is gone)
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=_WORKER_POLL_S + 4.0)
         ready_set = set(ready)
         for ref in [r for r in refs if r in ready_set]:  # insertion order keeps each rank's order
             try:
@@ -334,6 +376,7 @@ class RayWorkerGroup:
                     f"rank {rank} raised {outcome.error}",
                     rank,
                     outcome.traceback_text,
+                    outcome.exit_code,
                 )
             )
 

@@ -70,18 +70,16 @@ def train_loop(config: dict[str, Any] | None = None) -> None:
     micro_batch = int(engine.config.train_micro_batch_size_per_gpu)  # resolved, also from train_batch_size
     accumulation = int(engine.gradient_accumulation_steps())
     sampler = BatchSampler(ids, gpt.block_size, micro_batch, seed=seed + 1000 * context.rank)
-    start_step = 0
-    if context.resume_from:
-        _, client_state = engine.load_checkpoint(context.resume_from)
-        start_step = int((client_state or {}).get("step", 0))
-        if client_state and "sampler" in client_state:
-            sampler.load_state_dict(client_state["sampler"])
-
     samples_per_step = micro_batch * accumulation * context.world_size
     # DeepSpeed's wall_clock_breakdown: report forward / backward / optimizer time per step. The
     # driver shows `*_ms` metrics on its progress line when the config asks for the breakdown.
     breakdown = bool(engine.config.wall_clock_breakdown)
-    for step in range(start_step, steps):
+    # engine.steps loads the newest checkpoint after a restart or a same-name rerun and goes on from its
+    # step; it ends early at a planned stop ([Note: a loop that resumes] in rayzero/engine/loop.py)
+    training = engine.steps(steps)
+    if engine.resumed_client_state and "sampler" in engine.resumed_client_state:
+        sampler.load_state_dict(engine.resumed_client_state["sampler"])
+    for step in training:
         started = time.perf_counter()
         phases = {"forward_ms": 0.0, "backward_ms": 0.0, "optimizer_ms": 0.0}
         total = 0.0
@@ -108,7 +106,7 @@ def train_loop(config: dict[str, Any] | None = None) -> None:
             metrics.update(phases)
         checkpoint = None
         if step + 1 == steps and options.get("save_checkpoint", True) and context.checkpoint_dir:
-            engine.save_checkpoint(client_state={"step": steps, "sampler": sampler.state_dict()})
+            engine.save_checkpoint(client_state={"sampler": sampler.state_dict()})
             engine.wait_for_checkpoint()  # saves are asynchronous; the process group must outlive them
             checkpoint = context.checkpoint_dir
         rayzero.report(

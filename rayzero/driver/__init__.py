@@ -2,19 +2,37 @@
 
 The driver validates the config (before any worker starts), connects to Ray (`RAYZERO_ADDRESS`,
 `RAY_ADDRESS`, or a local Ray it starts), starts the controller actor and streams its reports.
-"""
-from rayzero.controller.configs import FailureConfig, RunConfig, ScalingConfig
-from rayzero.controller.errors import ResourcesUnavailableError, TrainingFailedError
-from rayzero.driver.fit import Result, fit
-from rayzero.workers.errors import RayZeroRuntimeError
 
-__all__ = [
-    "FailureConfig",
-    "RayZeroRuntimeError",
-    "ResourcesUnavailableError",
-    "Result",
-    "RunConfig",
-    "ScalingConfig",
-    "TrainingFailedError",
-    "fit",
-]
+The names below are imported when first used, so that `rayzero run` can set Ray's driver-side
+logging options before Ray is imported ([Note: rank-prefixed output] in rayzero/workers/rank_output.py).
+`rayzero.driver.fit` is the module; the function is `rayzero.fit` (`rayzero.driver.fit.fit`).
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# public name -> module that defines it
+_LAZY = {
+    "FailureConfig": "rayzero.controller.configs",
+    "RunConfig": "rayzero.controller.configs",
+    "ScalingConfig": "rayzero.controller.configs",
+    "ResourcesUnavailableError": "rayzero.controller.errors",
+    "TrainingFailedError": "rayzero.controller.errors",
+    "Result": "rayzero.driver.fit",
+    "RayZeroRuntimeError": "rayzero.workers.errors",
+}
+
+__all__ = ["FailureConfig", "RayZeroRuntimeError", "ResourcesUnavailableError", "Result", "RunConfig",
+           "ScalingConfig", "TrainingFailedError"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'rayzero.driver' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + list(_LAZY))

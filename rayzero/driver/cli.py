@@ -1,9 +1,12 @@
-"""`rayzero run TARGET --config ds.json --workers N [...] [-- loop args]`.
+"""`rayzero run TARGET [--config ds.json] --workers N [...] [-- ARGS]`.
 
-TARGET is `path/to/file.py:function` or `module:function`. The function is called as
-`function({"argv": [loop args]})` (or with no argument if it takes none). Works on a laptop (a
-local Ray is started) and as the entrypoint of `ray job submit -- rayzero run ...` (connects to
-the job's cluster through RAY_ADDRESS).
+TARGET is a training script, `path/to/train.py` (or `-m package.module`): it runs as `__main__` on
+every worker, as torchrun runs it, with ARGS as its `sys.argv[1:]` ([Note: scripts on workers] in
+rayzero/workers/script.py); `--config` is optional there. Or a loop, `path/to/file.py:function` or
+`module:function`, called as `function({"argv": [ARGS]})` (or with no argument if it takes none);
+`--config` is required there. Works on a laptop (a local Ray is started) and as the entrypoint of
+`ray job submit -- rayzero run ...` (connects to the job's cluster through RAY_ADDRESS). Exits with
+0, 2 for input refused before anything started, a failed script's own exit status, or 1.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from rayzero.config.cli import _trainer_arg
 from rayzero.config.errors import RayZeroValueError
 from rayzero.controller.configs import FailureConfig, RunConfig, ScalingConfig
 from rayzero.controller.errors import TrainingFailedError
+from rayzero.workers.script import ScriptTarget
 
 if TYPE_CHECKING:
     from pydantic import ValidationError
@@ -35,11 +39,18 @@ from rayzero.driver.shipping import (
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rayzero run",
-        description="Run a training loop on Ray workers. Arguments after `--` go to the loop as "
+        description="Run a training script (as __main__ on every worker, as torchrun would) or a training "
+        "loop on Ray workers. Arguments after `--` go to the script as sys.argv[1:], to a loop as "
         "config['argv'].",
     )
-    parser.add_argument("target", help="path/to/file.py:function or package.module:function")
-    parser.add_argument("--config", required=True, help="DeepSpeed JSON config for the run")
+    parser.add_argument("target", nargs="?",
+                        help="path/to/train.py (a script), or path/to/file.py:function / package.module:function "
+                             "(a loop)")
+    parser.add_argument("-m", dest="module", metavar="MODULE", help="run a module as a script, as `python -m MODULE`")
+    parser.add_argument("--config", default=None,
+                        help="DeepSpeed JSON config for the run: required for a loop; for a script optional, given "
+                             "to rayzero.initialize() and to Accelerate as `accelerate launch --use_deepspeed "
+                             "--deepspeed_config_file` would")
     parser.add_argument("--workers", type=_workers, default=1,
                         help="number of workers (ranks), or an elastic range MIN:MAX (e.g. 2:8); default 1")
     parser.add_argument("--gpus-per-worker", type=float, default=0, help="GPUs per worker (0: CPU, gloo)")
@@ -127,13 +138,51 @@ def _flag_problems(error: ValidationError, args: argparse.Namespace) -> str:
     return "; ".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def quiet_ray_log_labels() -> None:
+    """For a script run: Ray prints worker lines on this driver without its `(pid=...)` label and
+    without folding the ranks' lines together, the script's own `[rank N] ` label is what remains
+    ([Note: rank-prefixed output] in rayzero/workers/rank_output.py). Ray reads both settings when it
+    is imported: a caller that imported Ray already keeps Ray's labels."""
+    if "ray" in sys.modules:
+        return
+    os.environ.setdefault("RAY_DISABLE_WORKER_LOG_PREFIX", "1")
+    ours = r"^\[rank \d+\] "
+    theirs = os.environ.get("RAY_DEDUP_LOGS_ALLOW_REGEX")
+    os.environ["RAY_DEDUP_LOGS_ALLOW_REGEX"] = f"(?:{theirs})|{ours}" if theirs else ours
+
+
+def _target(args: argparse.Namespace, loop_args: list[str],
+            script_type: type[ScriptTarget]) -> tuple[Callable[..., Any], dict[str, Any] | None]:
+    """(what to run, the loop's config) from TARGET / -m: a script, or a loop and its config."""
+    if args.module and args.target:
+        raise RayZeroValueError(f"give either TARGET ({args.target!r}) or -m {args.module}, not both")
+    if args.module or (args.target and args.target.endswith(".py")):
+        return script_type(args.module or args.target, loop_args, module=bool(args.module)), None
+    if not args.target or ":" not in args.target:
+        raise RayZeroValueError(f"TARGET {args.target!r}: give a script (path/to/train.py or -m package.module) or a "
+                                "loop (path/to/file.py:function or module:function)")
+    if args.config is None:
+        raise RayZeroValueError(f"--config is required for a loop target ({args.target}): give the DeepSpeed JSON "
+                                "config (rayzero.initialize() in the loop uses it)")
+    function = load_target(args.target)
+    takes_config = len(inspect.signature(function).parameters) > 0
+    if loop_args and not takes_config:
+        raise RayZeroValueError(f"{args.target} takes no argument, so the loop args {loop_args} cannot reach it; "
+                                "give it one parameter (config['argv'] holds them)")
+    return function, {"argv": loop_args} if takes_config else None
+
+
+def main(argv: list[str] | None = None, script_type: type[ScriptTarget] = ScriptTarget) -> int:
+    """`script_type`: what a script target becomes; `rayzero run` passes `rayzero.Script`, which checks
+    the script's trainer flags (`--deepspeed ds.json`) before anything starts."""
     argv = list(sys.argv[1:] if argv is None else argv)
     loop_args: list[str] = []
     if "--" in argv:
         split = argv.index("--")
         argv, loop_args = argv[:split], argv[split + 1:]
     args = _parser().parse_args(argv)
+    if args.module or (args.target and args.target.endswith(".py")):
+        quiet_ray_log_labels()
 
     from pydantic import ValidationError
 
@@ -142,11 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     from rayzero.driver.fit import fit
 
     try:
-        function = load_target(args.target)
-        takes_config = len(inspect.signature(function).parameters) > 0
-        if loop_args and not takes_config:
-            raise RayZeroValueError(f"{args.target} takes no argument, so the loop args {loop_args} cannot reach it; "
-                             "give it one parameter (config['argv'] holds them)")
+        target, loop_config = _target(args, loop_args, script_type)
         resources = {"CPU": args.cpus_per_worker}
         if args.gpus_per_worker:
             resources["GPU"] = args.gpus_per_worker
@@ -159,12 +204,12 @@ def main(argv: list[str] | None = None) -> int:
         run = RunConfig(name=args.name, storage=args.storage, resume_from=args.resume_from)
         failure = FailureConfig(max_failures=args.max_failures)
         result = fit(
-            function,
+            target,
             config=args.config,
             scaling=scaling,
             run=run,
             failure=failure,
-            train_loop_config={"argv": loop_args} if takes_config else None,
+            train_loop_config=loop_config,
             trainer=dict(args.trainer) or None,
         )
     except ConfigError as error:
@@ -178,6 +223,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except TrainingFailedError as error:
         print(f"rayzero run: {error}", file=sys.stderr)
+        if error.exit_code:  # a script's own exit status, as torchrun passes it on
+            print(f"rayzero run: the script exited with status {error.exit_code} on rank {error.rank}",
+                  file=sys.stderr)
+            return error.exit_code
         return 1
     ending = "stopped (planned, checkpoint committed)" if result.stopped else "finished"
     print(f"[rayzero] {ending}: {len(result.metrics_history)} report(s); last metrics {result.metrics}")

@@ -115,13 +115,14 @@ def connect(working_dir: str | None = None) -> Connection:
         runtime_env = None
         if working_dir and not os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR"):
             runtime_env = {"working_dir": working_dir}
+        print(f"[rayzero] joining the Ray cluster at {address} ({source})", flush=True)
         with _quiet_token_warning() as token:
             ray.init(address=address, logging_level=logging.WARNING, runtime_env=runtime_env)
         _token_note_once(token.token_enabled)
         return Connection(started=False, address=address)
-    with _quiet_token_warning() as token:
+    print("[rayzero] starting a local Ray on this machine (set RAY_ADDRESS to join a cluster)", flush=True)
+    with _quiet_token_warning():  # a Ray of our own, gone with this process: nobody else logs in to it
         ray.init(address="local", include_dashboard=False, logging_level=logging.WARNING)
-    _token_note_once(token.token_enabled)
     return Connection(started=True, address=None)
 
 

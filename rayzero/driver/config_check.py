@@ -9,10 +9,11 @@ from typing import Any
 
 
 def validated_config(
-    config: Any, world_size: int, trainer: Mapping[str, Any] | None = None
+    config: Any, world_size: int, trainer: Mapping[str, Any] | None = None, *, allow_unresolved: bool = False,
 ) -> tuple[dict[str, Any] | None, dict[str, Any], Mapping[str, Any] | None]:
     """(the config for the workers, the validated one, the trainer facts) or a ConfigError listing
-    every problem.
+    every problem. `allow_unresolved`: a trainer inside the run fills the "auto"s no fact given here
+    resolves (a script's HF Trainer or Accelerate), as `rayzero config validate --allow-auto`.
 
     Validation happens here, before any worker starts. The workers get the config as the user wrote
     it, not the normalised dump: the engine resolves it again knowing the model (hidden size) and the
@@ -26,19 +27,20 @@ def validated_config(
 
     name = str(config) if isinstance(config, (str, Path)) else "config"
     if trainer:  # HF semantics: TrainingArguments defaults, batch keys from the trainer
-        from rayzero.engine.config_resolution import with_trainer_semantics
+        from rayzero.config.trainer import with_trainer_semantics
 
         config, trainer = with_trainer_semantics(config, trainer)
     # The model's "auto"s are resolved in the engine from model.config.hidden_size; a stand-in width
     # here lets one load_config call report every other problem (an "auto" no fact resolves
     # included) in one round. Its values are never used: the workers get the config as written.
     try:
-        checked = load_config(config, world_size=world_size, hidden_size=_STAND_IN_HIDDEN_SIZE, trainer=trainer)
+        checked = load_config(config, world_size=world_size, hidden_size=_STAND_IN_HIDDEN_SIZE, trainer=trainer,
+                              allow_unresolved=allow_unresolved)
     except ConfigError as error:
         raise ConfigError(_with_trainer_fix(error.problems), name) from None
     # What this build cannot run (optimizer, scheduler, an "auto" only a trainer fills) is refused
     # here, before any worker starts ([Note: valid vs runnable]).
-    check_runnable(checked, name, trainer_present=bool(trainer))
+    check_runnable(checked, name, trainer_present=bool(trainer) or allow_unresolved)
     validated = checked.to_deepspeed_dict()
     if isinstance(config, RayZeroConfig):
         return config.to_deepspeed_dict(), validated, trainer

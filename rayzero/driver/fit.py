@@ -7,11 +7,12 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 import pyarrow.fs as pafs
 
 from rayzero.checkpoint.manifest import RUN_SESSION_ENV
@@ -30,17 +31,20 @@ from rayzero.driver.cluster import check_fits, connect
 from rayzero.driver.config_check import validated_config
 from rayzero.driver.metrics_log import MetricsLog
 from rayzero.driver.progress import Progress
+from rayzero.driver.scripts import prepare_script, script_environment
 from rayzero.driver.shipping import ship
 from rayzero.driver.signals import StopSignals
 from rayzero.workers.boundary import CHECKPOINT_TIER_ENV, NODE_LOCAL_RESUME
+from rayzero.workers.script import ScriptTarget
 
 
 @dataclass
 class Result:
     """What a finished run leaves behind."""
 
-    metrics_history: list[dict[str, Any]]
-    """Every dict rank 0 passed to `rayzero.report`, in order."""
+    metrics_history: Sequence[dict[str, Any]]
+    """Every dict rank 0 passed to `rayzero.report` in this call, in order, a re-run step once (its
+    newest report); read from the run's metrics.parquet when first used ([Note: metrics in parts])."""
     metrics: dict[str, Any] | None
     """The last of them (None if rank 0 never reported)."""
     checkpoint: str | None
@@ -63,8 +67,9 @@ class Result:
 
 
 
-def _run_locations(run: RunConfig) -> tuple[str, str, str]:
-    """(run name, run URI, checkpoint dir: a local path for file://, else a URI)."""
+def _run_locations(run: RunConfig) -> tuple[str, str, str, bool]:
+    """(run name, run URI, checkpoint dir: a local path for file://, else a URI, whether the run's
+    directory existed already: a rerun under the same name)."""
     name = run.name or (
         f"rayzero-{datetime.datetime.now():%Y%m%d-%H%M%S}-{secrets.token_hex(2)}"
     )
@@ -73,9 +78,31 @@ def _run_locations(run: RunConfig) -> tuple[str, str, str]:
         root = Path(root).resolve().as_uri()
     run_uri = f"{root.rstrip('/')}/{name}"
     filesystem, path = filesystem_from_uri(run_uri)
-    filesystem.create_dir(path, recursive=True)
+    try:
+        existed = filesystem.get_file_info(path).type != pafs.FileType.NotFound
+    except OSError:
+        existed = False  # _check_writable names the trouble
+    _check_writable(root, run_uri)
     checkpoint_dir = f"{path}/checkpoints" if run_uri.startswith("file://") else f"{run_uri}/checkpoints"
-    return name, run_uri, checkpoint_dir
+    return name, run_uri, checkpoint_dir, existed
+
+
+def _check_writable(root: str, run_uri: str) -> None:
+    """Create the run's directory and write a probe file there, before any worker starts: an
+    unwritable `--storage` is named with its reason at once, not as a traceback from a worker."""
+    probe = f"{filesystem_from_uri(run_uri)[1]}/.rayzero-write-probe-{secrets.token_hex(4)}"
+    try:
+        filesystem, path = filesystem_from_uri(run_uri)
+        filesystem.create_dir(path, recursive=True)
+        with filesystem.open_output_stream(probe) as stream:
+            stream.write(b"rayzero checks that the run directory is writable\n")
+        filesystem.delete_file(probe)
+    except (OSError, ValueError, pa.ArrowException) as error:
+        raise RayZeroValueError(
+            f"storage {root!r} (RunConfig.storage / --storage): cannot write the run directory {run_uri}: "
+            f"{error}. Give a location this machine and every node can write: a directory (./runs, "
+            "file:///shared/runs) or an object store URI (s3://bucket/prefix) with its credentials set"
+        ) from None
 
 
 def resolve_resume_from(location: str | None, explicit: bool) -> str | None:
@@ -123,7 +150,9 @@ def fit(
     datasets: Mapping[str, Any] | None = None,
     trainer: Mapping[str, Any] | None = None,
 ) -> Result:
-    """Run `train_loop(train_loop_config)` on `scaling.num_workers` Ray actors forming one process group.
+    """Run `train_loop(train_loop_config)` on `scaling.num_workers` Ray actors forming one process group,
+    or with a `rayzero.Script(...)` run that script as `__main__` on each of them, as torchrun would
+    ([Note: scripts on workers]; `config` then optional, `train_loop_config` unused).
 
     `config` is the run's DeepSpeed config (JSON path, dict or RayZeroConfig); it is validated here,
     before any worker starts, and `rayzero.initialize(model=...)` without `config=` uses it.
@@ -137,11 +166,17 @@ def fit(
     raw = _raw_config(config)
     plan = _batch_plan(raw, scaling)
     first_size = plan.choose(None) or scaling.max_workers
+    script = isinstance(train_loop, ScriptTarget)
+    if script:  # checked before anything starts
+        if train_loop_config is not None:
+            raise RayZeroValueError("a Script takes its arguments as Script(path, args=[...]), not train_loop_config")
+        train_loop = prepare_script(train_loop, first_size)
     elastic_batch = bool(((raw or {}).get("elasticity") or {}).get("enabled"))
     # An elastic run is validated with the batch keys of its largest size ([Note: elastic batch]).
     to_check = plan.config_for(raw, first_size) if scaling.elastic or elastic_batch else config
-    ds_config, validated, trainer = validated_config(to_check, first_size, trainer)
-    name, run_uri, checkpoint_dir = _run_locations(run)
+    # a script's trainer (HF, Accelerate) fills the "auto"s no fact given here resolves
+    ds_config, validated, trainer = validated_config(to_check, first_size, trainer, allow_unresolved=script)
+    name, run_uri, checkpoint_dir, rerun = _run_locations(run)
     explicit = run.resume_from or os.environ.get("RAYZERO_RESUME_FROM") or None
     resume_from = resolve_resume_from(explicit, explicit=bool(run.resume_from))
     node_local = bool((validated.get("checkpoint") or {}).get("use_node_local_storage"))
@@ -164,6 +199,10 @@ def fit(
     }
     if trainer:
         run_env["RAYZERO_TRAINER"] = json.dumps(dict(trainer))  # HF trainer arguments for "auto"s
+    if script:
+        run_env.update(script_environment(failure))
+    if rerun:
+        run_env["RAYZERO_RESUMING"] = "1"  # get_context().resuming: a rerun under the same name
     run_env[NOTES_SHOWN_ENV] = json.dumps(logged_notes())  # [Note: config notes once]
     datasets = dict(datasets or {})
     locations = [checkpoint_dir] + ([validated["checkpoint"]["durable_uri"]]
@@ -193,7 +232,8 @@ def fit(
             return group
 
         return Controller(
-            make_group, train_loop, train_loop_config, FailurePolicy(failure.max_failures, failure.backoff_s),
+            make_group, train_loop, train_loop_config,
+            FailurePolicy(failure.max_failures, failure.backoff_s, failure.max_failures_without_progress),
             resume_from=resume_from, plan=plan, capacity=lambda: free_worker_slots(scaling.bundle()),
             draining=draining_nodes,
             settings=settings,
@@ -221,16 +261,15 @@ def fit(
     workers = str(scaling.num_workers) if not scaling.elastic else f"{scaling.min_workers}:{scaling.max_workers}"
     print(f"[rayzero] run {name}: {workers} worker(s), storage {run_uri}", flush=True)
     try:
-        history, last_checkpoint, error, final = _stream(controller, progress, metrics_log, timings,
-                                                         fit_started_wall, failure.stop_timeout_s)
+        last_metrics, last_checkpoint, error, final = _stream(controller, progress, metrics_log, timings,
+                                                              fit_started_wall, failure.stop_timeout_s)
     finally:
         try:  # let a control call that ended the run (stop, kill) get its reply first
             ray.get(controller.quiesce.remote(2.0), timeout=5)
         except Exception as error:  # noqa: BLE001 - the controller may be gone already
             logging.getLogger("rayzero.driver").debug("controller quiesce: %s", error)
         ray.kill(controller)  # its workers and placement group go with it (fate sharing)
-        metrics_log.flush()
-    history = metrics_log.history() or history  # one entry per step: a re-run step replaces its earlier report
+        metrics_log.close()
     timings["total_s"] = time.monotonic() - fit_started
     timings.update(progress.rates())
     if wall_clock_breakdown:
@@ -238,8 +277,9 @@ def fit(
               + ", ".join(f"{key} {value:.2f}" for key, value in timings.items()), flush=True)
     if error is not None:
         raise error
-    if history:
-        print(progress.line(), flush=True)
+    final_line = progress.final_line() if last_metrics is not None else None
+    if final_line is not None:
+        print(final_line, flush=True)
     record = final.checkpoint if final is not None else None
     if record is not None:
         last_checkpoint = checkpoint_dir if record.location.startswith(checkpoint_dir) else record.location
@@ -253,8 +293,8 @@ def fit(
         print(f"[rayzero] run {name} stopped: {where}. Rerun with the same name ({name}) and storage to resume.",
               flush=True)
     return Result(
-        metrics_history=history,
-        metrics=history[-1] if history else None,
+        metrics_history=metrics_log.history(),
+        metrics=last_metrics,
         checkpoint=last_checkpoint,
         path=run_uri,
         timings=timings,
@@ -334,12 +374,14 @@ def _resume_same_name(name: str, run_uri: str, checkpoint_dir: str, node_local: 
 def _stream(
     controller: Any, progress: Progress, metrics_log: MetricsLog, timings: dict[str, float], started_wall: float,
     stop_timeout_s: float,
-) -> tuple[list[dict[str, Any]], str | None, TrainingFailedError | None, ControllerUpdate | None]:
-    """Long-poll the controller until the run ends: (rank 0's history, last checkpoint, error, final update).
+) -> tuple[dict[str, Any] | None, str | None, TrainingFailedError | None, ControllerUpdate | None]:
+    """Long-poll the controller until the run ends: (rank 0's newest report, last checkpoint, error,
+    final update). Each report costs O(1) here ([Note: reporting never waits] in metrics_log.py).
     Ctrl-C / SIGTERM meanwhile are a planned stop ([Note: driver signals])."""
     import ray
 
-    history: list[dict[str, Any]] = []
+    last_metrics: dict[str, Any] | None = None
+    dropped_said = 0
     last_checkpoint: str | None = None
     with StopSignals() as signals:
         try:
@@ -355,21 +397,28 @@ def _stream(
                     controller.kill.remote(f"{signals.name} received twice on the driver")
                 update: ControllerUpdate = ray.get(controller.poll.remote(1.0), timeout=60)
                 progress.failures = update.failures
+                progress.checkpoint_step = update.checkpoint.step if update.checkpoint is not None else None
                 progress.stragglers = sorted({found.rank for found in update.stragglers
                                               if found.attempt == update.attempt})
                 for line in update.events:
                     print(f"[rayzero] {line}", flush=True)
+                for start in update.attempts:
+                    metrics_log.add_attempt(start)
+                if update.dropped_reports > dropped_said:
+                    dropped_said = update.dropped_reports
+                    print(f"[rayzero] metrics: the controller dropped {dropped_said} report(s) the driver did not "
+                          "collect in time; training was not slowed", flush=True)
                 for item in update.reports:
                     if "fit_to_first_report_s" not in timings:
                         timings["fit_to_first_report_s"] = max(0.0, item.time - started_wall)
                     if item.rank == 0:
-                        history.append(item.metrics)
+                        last_metrics = item.metrics
                     progress.observe(item)
                     metrics_log.add(item)
                     last_checkpoint = item.checkpoint or last_checkpoint
                 if update.state.is_terminal:
                     timings.update(update.timings)
                     error = update.error if update.state is RunState.ERRORED else None
-                    return history, last_checkpoint, error, update
+                    return last_metrics, last_checkpoint, error, update
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as died:
-            return history, last_checkpoint, TrainingFailedError(f"the rayzero controller actor died: {died}"), None
+            return last_metrics, last_checkpoint, TrainingFailedError(f"the rayzero controller actor died: {died}"), None

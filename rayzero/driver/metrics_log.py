@@ -1,124 +1,233 @@
-"""The run's metrics log: every rank's reports as one Parquet table under the run's storage URI.
+"""The run's metrics log: every rank's reports, appended to `<run uri>/metrics.parquet/` in parts.
 
-One row per (rank, step): after a restart the group re-runs the steps since the newest checkpoint,
-and their rows replace the earlier attempt's (the `attempt` column says which attempt wrote a row),
-so a plot or a `groupby(step)` never sees a step twice. Reports without a `step` key are all kept.
-A new attempt is recognised by a rank's report sequence number starting again (every attempt
-starts fresh worker processes, whose `seq` counts from 0).
+[Note: reporting never waits]
+The driver's main thread polls the controller and hands each report to `MetricsLog.add`, which only
+turns it into a row and queues it: O(1), no I/O. A writer thread takes the queued rows in batches
+and writes each batch as a new Parquet part file ([Note: metrics in parts] in metrics_store.py),
+every `flush_interval_s` or as soon as `rows_per_part` rows wait. So a flush costs only the new
+rows, and the driver holds at most `max_pending_rows` rows, whatever the run's length.
 
-Written through `pyarrow.fs`, so file://, s3://, gs://, hdfs:// all work. Parquet files cannot be
-appended to, so the whole table is rewritten (to a temporary name, then moved) on each flush; the
-driver flushes every `flush_interval_s` and at the end, so a crashed driver loses at most that much.
+A slow or dead sink (storage down, s3 throttling) costs metrics, never steps: the writer keeps
+retrying with a growing pause while rows wait; once `max_pending_rows` wait, further rows are
+dropped and counted, and the driver says so once per trouble (the error, the rows dropped so far)
+and again in the summary. `close()` writes what is left, waiting at most its timeout.
+
+Each row carries the run's attempt: the controller's attempt of the report (its worker group)
+after those of earlier `fit` calls of the same name, whose newest the part names give. Each
+attempt's start (why: start, rerun, worker died, hang, preemption, resize, ...) is written beside the
+rows as `<run>/attempts/attempt-<n>.json` ([Note: attempts on record]).
+
+Written through `pyarrow.fs`, so file://, s3://, gs://, hdfs:// all work.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
+import threading
 import time
+from collections import deque
+from collections.abc import Callable
 from typing import Any
 
-import pyarrow as pa
 import pyarrow.parquet as pq
 
 from rayzero.checkpoint.storage import filesystem_from_uri
-from rayzero.workers.session import Report, as_row
+from rayzero.controller.status import AttemptStart
+from rayzero.driver.metrics_store import (
+    METRICS_DIR,
+    MetricsHistory,
+    adopt_single_file,
+    attempt_file_name,
+    attempts_directory,
+    list_parts,
+    metric_column,
+    part_name,
+    read_attempts,
+    rows_to_table,
+)
+from rayzero.workers.session import Report
 
-METRICS_FILE = "metrics.parquet"
+METRICS_FILE = METRICS_DIR  # the name users and older code know
 
 
-def _scalar(value: Any) -> Any:
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if hasattr(value, "item") and callable(value.item):  # numpy / torch scalars
-        try:
-            return value.item()
-        except (ValueError, RuntimeError):
-            pass
-    return json.dumps(value, default=str)
-
-
-def rows_to_table(rows: list[dict[str, Any]]) -> pa.Table:
-    """A table with one column per key; a column whose values mix types is stored as text."""
-    columns: dict[str, list[Any]] = {}
-    for index, row in enumerate(rows):
-        for key in row:
-            columns.setdefault(key, [None] * index)
-        for key, values in columns.items():
-            values.append(_scalar(row.get(key)))
-    arrays = {}
-    for key, values in columns.items():
-        try:
-            arrays[key] = pa.array(values)
-        except (pa.ArrowInvalid, pa.ArrowTypeError):
-            arrays[key] = pa.array([None if v is None else str(v) for v in values], type=pa.string())
-    return pa.table(arrays)
+def report_row(item: Report, attempt: int) -> dict[str, Any]:
+    """A flat row: the runtime's columns, then the loop's metrics (a clashing key as `metric_<key>`)."""
+    row: dict[str, Any] = {field.name: getattr(item, field.name) for field in dataclasses.fields(item)
+                           if field.name != "metrics"}
+    row["attempt"] = attempt
+    for key, value in item.metrics.items():
+        row[metric_column(str(key))] = value
+    return row
 
 
 class MetricsLog:
-    """Collects reports and writes `<run uri>/metrics.parquet`."""
+    """Queues reports as rows; a writer thread appends them to `<run uri>/metrics.parquet/` in parts."""
 
-    def __init__(self, run_uri: str, flush_interval_s: float = 30.0) -> None:
-        self._filesystem, self._dir = filesystem_from_uri(run_uri)
-        self.uri = run_uri.rstrip("/") + "/" + METRICS_FILE
-        self._rows: list[dict[str, Any]] = []
-        self._row_of: dict[tuple[int, Any], int] = {}  # (rank, step) -> index in _rows
-        self._last_seq: dict[int, int] = {}  # rank -> newest seq of the current attempt
-        self._metrics: list[dict[str, Any]] = []  # per row: the dict the loop reported
-        self.attempt = 0
-        """The attempt the newest report came from (0 first, +1 on each restart seen)."""
+    def __init__(self, run_uri: str, flush_interval_s: float = 30.0, rows_per_part: int = 20_000,
+                 max_pending_rows: int = 100_000, emit: Callable[[str], None] = print) -> None:
+        self._filesystem, run_path = filesystem_from_uri(run_uri)
+        self._run_uri, self._run_path = run_uri, run_path
+        self._dir = f"{run_path}/{METRICS_DIR}"
+        self.uri = f"{run_uri.rstrip('/')}/{METRICS_DIR}"
         self._flush_interval_s = flush_interval_s
-        self._flushed_at = time.monotonic()
-        self._dirty = False
-        # A rerun of the same run name appends to its log instead of replacing it: the earlier rows
-        # stay (a step this run re-does replaces its row), this run's reports are a later attempt,
-        # and `history()` is this run's own (None marks a row no report of this run wrote).
-        try:
-            with self._filesystem.open_input_file(f"{self._dir}/{METRICS_FILE}") as source:
-                self._rows = pq.read_table(source).to_pylist()
-        except (OSError, pa.ArrowInvalid):
-            pass
-        self._metrics = [None] * len(self._rows)
-        for index, row in enumerate(self._rows):
-            step = row.get("step")
-            if isinstance(row.get("rank"), int) and isinstance(step, (int, float, str)) and not isinstance(step, bool):
-                self._row_of[(row["rank"], step)] = index
-        attempts = [row["attempt"] for row in self._rows if isinstance(row.get("attempt"), int)]
-        self.attempt = max(attempts) + 1 if attempts else 0
+        self._rows_per_part = rows_per_part
+        self._max_pending = max_pending_rows  # the bound on driver memory ([Note: reporting never waits])
+        self._emit = emit
+        try:  # a rerun of the same name continues the directory with its next attempt
+            adopt_single_file(self._filesystem, self._dir)
+            newest = max([part[0] for part in list_parts(self._filesystem, self._dir)]
+                         + [record["attempt"] for record in read_attempts(run_uri)], default=-1)
+        except OSError:
+            newest = -1
+        self.first_attempt = newest + 1
+        """The attempt of this log's first report (0, or the one after a same-name predecessor's newest)."""
+        self.attempt = self.first_attempt
+        """The attempt the newest report came from (+1 on each restart seen)."""
+        self._next_index = 0
+        self._pending: list[dict[str, Any]] = []  # rows not yet handed to the writer
+        self._pending_attempts: list[dict[str, Any]] = []  # attempt records not yet written
+        self._cond = threading.Condition()
+        self._flush_now = False
+        self._closing = False
+        self._writer: threading.Thread | None = None
+        self._writing = False  # a batch is being written (flush() waits for it)
+        self.rows_written = 0
+        self.parts_written = 0
+        self.dropped = 0
+        """Rows lost because the sink fell behind by more than `max_pending_rows`."""
+        # per written batch, the newest 10,000: rows written before it, its rows, seconds (bench/longrun.py)
+        self.flush_log: deque[dict[str, float]] = deque(maxlen=10_000)
+        self._trouble: str | None = None  # the sink's current error, said once per streak
 
+    # ---- the driver's side: O(1) per report -------------------------------------------------
     def add(self, item: Report) -> None:
-        if item.seq <= self._last_seq.get(item.rank, -1):  # a fresh worker process: the next attempt
-            self.attempt += 1
-            self._last_seq.clear()
-        self._last_seq[item.rank] = item.seq
-        row = as_row(item)
-        row["attempt"] = self.attempt
-        step = item.metrics.get("step")
-        key = (item.rank, step) if isinstance(step, (int, float, str)) and not isinstance(step, bool) else None
-        if key is not None and key in self._row_of:
-            index = self._row_of[key]  # a re-run step: the newer attempt's row replaces the older one
-            self._rows[index], self._metrics[index] = row, item.metrics
-        else:
-            if key is not None:
-                self._row_of[key] = len(self._rows)
-            self._rows.append(row)
-            self._metrics.append(item.metrics)
-        self._dirty = True
-        if time.monotonic() - self._flushed_at >= self._flush_interval_s:
-            self.flush()
+        self.attempt = self.first_attempt + item.attempt  # the run's attempt: this call's, after its predecessors'
+        row = report_row(item, self.attempt)
+        with self._cond:
+            if len(self._pending) >= self._max_pending:
+                self.dropped += 1
+                return
+            self._pending.append(row)
+            if len(self._pending) >= self._rows_per_part:
+                self._cond.notify()
+        if self._writer is None:
+            with self._cond:
+                self._start_writer()
 
-    def history(self, rank: int = 0) -> list[dict[str, Any]]:
-        """What `rank` reported, one dict per step (a re-run step's newest report), in step order of
-        first appearance; what `Result.metrics_history` holds for rank 0."""
-        return [metrics for row, metrics in zip(self._rows, self._metrics)
-                if row["rank"] == rank and metrics is not None]
+    def _start_writer(self) -> None:
+        if self._writer is None:
+            self._writer = threading.Thread(target=self._write_loop, name="rayzero-metrics", daemon=True)
+            self._writer.start()
 
-    def flush(self) -> None:
-        self._flushed_at = time.monotonic()
-        if not self._dirty or not self._rows:
-            return
+    def add_attempt(self, start: AttemptStart) -> None:
+        """Record an attempt's start (written with the next batch: [Note: attempts on record])."""
+        record = dataclasses.asdict(start)
+        record["attempt"] = self.first_attempt + start.attempt
+        with self._cond:
+            self._pending_attempts.append(record)
+
+    def history(self, rank: int = 0) -> MetricsHistory:
+        """What `rank` reported in this log's attempts, one dict per step (a re-run step's newest
+        report), in step order of first appearance; read from storage when first used."""
+        return MetricsHistory(self._run_uri, rank, self.first_attempt)
+
+    def flush(self, timeout_s: float = 60.0) -> bool:
+        """Write every queued row now; True when all were written within `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            if self._writer is None:
+                self._start_writer()
+            self._flush_now = True
+            self._cond.notify()
+            while (self._pending or self._pending_attempts or self._writing) and time.monotonic() < deadline:
+                self._cond.wait(min(0.2, max(0.0, deadline - time.monotonic())))
+            return not self._pending and not self._pending_attempts and not self._writing
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Write what is left (at most `timeout_s`), stop the writer, and say what was lost."""
+        written = self.flush(timeout_s)
+        with self._cond:
+            self._closing = True
+            left = len(self._pending)
+            self._cond.notify()
+        if not written and left:
+            self.dropped += left
+            self._emit(f"[rayzero] metrics: {left} row(s) could not be written to {self.uri} within "
+                       f"{timeout_s:g}s ({self._trouble or 'the sink is slow'}); they are lost")
+        if self.dropped:
+            self._emit(f"[rayzero] metrics: {self.dropped} row(s) were dropped in all because the metrics sink "
+                       f"fell behind; training was not slowed")
+
+    # ---- the writer thread ------------------------------------------------------------------
+    def _write_loop(self) -> None:
+        pause = 0.0  # after a failed write: wait before the next try
+        while True:
+            with self._cond:
+                waited_since = time.monotonic()
+                while not self._closing and not self._flush_now and len(self._pending) < self._rows_per_part:
+                    left = self._flush_interval_s + pause - (time.monotonic() - waited_since)
+                    if left <= 0:
+                        break
+                    self._cond.wait(left)
+                if self._closing:
+                    return
+                batch, self._pending = self._pending, []
+                attempts, self._pending_attempts = self._pending_attempts, []
+                self._flush_now = False
+                self._writing = bool(batch or attempts)
+            try:
+                if attempts:
+                    self._write_attempts(attempts)
+                    attempts = []
+                if batch:
+                    self._write(batch)
+                    pause = 0.0
+                    if self._trouble is not None:
+                        self._emit(f"[rayzero] metrics: writing to {self.uri} works again")
+                        self._trouble = None
+            except Exception as error:  # noqa: BLE001 - storage trouble costs metrics, never the run
+                pause = min(60.0, max(1.0, pause * 2))
+                with self._cond:  # the batch goes back in front, within the bound
+                    self._pending_attempts = attempts + self._pending_attempts
+                    room = max(0, self._max_pending - len(self._pending))
+                    self.dropped += max(0, len(batch) - room)
+                    self._pending = batch[:room] + self._pending
+                message = f"{type(error).__name__}: {error}"
+                if self._trouble is None:
+                    self._emit(f"[rayzero] metrics: cannot write to {self.uri} ({message}); retrying, "
+                               f"training goes on ({self.dropped} row(s) dropped so far)")
+                self._trouble = message
+            finally:
+                with self._cond:
+                    self._writing = False
+                    self._cond.notify_all()
+
+    def _write_attempts(self, records: list[dict[str, Any]]) -> None:
+        directory = attempts_directory(self._run_path)
+        self._filesystem.create_dir(directory, recursive=True)
+        for record in records:
+            name = attempt_file_name(record["attempt"])
+            with self._filesystem.open_output_stream(f"{directory}/.{name}.tmp") as stream:
+                stream.write(json.dumps(record).encode())
+            self._filesystem.move(f"{directory}/.{name}.tmp", f"{directory}/{name}")
+
+    def _write(self, rows: list[dict[str, Any]]) -> None:
+        """Each attempt's rows of the batch as one new part (names sort in writing order)."""
+        started, rows_before = time.monotonic(), self.rows_written
         self._filesystem.create_dir(self._dir, recursive=True)
-        final = f"{self._dir}/{METRICS_FILE}"
-        temporary = f"{final}.tmp"
-        with self._filesystem.open_output_stream(temporary) as stream:
-            pq.write_table(rows_to_table(self._rows), stream)
-        self._filesystem.move(temporary, final)
-        self._dirty = False
+        start = 0
+        while start < len(rows):
+            attempt = rows[start]["attempt"]
+            end = start
+            while end < len(rows) and rows[end]["attempt"] == attempt:
+                end += 1
+            name = part_name(attempt, self._next_index)
+            temporary = f"{self._dir}/.{name}.tmp"  # dot-named: readers of the dataset skip it
+            with self._filesystem.open_output_stream(temporary) as stream:
+                pq.write_table(rows_to_table(rows[start:end]), stream)
+            self._filesystem.move(temporary, f"{self._dir}/{name}")
+            self._next_index += 1
+            self.parts_written += 1
+            self.rows_written += end - start
+            start = end
+        self.flush_log.append({"rows_before": rows_before, "rows": len(rows), "seconds": time.monotonic() - started})

@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from rayzero.controller import throughput
 from rayzero.workers.session import Report
 
 
@@ -49,6 +50,9 @@ class Progress:
         self._last: Report | None = None
         self._printed_at = float("-inf")  # the first report prints at once
         self._resumed_from: object = None  # the step rank 0 went back to, until a line has said so
+        self.checkpoint_step: int | None = None  # the newest committed checkpoint's step (set by the driver)
+        self._resumed_checkpoint: int | None = None  # what the restart resumed from, until said
+        self._said = ""  # the last line emitted (the summary does not repeat it)
         self.failures = 0  # restarts charged to FailureConfig.max_failures so far (set by the driver)
         self.max_failures = 0
         self.stragglers: list[int] = []  # ranks the controller reported as stragglers (set by the driver)
@@ -59,51 +63,22 @@ class Progress:
             self._placement = item.placement
         if item.rank != 0:
             return
-        if self._first is None or self._went_back(item):
+        if self._first is None or throughput.went_back(item, self._last):
             self._first = item
         resumed = self._first is item and self._last is not None
         if resumed:
             self._resumed_from = item.metrics.get("step", item.seq)
+            self._resumed_checkpoint = self.checkpoint_step  # a restart resumes from the newest one
         self._last = item
         now = time.monotonic()
         if resumed or now - self._printed_at >= self._interval_s:
             self._printed_at = now
-            self._emit(self.line())
-
-    def _went_back(self, item: Report) -> bool:
-        """True when rank 0 reports an earlier step than before, or its sequence restarts (new workers)."""
-        if self._last is None:
-            return False
-        if item.seq <= self._last.seq:
-            return True
-        step, last_step = item.metrics.get("step"), self._last.metrics.get("step")
-        numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (step, last_step))
-        return numbers and step < last_step
-
-    def _counts(self, item: Report) -> tuple[float | None, float | None]:
-        metrics = item.metrics
-        samples = metrics.get("samples")
-        if samples is None and self._batch and isinstance(metrics.get("step"), (int, float)):
-            samples = metrics["step"] * self._batch
-        tokens = metrics.get("tokens")
-        return (
-            float(samples) if isinstance(samples, (int, float)) else None,
-            float(tokens) if isinstance(tokens, (int, float)) else None,
-        )
+            self._said = self.line()
+            self._emit(self._said)
 
     def rates(self) -> dict[str, float]:
         """samples/s and tokens/s between rank 0's first and newest report (what could be measured)."""
-        if self._first is None or self._last is None or self._last.time <= self._first.time:
-            return {}
-        elapsed = self._last.time - self._first.time
-        first_samples, first_tokens = self._counts(self._first)
-        last_samples, last_tokens = self._counts(self._last)
-        out = {}
-        if first_samples is not None and last_samples is not None:
-            out["samples_per_s"] = (last_samples - first_samples) / elapsed
-        if first_tokens is not None and last_tokens is not None:
-            out["tokens_per_s"] = (last_tokens - first_tokens) / elapsed
-        return out
+        return throughput.rates(self._first, self._last, self._batch)
 
     def line(self) -> str:
         if self._last is None:
@@ -111,7 +86,9 @@ class Progress:
         metrics = self._last.metrics
         parts = [f"step {metrics.get('step', self._last.seq)}"]
         if self._resumed_from is not None:
-            parts[0] += f" (resumed from step {self._resumed_from})"
+            parts[0] += (f" (restarted: resumed from the checkpoint of step {self._resumed_checkpoint})"
+                         if self._resumed_checkpoint is not None else
+                         f" (restarted: no checkpoint known, the loop went back to step {self._resumed_from})")
             self._resumed_from = None
         loss = metrics.get("loss")
         if isinstance(loss, (int, float)):
@@ -132,11 +109,15 @@ class Progress:
             parts.append("state r0 " + " ".join(f"{key[:-6]} {_human_bytes(where[key])}" for key in
                                                 ("device_bytes", "host_bytes", "nvme_bytes") if where.get(key)))
         if self.failures:
-            budget = "unlimited" if self.max_failures < 0 else str(self.max_failures)
-            parts.append(f"restarts {self.failures}/{budget}")
+            parts.append(f"restarts {self.failures}" + (f"/{self.max_failures}" if self.max_failures >= 0 else ""))
         if self.stragglers:
             parts.append("straggler " + " ".join(f"r{rank}" for rank in self.stragglers))
         return "[rayzero] " + " | ".join(parts)
+
+    def final_line(self) -> str | None:
+        """The closing progress line, or None when the last line printed says the same."""
+        line = self.line()
+        return None if line == self._said else line
 
     def peak_memory(self) -> dict[int, int]:
         return dict(self._memory)

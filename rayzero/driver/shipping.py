@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from rayzero.config.errors import RayZeroValueError
+from rayzero.workers.script import ScriptLaunch, locate_file
 
 
 class UnshippableLoopError(RayZeroValueError):
@@ -150,16 +151,7 @@ class FileTarget:
         return _loop_signature(self.takes_argument)
 
     def locate(self) -> Path:
-        # the same machine or a shared filesystem; a job's working_dir (the driver's cwd); the runtime_env
-        # working_dir rayzero sets when joining a cluster from outside a job (the file's own directory)
-        for candidate in (Path(self.path), Path.cwd() / self.relative_path, Path.cwd() / Path(self.path).name):
-            if candidate.is_file():
-                return candidate
-        raise FileNotFoundError(
-            f"rayzero: the loop's file {self.path} is not on this worker (nor {self.relative_path} under its "
-            f"working directory {Path.cwd()}); put it on shared storage or submit with "
-            "`ray job submit --working-dir DIR`, DIR containing the file"
-        )
+        return locate_file(self.path, self.relative_path)
 
     def function(self) -> Callable[..., Any]:
         return getattr(import_file(self.locate()), self.function_name)
@@ -286,7 +278,7 @@ def _dumps(obj: Any) -> bytes:
 
 def ship(train_loop: Callable[..., Any]) -> Callable[..., Any]:
     """What `rayzero.fit` hands to the controller for `train_loop` (see [Note: shipping the loop])."""
-    if isinstance(train_loop, (FileTarget, ShippedLoop)):
+    if isinstance(train_loop, (FileTarget, ShippedLoop, ScriptLaunch)):  # references the workers resolve
         return train_loop
     import ray.cloudpickle
 

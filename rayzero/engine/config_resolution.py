@@ -14,43 +14,12 @@ import torch
 from rayzero.config import RayZeroConfig, load_config
 from rayzero.config.errors import RayZeroValueError
 from rayzero.config.runnable import check_runnable
+from rayzero.config.trainer import HF_TRAINER_DEFAULTS, with_trainer_semantics  # noqa: F401 - their old home
 
 CONFIG_ENV = "RAYZERO_CONFIG"
 """Path to a JSON config, or the JSON text itself; the Ray worker sets it for the user's loop."""
 TRAINER_ENV = "RAYZERO_TRAINER"
 """JSON of HF-Trainer-style arguments ("auto" facts) from `rayzero.fit(trainer=...)` / `--trainer`."""
-
-
-HF_TRAINER_DEFAULTS: dict[str, Any] = {
-    "per_device_train_batch_size": 8, "gradient_accumulation_steps": 1, "learning_rate": 5e-5,
-    "weight_decay": 0.0, "adam_beta1": 0.9, "adam_beta2": 0.999, "adam_epsilon": 1e-8, "max_grad_norm": 1.0,
-    "fp16": False, "bf16": False,
-}
-"""`transformers.TrainingArguments` defaults for the arguments "auto" values are taken from. Not
-`warmup_steps` (HF's 0): DeepSpeed's WarmupLR refuses 0 warm-up steps, so an "auto" warm-up asks for
-`--trainer warmup_steps=N` on the driver rather than failing in every worker."""
-
-_BATCH_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
-
-
-def with_trainer_semantics(config: Any, trainer: Mapping[str, Any]) -> tuple[Any, dict[str, Any]]:
-    """(config, facts) as the HF Trainer would see them, for `fit(trainer=...)` / `--trainer`.
-
-    The Trainer has every `TrainingArguments` value, defaults included, so an "auto" the user did not
-    name a value for takes HF's default. And it feeds batches of `per_device_train_batch_size` with
-    `gradient_accumulation_steps` whatever the config says, so a config without those keys gets
-    them from the trainer ("auto"), and one that has them must agree (checked by the resolution).
-    """
-    facts = dict(HF_TRAINER_DEFAULTS)
-    facts.update(trainer)
-    if isinstance(config, (str, Path)):
-        text = str(config).strip()
-        config = json.loads(text) if text.startswith("{") else json.loads(Path(text).read_text())
-    if isinstance(config, Mapping):
-        config = json.loads(json.dumps(config))
-        for key in _BATCH_KEYS:
-            config.setdefault(key, "auto")
-    return config, facts
 
 
 def trainer_facts() -> dict[str, Any] | None:

@@ -19,7 +19,7 @@ import logging
 import math
 import resource
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -49,6 +49,8 @@ class StepBoundaryHook(Protocol):
     def before_forward(self, engine: ZeroEngine) -> None: ...
 
     def after_step(self, engine: ZeroEngine) -> None: ...
+
+    def should_stop(self) -> bool: ...
 
 
 _STEP_BOUNDARY_HOOK: StepBoundaryHook | None = None  # process-wide, like the default process group
@@ -141,6 +143,8 @@ class ZeroEngine(DeepSpeedAccessors):
         self.last_grad_norm: float | None = None  # unscaled, before clipping; None when not computed
         self.phase = Phase.IDLE
         self.checkpointer = None  # built by rayzero.engine.checkpoint_io on the first save/load
+        self.resumed = False  # steps() loaded the resume point, or decided there was none to load
+        self.resumed_client_state: dict[str, Any] | None = None  # what that checkpoint's loop saved
         # initialize(training_data=...)'s loader (DeepSpeed's name): load_checkpoint restores its
         # sampler's position ([Note: data position]).
         self.training_dataloader: torch.utils.data.DataLoader | None = None
@@ -366,6 +370,14 @@ class ZeroEngine(DeepSpeedAccessors):
             optim_state.load_scalar_state(self.optimizer, optimizer_state["scalar_state"])
         if self.lr_scheduler is not None and state.get("lr_scheduler") is not None:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+
+    def steps(self, total: int) -> Iterator[int]:
+        """The loop that resumes by itself: `for step in engine.steps(total): ...` ([Note: a loop
+        that resumes] in loop.py)."""
+        from rayzero.engine.loop import steps
+
+        hook = _STEP_BOUNDARY_HOOK
+        return steps(self, total, hook.should_stop if hook is not None else (lambda: False))
 
     def save_checkpoint(self, *args: Any, **kwargs: Any) -> Any:
         from rayzero.engine import checkpoint_io

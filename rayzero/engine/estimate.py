@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 from dataclasses import asdict, dataclass
 
@@ -142,8 +143,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16")
     parser.add_argument("--optimizer", choices=("adam", "sgd"), default="adam",
                         help="adam keeps 8 bytes of state per element, sgd with momentum 4")
-    parser.add_argument("--device-memory", type=float, default=None, help="GiB per accelerator, to mark what fits")
-    parser.add_argument("--host-memory", type=float, default=None, help="GiB of host memory per node")
+    parser.add_argument("--device-memory", type=float, default=None,
+                        help="GiB per accelerator, to mark what fits (default: this machine's GPU 0, if any)")
+    parser.add_argument("--host-memory", type=float, default=None,
+                        help="GiB of host memory per node (default: this machine's)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return parser
 
@@ -161,9 +164,14 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     rows = estimate(params, largest, args.gpus_per_node, args.nodes, args.precision,
                     8 if args.optimizer == "adam" else 4)
+    device_from, host_from = "--device-memory", "--host-memory"
+    if args.device_memory is None:
+        args.device_memory, device_from = _local_device_gib(), "this machine's GPU 0"
+    if args.host_memory is None:
+        args.host_memory, host_from = _local_host_gib(), "this machine"
 
     def fits(row: Estimate) -> bool | None:
-        if args.device_memory is None and args.host_memory is None:
+        if args.device_memory is None:  # no accelerator here and none named: cannot say
             return None
         device_ok = args.device_memory is None or row.device_bytes + row.working_bytes <= args.device_memory * GIB
         host_ok = args.host_memory is None or row.host_bytes_per_node <= args.host_memory * GIB
@@ -183,8 +191,32 @@ def main(argv: list[str] | None = None) -> int:
         ds = "" if row.deepspeed_device_bytes is None else f"{row.deepspeed_device_bytes / GIB:.2f}"
         print(f"{row.stage:>5} {row.offload_optimizer:>11} {row.offload_param:>13} {row.device_bytes / GIB:>10.2f} "
               f"{row.working_bytes / GIB:>9.2f} {row.host_bytes_per_node / GIB:>10.2f} "
-              f"{row.nvme_bytes_per_node / GIB:>10.2f} {ds:>13} {'' if ok is None else 'yes' if ok else 'no':>5}")
+              f"{row.nvme_bytes_per_node / GIB:>10.2f} {ds:>13} {'?' if ok is None else 'yes' if ok else 'no':>5}")
+    if args.device_memory is None:
+        print("fits: ? - this machine has no accelerator; give --device-memory GiB (per GPU) to mark what fits")
+    else:
+        host = f", host {args.host_memory:.0f} GiB per node ({host_from})" if args.host_memory else ""
+        print(f"fits: device {args.device_memory:.0f} GiB ({device_from}){host}")
     return 0
+
+
+def _local_device_gib() -> float | None:
+    """GPU 0's memory here, in GiB (None without one)."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_properties(0).total_memory / GIB
+    except (ImportError, RuntimeError):
+        pass
+    return None
+
+
+def _local_host_gib() -> float | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
+    except (ValueError, OSError):
+        return None
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from rayzero.workers.boundary import (
     thread_stacks,
 )
 from rayzero.workers.errors import WorkerSetupError
+from rayzero.workers.script import SCRIPT_ENV, ScriptLaunch, run_script, torchelastic_environment
 from rayzero.workers.session import Report, WorkerSession, peak_memory_bytes
 
 
@@ -61,6 +62,8 @@ class WorkerOutcome:
     """The loop ended because the run was told to stop (a planned stop, its checkpoint committed)."""
     preempted: bool = False
     """This worker's process got SIGTERM (the stop was a preemption)."""
+    exit_code: int | None = None
+    """A script's exit status when it failed ([Note: scripts on workers] in script.py)."""
 
 
 def _takes_an_argument(function: Callable[..., Any]) -> bool:
@@ -142,6 +145,13 @@ class TrainWorker:
                 if env.get("RAYZERO_RESUME_FROM") == NODE_LOCAL_RESUME:
                     env["RAYZERO_RESUME_FROM"] = env["RAYZERO_CHECKPOINT_DIR"]
             os.environ.update(env)
+            if env.get(SCRIPT_ENV) == "1":
+                # A script forms its own group ([Note: scripts on workers]); the boundary's agreement
+                # group comes from it at the first step.
+                os.environ.update(torchelastic_environment(env))
+                boundary = StepBoundary(rank, env.get("RAYZERO_NODE_ID", ""), None, env.get("RAYZERO_CHECKPOINT_DIR"))
+                self._session = WorkerSession(rank=rank, dataset_shards=dict(dataset_shards), boundary=boundary)
+                return
             import torch
             import torch.distributed as dist
 
@@ -181,8 +191,12 @@ class TrainWorker:
         set_step_boundary_hook(boundary)
         self._running = True
         try:
+            if isinstance(train_loop, ScriptLaunch):
+                ended = run_script(train_loop, rank, on_output=boundary.output_progressed)
+                if ended.code != 0:
+                    return WorkerOutcome(rank, ended.error, ended.traceback_text, exit_code=ended.code)
             # Ray Train's convention: a loop with a parameter gets the config ({} when none was given).
-            if _takes_an_argument(train_loop):
+            elif _takes_an_argument(train_loop):
                 train_loop({} if loop_config is None else loop_config)
             else:
                 train_loop()

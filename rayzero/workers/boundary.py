@@ -178,8 +178,25 @@ class StepBoundary:
         stats = engine.memory_stats()
         return {key: int(stats[key]) for key in ("device_bytes", "host_bytes", "nvme_bytes")}
 
+    def learning_rate(self) -> float | None:
+        """The learning rate of the engine that stepped last, for the metrics (None before one did)."""
+        engine = self._engine() if self._engine is not None else None
+        if engine is None or engine.closed:
+            return None
+        try:
+            rates = engine.get_lr()
+            return float(rates[0]) if rates else None
+        except (AttributeError, IndexError, TypeError, ValueError):
+            return None
+
     def progressed(self) -> None:
         self._progress_at = time.monotonic()
+
+    def output_progressed(self) -> None:
+        """A line of a script's output: progress until an engine first steps, after which only engine
+        steps, reports and saves are ([Note: scripts on workers] in script.py)."""
+        if not self.stepped:
+            self._progress_at = time.monotonic()
 
     # ---- the hook ----------------------------------------------------------------------------
     def before_forward(self, engine: Any) -> None:
@@ -229,6 +246,10 @@ class StepBoundary:
         import torch
         import torch.distributed as dist
 
+        if self._group is None and dist.get_backend() != "gloo":
+            # A script formed its own (NCCL) group: the agreement's gloo twin is made now, at the first
+            # step, by every rank in the same order ([Note: scripts on workers] in script.py).
+            self._group = dist.new_group(backend="gloo")
         agreed = torch.tensor(mine, dtype=torch.int64)
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self._group)
         return BoundaryRequest(int(agreed[0])), int(agreed[1])

@@ -11,7 +11,6 @@ read from the environment variables torchrun sets, `report` keeps the metrics in
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import queue
@@ -51,6 +50,11 @@ class TrainContext:
     """Checkpoint to resume from (`--resume-from`, or the newest committed one on a restart)."""
     attempt: int = 0
     """0 for the first attempt, incremented each time the controller restarts the worker group."""
+    resuming: bool = False
+    """True when this process continues earlier training of the same run: a restart after a failure
+    or a resize (`attempt > 0`), a rerun under the same name and storage, or a resume point given
+    (`resume_from`). A training script whose trainer keeps its own checkpoints (HF `checkpoint-N`,
+    Lightning `.ckpt`) resumes from its newest one when this is true ([Note: scripts on workers])."""
 
     def should_stop(self) -> bool:
         """True once the run was told to stop (driver Ctrl-C/SIGTERM, `rayzero stop`, a resize or a
@@ -82,6 +86,8 @@ def context_from_environment(environ: Mapping[str, str] | None = None) -> TrainC
         node_local_dir=env.get("RAYZERO_NODE_LOCAL_DIR", ""),
         resume_from=env.get("RAYZERO_RESUME_FROM") or None,
         attempt=int(env.get("RAYZERO_ATTEMPT", "0")),
+        resuming=bool(env.get("RAYZERO_RESUME_FROM")) or int(env.get("RAYZERO_ATTEMPT", "0")) > 0
+        or env.get("RAYZERO_RESUMING") == "1",
     )
 
 
@@ -103,6 +109,10 @@ class Report:
     """Peak memory of the worker so far: GPU max allocated when on a GPU, else peak RSS."""
     placement: dict[str, int] | None = None
     """Where the rank's engine keeps its model state: device/host/nvme bytes (None: no engine)."""
+    attempt: int = 0
+    """The controller's attempt (worker group) this report came from (RAYZERO_ATTEMPT)."""
+    engine_lr: float | None = None
+    """The learning rate of the rank's engine when it reported (its `get_lr()[0]`; None: no engine)."""
 
 
 def peak_memory_bytes() -> int:
@@ -129,14 +139,17 @@ class WorkerSession:
     """Reports not yet collected by the controller; `None` wakes a waiting poll at the end."""
     boundary: Any = None
     """The engine step-boundary hook of this worker (rayzero.workers.boundary.StepBoundary)."""
+    attempt: int = field(default_factory=lambda: int(os.environ.get("RAYZERO_ATTEMPT", "0")))
+    """The controller's attempt this worker belongs to (stamped on every report)."""
     _seq: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def report(self, metrics: Mapping[str, Any], checkpoint: str | None = None) -> None:
         with self._lock:  # a loop may report from several threads; keep seq and queue order equal
             placement = self.boundary.placement() if self.boundary is not None else None
+            learning_rate = self.boundary.learning_rate() if self.boundary is not None else None
             item = Report(self.rank, self._seq, time.time(), dict(metrics), checkpoint, peak_memory_bytes(),
-                          placement)
+                          placement, self.attempt, learning_rate)
             self._seq += 1
             self.reports.put(item)
         if self.boundary is not None:
@@ -218,10 +231,3 @@ def get_dataset_shard(name: str = "train") -> Any:
         )
     return shards[name]
 
-
-def as_row(report_item: Report) -> dict[str, Any]:
-    """A flat dict for the metrics log: rank, seq, time, peak memory, then the metrics."""
-    row = {f.name: getattr(report_item, f.name) for f in dataclasses.fields(report_item) if f.name != "metrics"}
-    for key, value in report_item.metrics.items():
-        row[key if key not in row else f"metric_{key}"] = value
-    return row

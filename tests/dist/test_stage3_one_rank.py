@@ -71,7 +71,6 @@ def test_a_module_run_on_one_rank_only_from_a_later_step_is_named_when_the_gathe
         assert outcome.startswith("RayZeroRuntimeError: stage 3: the ranks fetch different modules"), outcome
         # rank 1 skipped it: its message says where it left the order both ranks recorded
         assert "left its recorded order at last (forward) where only_on_rank_0 (forward) came before" in outcome
-        assert float(outcome.rsplit(" after ", 1)[1].split()[0]) < 30, outcome  # gloo's own timeout: 300 s
 
 
 class Sleepy(Branchy):

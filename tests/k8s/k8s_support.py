@@ -179,6 +179,27 @@ class Cluster:
         return {}
 
 
+def head_tls_files(secret: client.V1Secret, directory: pathlib.Path) -> Any:
+    """The control TLS files the head pod's Secret volume holds, written to `directory`, as the
+    control service's TlsFiles (it serves with them as it does in the pod)."""
+    import base64
+
+    from rayzero.controller.control_server import TlsFiles
+
+    directory.mkdir()
+    for key in ("ca.crt", "tls.crt", "tls.key"):
+        (directory / key).write_bytes(base64.b64decode(secret.data[key]))
+    return TlsFiles(str(directory / "tls.crt"), str(directory / "tls.key"), str(directory / "ca.crt"))
+
+
+def labelled_credentials(cluster: Cluster, name: str, *, label: bool = True, **extra: Any) -> None:
+    """A storage credentials Secret in the cluster's namespace, marked for RayZeroJobs unless `label`
+    is False ([Note: what a RayZeroJob author can bring into a pod])."""
+    labels = {"rayzero.io/credentials": "true"} if label else {}
+    cluster.core.create_namespaced_secret(cluster.namespace, {
+        "metadata": {"name": name, "labels": labels}, "stringData": {"AWS_ACCESS_KEY_ID": "AKIA-TEST"}, **extra})
+
+
 def example(name: str) -> dict[str, Any]:
     """The spec of an example from deploy/examples (the tests run the examples users read)."""
     return yaml.safe_load((REPO / "deploy" / "examples" / f"{name}.yaml").read_text())["spec"]

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from k8s_support import example, wait_for
+from k8s_support import example, labelled_credentials, wait_for
 from kubernetes.client.exceptions import ApiException
 
 
@@ -43,6 +43,9 @@ SCHEMA_REJECTIONS = [
      "spec.workers.resources.limits.memory"),
     ("durable-uri-no-scheme", _set("storage.durableUri", "my-bucket/runs"), "spec.storage.durableUri"),
     ("relative-host-path", _set("storage.nodeLocal", {"hostPath": "nvme"}), "spec.storage.nodeLocal.hostPath"),
+    ("host-path-climbs-out", _set("storage.nodeLocal", {"hostPath": "/mnt/nvme/rayzero/../../../etc"}),
+     "spec.storage.nodeLocal.hostPath"),
+    ("host-path-root", _set("storage.nodeLocal", {"hostPath": "/"}), "spec.storage.nodeLocal.hostPath"),
     ("suspend-string", _set("suspend", "yes"), "spec.suspend"),
     ("ray-version", _set("rayVersion", "latest"), "spec.rayVersion"),
 ]
@@ -71,6 +74,15 @@ OPERATOR_REJECTIONS = [
      "did you mean `maxRestarts`"),
     ("missing-configmap", _set("deepspeed", {"configMapRef": {"name": "nowhere"}}),
      "spec.deepspeed.configMapRef", "create it"),
+    # Issue 22: a job author gets no host directory outside allowedHostPaths (default /mnt/nvme/rayzero).
+    ("host-path-etc", _set("storage.nodeLocal", {"hostPath": "/etc"}), "spec.storage.nodeLocal.hostPath",
+     "allowedHostPaths"),
+    ("host-path-beside-the-root", _set("storage.nodeLocal", {"hostPath": "/mnt/nvme/rayzero-other"}),
+     "spec.storage.nodeLocal.hostPath", "allowedHostPaths"),
+    ("mount-over-tmp", _set("storage.nodeLocal", {"hostPath": "/mnt/nvme/rayzero", "mountPath": "/tmp"}),
+     "spec.storage.nodeLocal.mountPath", "another directory"),
+    ("missing-credentials-secret", _set("storage.credentialsSecret", "nowhere"), "spec.storage.credentialsSecret",
+     "rayzero.io/credentials=true"),
 ]
 
 
@@ -132,3 +144,36 @@ def test_a_foreign_configmap_of_the_generated_name_is_never_overwritten(cluster,
     assert "mine-deepspeed" in cluster.condition("mine", "InvalidSpec")["message"]
     assert cluster.config_map("mine-deepspeed").data == {"notes.txt": "a user's own data"}
     assert cluster.ray_jobs("mine") == []
+
+
+def test_a_credentials_secret_must_be_marked_for_rayzerojobs(cluster, operator):
+    """Issue 22: `storage.credentialsSecret` is the only Secret a job can bring into its pods, and only
+    one its owner labelled for it: not any Secret of the namespace (a ServiceAccount's token, another
+    job's control credentials)."""
+    labelled_credentials(cluster, "plain", label=False)
+    cluster.core.create_namespaced_service_account(cluster.namespace, {"metadata": {"name": "robot"}})
+    labelled_credentials(cluster, "robot-token", type="kubernetes.io/service-account-token",
+                         metadata={"name": "robot-token", "labels": {"rayzero.io/credentials": "true"},
+                                   "annotations": {"kubernetes.io/service-account.name": "robot"}})
+    cluster.create_job("victim", example("minimal"))
+    victim_secret = wait_for(lambda: cluster.secret("victim-rayzero-auth"), what="the victim's Secret")
+    cluster.core.patch_namespaced_secret("victim-rayzero-auth", cluster.namespace,
+                                         {"metadata": {"labels": {"rayzero.io/credentials": "true"}}})
+    for job, secret, why in (("thief-a", "plain", "is not marked for RayZeroJobs"),
+                             ("thief-b", "robot-token", "only Opaque Secrets"),
+                             ("thief-c", "victim-rayzero-auth", "one the rayzero operator made")):
+        spec = example("minimal")
+        spec["storage"] = {"credentialsSecret": secret}
+        cluster.create_job(job, spec)
+        wait_for(cluster.phase_is(job, "Failed"), what=f"{job} refused")
+        message = cluster.condition(job, "InvalidSpec")["message"]
+        assert "spec.storage.credentialsSecret" in message and why in message, message
+        assert cluster.ray_jobs(job) == []
+    assert cluster.secret("victim-rayzero-auth").data == victim_secret.data
+
+    # Its owner marks it: the job starts, with that Secret as its environment.
+    cluster.core.patch_namespaced_secret("plain", cluster.namespace,
+                                         {"metadata": {"labels": {"rayzero.io/credentials": "true"}}})
+    (ray_job,) = wait_for(lambda: cluster.ray_jobs("thief-a"), what="the RayJob once the Secret is marked")
+    worker = ray_job["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]
+    assert worker["envFrom"] == [{"secretRef": {"name": "plain"}}]

@@ -33,26 +33,38 @@ def test_each_template_holds_one_kind_of_resource():
     kinds = {path: sorted({doc["kind"] for doc in docs}) for path, docs in _render().items()}
     assert kinds == {"serviceaccount.yaml": ["ServiceAccount"], "clusterrole.yaml": ["ClusterRole"],
                      "clusterrolebinding.yaml": ["ClusterRoleBinding"], "deployment.yaml": ["Deployment"],
-                     "rolebindings.yaml": []}
+                     "roles.yaml": [], "rolebindings.yaml": []}
+
+
+def _granted(role: dict) -> set[tuple[str, str, str]]:
+    return {(group, resource, verb) for rule in role["rules"] for group in rule["apiGroups"]
+            for resource in rule["resources"] for verb in rule["verbs"]}
 
 
 def test_the_clusterrole_grants_exactly_what_the_operator_uses():
     (role,) = _render()["clusterrole.yaml"]
-    granted = {(group, resource, verb) for rule in role["rules"] for group in rule["apiGroups"]
-               for resource in rule["resources"] for verb in rule["verbs"]}
+    granted = _granted(role)
     uses = {
         ("rayzero.io", "rayzerojobs", verb) for verb in ("get", "list", "watch", "patch")} | {
         ("rayzero.io", "rayzerojobs/status", "patch"), ("rayzero.io", "rayzerojobs/finalizers", "update")} | {
         ("ray.io", "rayjobs", verb) for verb in ("list", "watch", "create", "patch", "delete")} | {
         ("", "configmaps", verb) for verb in ("get", "create", "patch", "delete")} | {("", "events", "create")} | {
-        ("", "secrets", verb) for verb in ("get", "create", "delete")}  # the job's token Secret; never list/watch
+        # the job's Secret (patch: its control credentials per attempt); never list/watch
+        ("", "secrets", verb) for verb in ("get", "create", "patch", "delete")}
     assert granted == uses
 
 
-def test_watch_namespaces_binds_the_role_only_there():
+def test_watch_namespaces_makes_a_namespaced_install_with_no_cluster_wide_permission():
     rendered = _render({"watchNamespaces": ["team-a", "team-b"]})
-    assert rendered["clusterrolebinding.yaml"] == []
-    assert [doc["metadata"]["namespace"] for doc in rendered["rolebindings.yaml"]] == ["team-a", "team-b"]
+    assert rendered["clusterrole.yaml"] == [] and rendered["clusterrolebinding.yaml"] == []
+    (cluster_role,) = _render()["clusterrole.yaml"]
+    roles = rendered["roles.yaml"]
+    assert [(doc["kind"], doc["metadata"]["namespace"]) for doc in roles] == [("Role", "team-a"), ("Role", "team-b")]
+    assert all(_granted(role) == _granted(cluster_role) for role in roles)  # the same rules, namespaced
+    bindings = rendered["rolebindings.yaml"]
+    assert [doc["metadata"]["namespace"] for doc in bindings] == ["team-a", "team-b"]
+    assert all(doc["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                  "name": f"{RELEASE}-rayzero-operator"} for doc in bindings)
     (deployment,) = rendered["deployment.yaml"]
     args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--namespace=team-a" in args and "--namespace=team-b" in args
@@ -66,7 +78,11 @@ def test_values_reach_the_deployment():
     assert {"name": "RAYZERO_OPERATOR_RESYNC_SECONDS", "value": "7"} in container["env"]
     assert {"name": "RAYZERO_OPERATOR_CONTROL_REFRESH_SECONDS", "value": "2"} in container["env"]
     assert {"name": "RAYZERO_OPERATOR_CHECKPOINT_TIMEOUT_SECONDS", "value": "600"} in container["env"]
+    assert {"name": "RAYZERO_OPERATOR_ALLOWED_HOST_PATHS", "value": '["/mnt/nvme/rayzero"]'} in container["env"]
     assert "--verbose" in container["args"]
+    (other,) = _render({"allowedHostPaths": ["/data/a", "/scratch"]})["deployment.yaml"]
+    env = other["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert {"name": "RAYZERO_OPERATOR_ALLOWED_HOST_PATHS", "value": '["/data/a","/scratch"]'} in env
     assert deployment["spec"]["strategy"]["type"] == "Recreate"
 
 
@@ -76,6 +92,10 @@ def test_values_reach_the_deployment():
     ({"watchNamespaces": "team-a"}, "/watchNamespaces"),
     ({"resyncSecond": 5}, "resyncSecond"),
     ({"controlRefreshSeconds": 0}, "/controlRefreshSeconds"),
+    ({"allowedHostPaths": ["nvme"]}, "/allowedHostPaths/0"),
+    ({"allowedHostPaths": ["/"]}, "/allowedHostPaths/0"),
+    ({"allowedHostPaths": ["/mnt/nvme/../../etc"]}, "/allowedHostPaths/0"),
+    ({"allowedHostPaths": "/mnt/nvme"}, "/allowedHostPaths"),
 ])
 def test_the_values_schema_refuses_wrong_values(values, where):
     with pytest.raises(helm_python.HelmValuesError) as raised:
@@ -118,6 +138,10 @@ def test_deploy_rbac_is_the_rendered_chart_rbac():
                 *rendered["clusterrolebinding.yaml"]]
     checked_in = [doc for doc in yaml.safe_load_all((REPO / "deploy" / "rbac.yaml").read_text()) if doc]
     assert checked_in == expected, "regenerate deploy/rbac.yaml: python scripts/k8s_envtest_render.py"
+    namespaced = _render({"watchNamespaces": ["rayzero-jobs"]})
+    expected = [*namespaced["serviceaccount.yaml"], *namespaced["roles.yaml"], *namespaced["rolebindings.yaml"]]
+    checked_in = [doc for doc in yaml.safe_load_all((REPO / "deploy" / "rbac-namespaced.yaml").read_text()) if doc]
+    assert checked_in == expected, "regenerate deploy/rbac-namespaced.yaml: python scripts/k8s_envtest_render.py"
 
 
 def test_notes_say_what_is_watched_and_how_to_start():

@@ -1,10 +1,12 @@
 """The operator against a real rayzero run: `rayzero.fit` in a subprocess (its own local Ray) serves
-its control service on loopback with the port and token the operator put in the job (the head pod's
-RAYZERO_CONTROL_PORT / RAYZERO_CONTROL_TOKEN); the operator copies the run's step and loss into the
+its control service on loopback with the port, token and TLS certificate the operator put in the job
+(the head pod's RAYZERO_CONTROL_PORT / RAYZERO_CONTROL_TOKEN / RAYZERO_CONTROL_TLS_*); the operator,
+verifying the certificate against the job Secret's CA, copies the run's step and loss into the
 RayZeroJob's status, and `spec.suspend` stops the run with a final checkpoint (the run exits 0)."""
 from __future__ import annotations
 
 import base64
+import json
 import os
 import shutil
 import subprocess
@@ -13,14 +15,7 @@ import tempfile
 import textwrap
 
 import k8s_envtest
-import pytest
-from k8s_support import example, wait_for
-
-from rayzero.controller.controller import ControllerActor
-
-pytestmark = pytest.mark.skipif(
-    not hasattr(ControllerActor, "status"),
-    reason="needs the controller's ControlTarget on ControllerActor (issue 11's controller side)")
+from k8s_support import example, head_tls_files, wait_for
 
 DRIVER = textwrap.dedent(
     """
@@ -56,13 +51,15 @@ def test_the_operator_follows_and_suspends_a_real_run(cluster, operator, tmp_pat
     wait_for(lambda: cluster.ray_jobs("real"), what="the RayJob")
     secret = wait_for(lambda: cluster.secret("real-rayzero-auth"), what="the token Secret")
     token = base64.b64decode(secret.data["control_token"]).decode()
+    tls = head_tls_files(secret, tmp_path / "tls")
 
     script = tmp_path / "driver.py"
     script.write_text(DRIVER)
     ray_tmp = tempfile.mkdtemp(prefix="rzk8s", dir="/tmp")  # Ray's socket paths must stay short
-    # What the operator's head pod gives the run: the port and the job Secret's token.
+    # What the operator's head pod gives the run: the port, the job Secret's token and TLS files.
     env = {**os.environ, "RAYZERO_CONTROL_HOST": "127.0.0.1", "RAYZERO_CONTROL_PORT": str(port),
-           "RAYZERO_CONTROL_TOKEN": token, "RAY_TMPDIR": ray_tmp}
+           "RAYZERO_CONTROL_TOKEN": token, "RAYZERO_CONTROL_TLS_CERT": tls.certificate,
+           "RAYZERO_CONTROL_TLS_KEY": tls.private_key, "RAYZERO_CONTROL_TLS_CA": tls.ca, "RAY_TMPDIR": ray_tmp}
     env.pop("RAY_ADDRESS", None)
     driver = subprocess.Popen([sys.executable, str(script), "real", (tmp_path / "runs").as_uri()], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -72,6 +69,9 @@ def test_the_operator_follows_and_suspends_a_real_run(cluster, operator, tmp_pat
         status = wait_for(lambda: (s := cluster.status("real")) and (s.get("step") or 0) >= 2 and s, 120,
                           "the run's step in the RayZeroJob status")
         assert status["runState"] == "running" and status["worldSize"] == 1 and status["loss"] is not None
+        info = json.loads((tmp_path / "runs" / "real" / "control.json").read_text())
+        assert info["tls"] is True and info["server_name"] == f"control.real.{cluster.namespace}.rayzero"
+        assert token not in json.dumps(info)
 
         cluster.patch_job("real", {"spec": {"suspend": True}})
         wait_for(lambda: cluster.ray_job("real-attempt-1")["spec"]["suspend"] is True, 120, "RayJob suspended")

@@ -8,7 +8,7 @@ import time
 
 import pytest
 import yaml
-from k8s_support import RESYNC_SECONDS, example, wait_for
+from k8s_support import RESYNC_SECONDS, example, labelled_credentials, wait_for
 from kubernetes.client.exceptions import ApiException
 
 
@@ -18,6 +18,7 @@ def _uri_env(ray_job: dict) -> dict:
 
 def test_a_rayzerojob_becomes_the_expected_rayjob(cluster, operator):
     spec = example("zero3-offload")
+    labelled_credentials(cluster, "s3-credentials")  # the example's credentialsSecret, marked for jobs
     created = cluster.create_job("llm", spec)
 
     ray_job = wait_for(lambda: cluster.ray_jobs("llm"), what="the RayJob")[0]
@@ -51,10 +52,21 @@ def test_a_rayzerojob_becomes_the_expected_rayjob(cluster, operator):
     assert env["RAYZERO_NODE_LOCAL_DIR"] == "/mnt/rayzero-local"
     assert container["envFrom"] == [{"secretRef": {"name": "s3-credentials"}}]
     mounts = {mount["name"]: mount["mountPath"] for mount in container["volumeMounts"]}
-    assert mounts == {"rayzero-config": "/etc/rayzero", "rayzero-node-local": "/mnt/rayzero-local"}
+    assert mounts == {"rayzero-config": "/etc/rayzero", "rayzero-node-local": "/mnt/rayzero-local",
+                      "rayzero-tmp": "/tmp", "rayzero-control-tls": "/etc/rayzero-control"}
     volumes = {volume["name"]: volume for volume in pod["volumes"]}
-    assert volumes["rayzero-node-local"]["hostPath"] == {"path": "/mnt/nvme/rayzero", "type": "DirectoryOrCreate"}
+    # under the default allowedHostPaths; `Directory`: never created on the host by the kubelet
+    assert volumes["rayzero-node-local"]["hostPath"] == {"path": "/mnt/nvme/rayzero", "type": "Directory"}
     assert volumes["rayzero-config"]["configMap"]["name"] == "llm-deepspeed"
+    # Issue 22: what the pods run with, as stored by the apiserver through KubeRay's schema.
+    for ray_pod in (head, pod):
+        assert ray_pod["automountServiceAccountToken"] is False
+        ray_container = ray_pod["containers"][0]
+        assert ray_container["securityContext"]["readOnlyRootFilesystem"] is True
+        scratch = {mount["mountPath"]: mount["name"] for mount in ray_container["volumeMounts"]}["/tmp"]
+        assert {volume["name"]: volume for volume in ray_pod["volumes"]}[scratch] == {"name": scratch, "emptyDir": {}}
+        assert [volume for volume in ray_pod["volumes"] if "hostPath" in volume] == (
+            [] if ray_pod is head else [volumes["rayzero-node-local"]])
     head_env = {item["name"]: item.get("value") for item in head["containers"][0]["env"]}
     assert head_env["RAYZERO_NODE_LOCAL_DIR"] == "/mnt/rayzero-local"  # the controller runs on the head
     assert {"name": "rayzero-node-local", "emptyDir": {}} in head["volumes"]
@@ -105,6 +117,9 @@ def test_a_failure_with_restarts_left_starts_exactly_one_resuming_rayjob(cluster
     cluster.set_ray_job_status("retry-attempt-1", jobDeploymentStatus="Running", jobStatus="RUNNING")
     wait_for(cluster.phase_is("retry", "Running"), what="phase Running")
 
+    first_credentials = cluster.secret("retry-rayzero-auth")
+    assert first_credentials.metadata.annotations["rayzero.io/control-attempt"] == "1"
+
     failed_at = time.monotonic()
     end_time = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     cluster.set_ray_job_status("retry-attempt-1", jobDeploymentStatus="Failed", jobStatus="FAILED",
@@ -114,6 +129,7 @@ def test_a_failure_with_restarts_left_starts_exactly_one_resuming_rayjob(cluster
     second = wait_for(lambda: len(cluster.ray_jobs("retry")) == 2 and cluster.ray_jobs("retry")[1],
                       what="attempt 2")
     assert time.monotonic() - failed_at >= 1.0  # backoffSeconds 2, timestamps have 1 s resolution
+    rotated = cluster.secret("retry-rayzero-auth")  # before its RayJob: the new pods read these
     assert second["metadata"]["name"] == "retry-attempt-2"
     assert _uri_env(second) == {"RAYZERO_RESUME_FROM": "s3://bucket/runs/retry"}
     status = wait_for(lambda: cluster.status("retry").get("attempt") == 2 and cluster.status("retry"),
@@ -122,6 +138,14 @@ def test_a_failure_with_restarts_left_starts_exactly_one_resuming_rayjob(cluster
     assert status["resumeFrom"] == "s3://bucket/runs/retry"
     time.sleep(3 * RESYNC_SECONDS)  # duplicate events and resyncs make no third RayJob
     assert len(cluster.ray_jobs("retry")) == 2
+    # A new attempt, new control credentials (made once: resyncs did not rotate them again); Ray's
+    # token, which KubeRay's submitter also holds, stays.
+    second_credentials = cluster.secret("retry-rayzero-auth")
+    assert second_credentials.metadata.annotations["rayzero.io/control-attempt"] == "2"
+    assert second_credentials.data == rotated.data
+    for key in ("control_token", "ca.crt", "tls.crt", "tls.key"):
+        assert second_credentials.data[key] != first_credentials.data[key], key
+    assert second_credentials.data["auth_token"] == first_credentials.data["auth_token"]
 
     cluster.set_ray_job_status("retry-attempt-2", jobDeploymentStatus="Running", jobStatus="RUNNING")
     wait_for(cluster.phase_is("retry", "Running"), what="attempt 2 running")

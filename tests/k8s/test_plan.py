@@ -6,6 +6,7 @@ import copy
 import datetime as dt
 from typing import Any
 
+import pytest
 import yaml
 from k8s_support import example
 from rayzero_operator import crd, manifests
@@ -134,3 +135,22 @@ def test_a_name_too_long_for_its_rayjobs_is_refused():
     decided = plan(Observed(job, [], now=NOW))
     assert decided.create == [] and decided.status["phase"] == "Failed"
     assert "metadata.name" in decided.events[0][2]
+
+
+def test_host_paths_are_matched_per_component_against_the_operators_allowed_roots():
+    from rayzero_operator.spec import parse_allowed_host_paths
+
+    def verdict(host_path: str, allowed: tuple[str, ...] = ("/mnt/nvme/rayzero",)) -> str:
+        spec = example("minimal")
+        spec["storage"] = {"nodeLocal": {"hostPath": host_path}}
+        decided = plan(Observed(_job(spec), [], now=NOW, allowed_host_paths=allowed))
+        invalid = next(c for c in decided.status["conditions"] if c["type"] == "InvalidSpec")
+        return "refused" if invalid["status"] == "True" else "allowed"
+
+    assert verdict("/mnt/nvme/rayzero") == verdict("/mnt/nvme/rayzero/team-a") == "allowed"
+    assert verdict("/etc") == verdict("/mnt/nvme") == verdict("/mnt/nvme/rayzero-other") == "refused"
+    assert verdict("/data/x", ("/data", "/scratch")) == "allowed" and verdict("/mnt/nvme/rayzero", ()) == "refused"
+    assert parse_allowed_host_paths(None) == ("/mnt/nvme/rayzero",) and parse_allowed_host_paths("[]") == ()
+    for bad in ('["relative"]', '["/"]', '["/a/../b"]', "not json", '"/a"'):
+        with pytest.raises(ValueError, match="RAYZERO_OPERATOR_ALLOWED_HOST_PATHS"):
+            parse_allowed_host_paths(bad)

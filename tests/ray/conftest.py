@@ -6,7 +6,8 @@ import pytest
 
 def _start(ray) -> None:
     # 4 logical CPUs: 2 workers x 1 CPU plus room for Ray Data's tasks.
-    ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING")
+    # address="local": a new Ray of our own even when another one (a `ray start` head) runs on this machine
+    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="WARNING")
 
 
 @pytest.fixture(scope="session")

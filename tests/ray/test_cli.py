@@ -5,9 +5,8 @@ from __future__ import annotations
 import json
 import textwrap
 
-import pyarrow.parquet as pq
-
 from rayzero.driver import cli, demo
+from rayzero.driver.metrics_store import read_metrics
 
 LOOP = textwrap.dedent(
     """
@@ -35,7 +34,7 @@ def test_run_a_file_target_with_loop_args(local_ray, tmp_path, capsys):
     code = cli.main([f"{project}/train.py:loop", "--config", str(project / "ds.json"), "--workers", "2",
                      "--storage", (tmp_path / "runs").as_uri(), "--name", "cli", "--", "--steps", "4"])
     assert code == 0, capsys.readouterr().err
-    table = pq.read_table(str(tmp_path / "runs" / "cli" / "metrics.parquet")).to_pydict()
+    table = read_metrics(str(tmp_path / "runs" / "cli")).to_pydict()
     rank0 = [v for r, v in zip(table["rank"], table["value"]) if r == 0]
     assert rank0 == [0, 10, 20, 30]
     assert "[rayzero] finished: 4 report(s)" in capsys.readouterr().out
@@ -113,7 +112,7 @@ def test_trainer_arguments_fill_the_hf_autos(local_ray, tmp_path, capsys):
     code = cli.main(argv + ["--trainer", "per_device_train_batch_size=3", "--trainer", "learning_rate=0.01",
                             "--trainer", "gradient_accumulation_steps=2"])
     assert code == 0, capsys.readouterr().err
-    table = pq.read_table(str(tmp_path / "runs" / "hf" / "metrics.parquet")).to_pydict()
+    table = read_metrics(str(tmp_path / "runs" / "hf")).to_pydict()
     assert (table["micro"][0], table["batch"][0], table["lr"][0]) == (3, 12, 0.01)
 
 
@@ -139,5 +138,5 @@ def test_a_file_target_is_imported_on_the_workers_not_pickled(local_ray, tmp_pat
     code = cli.main([f"{tmp_path}/locked.py:loop", "--config", str(tmp_path / "ds.json"), "--workers", "2",
                      "--storage", (tmp_path / "runs").as_uri(), "--name", "locked"])
     assert code == 0, capsys.readouterr().err
-    table = pq.read_table(str(tmp_path / "runs" / "locked" / "metrics.parquet")).to_pydict()
+    table = read_metrics(str(tmp_path / "runs" / "locked")).to_pydict()
     assert table["imported_here"] == [True, True]

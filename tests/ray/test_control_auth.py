@@ -21,7 +21,7 @@ HEAD = textwrap.dedent(
     import sys
     import ray
 
-    ray.init(num_cpus=1, include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=int(sys.argv[1]),
+    ray.init(address="local", num_cpus=1, include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=int(sys.argv[1]),
              logging_level="ERROR")
     print("READY", flush=True)
     sys.stdin.read()  # until the test closes it

@@ -16,12 +16,6 @@ import time
 import grpc
 import pytest
 
-from rayzero.controller.controller import ControllerActor
-
-pytestmark = pytest.mark.skipif(
-    not hasattr(ControllerActor, "status"),
-    reason="needs the controller's ControlTarget on ControllerActor (issue 11's controller side)")
-
 DRIVER = textwrap.dedent(
     """
     import sys, time
@@ -71,12 +65,15 @@ def _result(output: str) -> dict:
     return ast.literal_eval(line[len("RESULT "):])
 
 
-def test_status_checkpoint_now_stop_and_resume_from_other_processes(local_ray, tmp_path):
+def test_status_checkpoint_now_stop_and_resume_from_other_processes(local_ray, tmp_path, monkeypatch):
     storage = (tmp_path / "runs").as_uri()
     script = tmp_path / "driver.py"
     script.write_text(DRIVER)
+    # The controller's local token file goes here, where the CLI processes (same "node") find it.
+    monkeypatch.setenv("RAYZERO_CONTROL_TOKEN_DIR", str(tmp_path / "tokens"))
     env = dict(os.environ, RAY_ADDRESS=local_ray.get_runtime_context().gcs_address,
                RAYZERO_CONTROL_HOST="127.0.0.1")
+    env.pop("RAYZERO_CONTROL_TOKEN", None)
     driver = subprocess.Popen([sys.executable, str(script), "e2e", storage, "100000"], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     control_file = tmp_path / "runs" / "e2e" / "control.json"
@@ -100,8 +97,9 @@ def test_status_checkpoint_now_stop_and_resume_from_other_processes(local_ray, t
         assert [rank["rank"] for rank in status["ranks"]] == [0, 1]
         assert all("heartbeat_age_s" in rank and "memory_bytes" in rank for rank in status["ranks"])
 
-        # a call without the token is refused
+        # a call without the token is refused; control.json does not carry it
         info = json.loads(control_file.read_text())
+        assert "token" not in info and len(list((tmp_path / "tokens").iterdir())) == 1
         from rayzero.control.v1 import control_pb2, control_pb2_grpc
 
         with grpc.insecure_channel(info["address"]) as channel:
@@ -146,7 +144,7 @@ def test_status_checkpoint_now_stop_and_resume_from_other_processes(local_ray, t
         assert driver.returncode == 0, output
         first = _result(output)
         assert first["stopped"] is not False, output
-        assert not control_file.exists()
+        assert not control_file.exists() and list((tmp_path / "tokens").iterdir()) == []
         latest = (tmp_path / "runs" / "e2e" / "checkpoints" / "latest")
         assert latest.exists()
         final_step = int(latest.read_text().strip().removeprefix("global_step"))

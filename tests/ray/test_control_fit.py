@@ -1,6 +1,7 @@
 """The control service inside a real `rayzero.fit` run on the shared local Ray: it is up while the run
-lives (control.json, 0600, on loopback as RAYZERO_CONTROL_HOST asks), refuses calls without the
-run's token, and is gone (control.json removed) when the run ends."""
+lives (control.json on loopback as RAYZERO_CONTROL_HOST asks, without the token; the token in a 0600
+file of the controller's node), refuses calls without the run's token, and is gone (control.json and
+token file removed) when the run ends."""
 from __future__ import annotations
 
 import json
@@ -13,6 +14,7 @@ import grpc
 import pytest
 
 import rayzero
+import rayzero.control
 from rayzero.control.v1 import control_pb2, control_pb2_grpc
 
 
@@ -42,6 +44,7 @@ def _wait_for(predicate, timeout, what):
 
 def test_the_run_serves_control_on_loopback_with_its_token_and_cleans_up(local_ray, tmp_path, monkeypatch):
     monkeypatch.setenv("RAYZERO_CONTROL_HOST", "127.0.0.1")
+    monkeypatch.setenv("RAYZERO_CONTROL_TOKEN_DIR", str(tmp_path / "tokens"))  # reaches the controller actor
     go = tmp_path / "go"
     control_file = tmp_path / "runs" / "ctl" / "control.json"
     outcome = {}
@@ -61,8 +64,11 @@ def test_the_run_serves_control_on_loopback_with_its_token_and_cleans_up(local_r
         _wait_for(control_file.exists, 60, "control.json")
         _wait_for((tmp_path / "started").exists, 60, "the loop to start")
         info = json.loads(control_file.read_text())
-        assert stat.S_IMODE(control_file.stat().st_mode) == 0o600
-        assert info["address"].startswith("127.0.0.1:") and info["run_name"] == "ctl"
+        assert info["address"].startswith("127.0.0.1:") and info["run_name"] == "ctl" and "token" not in info
+        (token_file,) = (tmp_path / "tokens").iterdir()
+        assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
+        with rayzero.control.connect("ctl", storage=(tmp_path / "runs").as_uri()) as client:
+            assert client.status().run_name == "ctl"
         with grpc.insecure_channel(info["address"]) as channel:
             stub = control_pb2_grpc.ControlStub(channel)
             for metadata in ((), (("authorization", "Bearer wrong"),)):
@@ -74,5 +80,5 @@ def test_the_run_serves_control_on_loopback_with_its_token_and_cleans_up(local_r
         thread.join(60)
     assert "error" not in outcome, outcome.get("error")
     assert outcome["result"].metrics_history
-    assert not control_file.exists()
+    assert not control_file.exists() and not token_file.exists()
     assert os.listdir(tmp_path / "runs" / "ctl")  # the run directory itself stays (metrics)

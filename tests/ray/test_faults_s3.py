@@ -61,7 +61,7 @@ def s3_ray(monkeypatch, tmp_path):
                           allow_bucket_creation=True).create_dir(BUCKET)
         if ray.is_initialized():
             ray.shutdown()
-        ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING")
+        ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="WARNING")
         yield ray
     finally:
         if ray.is_initialized():

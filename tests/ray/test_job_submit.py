@@ -158,22 +158,63 @@ def test_ray_job_submit_runs_rayzero_run_to_success(ray_head, tmp_path):
     assert (tmp_path / "runs" / "e2e" / "metrics.parquet").exists()
 
 
-def test_ray_job_submit_reports_a_bad_config_as_a_failed_job(ray_head, tmp_path):
+def _job(ray_head, project, prefix: str, entrypoint: list[str]) -> tuple[str, str, str]:
+    """(submission id, `ray job status` output, the job's logs) of `ray job submit --working-dir project`."""
     address, env = ray_head
-    project = tmp_path / "project"
-    project.mkdir()
-    (project / "train.py").write_text(TRAIN_FILE)
-    (project / "ds.json").write_text(json.dumps({"zero_optimization": {"stage": 9}}))
-    submission = f"rayzero-bad-{secrets.token_hex(3)}"
-    subprocess.run(
-        [str(BIN / "ray"), "job", "submit", "--address", address, "--submission-id", submission,
-         "--working-dir", str(project), "--", "rayzero", "run", "train.py:loop", "--config", "ds.json",
-         "--workers", "2", "--", "--steps", "5"],
-        check=False, env=env, capture_output=True, text=True, timeout=300,
-    )
+    submission = f"{prefix}-{secrets.token_hex(3)}"
+    subprocess.run([str(BIN / "ray"), "job", "submit", "--address", address, "--submission-id", submission,
+                    "--working-dir", str(project), "--", *entrypoint],
+                   check=False, env=env, capture_output=True, text=True, timeout=300)
     status = subprocess.run([str(BIN / "ray"), "job", "status", "--address", address, submission],
                             check=False, env=env, capture_output=True, text=True, timeout=60)
     logs = subprocess.run([str(BIN / "ray"), "job", "logs", "--address", address, submission],
                           check=False, env=env, capture_output=True, text=True, timeout=60).stdout
-    assert f"Job '{submission}' failed" in status.stdout, status.stdout
+    return submission, status.stdout, logs
+
+
+def test_ray_job_submit_reports_a_bad_config_as_a_failed_job(ray_head, tmp_path):
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "train.py").write_text(TRAIN_FILE)
+    (project / "ds.json").write_text(json.dumps({"zero_optimization": {"stage": 9}}))
+    submission, status, logs = _job(ray_head, project, "rayzero-bad", [
+        "rayzero", "run", "train.py:loop", "--config", "ds.json", "--workers", "2", "--", "--steps", "5"])
+    assert f"Job '{submission}' failed" in status, status
     assert "zero_optimization.stage" in logs and "no worker was started" in logs
+
+SCRIPT_FILE = textwrap.dedent(
+    """
+    import argparse
+    import sys
+
+    import torch
+    import torch.distributed as dist
+
+    import rayzero
+
+    steps = argparse.ArgumentParser()
+    steps.add_argument("--steps", type=int, required=True)
+    steps = steps.parse_args().steps
+    dist.init_process_group("gloo")  # the script's own group, as under torchrun
+    total = torch.zeros(1)
+    for step in range(steps):
+        dist.all_reduce(one := torch.ones(1))
+        total += one
+        rayzero.report({"step": step + 1})
+    print(f"JOB-SCRIPT rank={dist.get_rank()} sum={total.item():g} argv={sys.argv}", flush=True)
+    dist.destroy_process_group()
+    """
+)
+
+
+def test_ray_job_submit_runs_a_script_target(ray_head, tmp_path):
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "train.py").write_text(SCRIPT_FILE)
+    submission, status, logs = _job(ray_head, project, "rayzero-script", [
+        "rayzero", "run", "train.py", "--workers", "2", "--storage", (tmp_path / "runs").as_uri(), "--name", "script",
+        "--", "--steps", "3"])
+    assert f"Job '{submission}' succeeded" in status, f"{status}\n{logs[-3000:]}"
+    for rank in (0, 1):  # each rank's own line, labelled by rayzero only (no "(TrainWorker pid=...)")
+        assert f"\n[rank {rank}] JOB-SCRIPT rank={rank} sum=6 argv=['train.py', '--steps', '3']" in logs, logs
+    assert "[rayzero] finished: 3 report(s)" in logs

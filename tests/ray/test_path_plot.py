@@ -39,6 +39,11 @@ def test_plot_renders_a_real_run_with_its_restart_marked(local_ray, tmp_path, ca
 
     picture = plot.plot_run("pic", str(tmp_path / "again.svg"), storage=str(tmp_path))
     assert [(m.step, m.kind) for m in picture.markers] == [(3.0, "restart")]
+    assert picture.markers[0].label == "restart 1: loop error"  # the cause, from the run's attempt records
+    kinds = [(segment.attempt, segment.kind) for segment in picture.timeline]
+    assert (0, "training") in kinds and (1, "training") in kinds  # where the wall time went
+    pause = next(segment for segment in picture.timeline if segment.kind == "pause")
+    assert pause.attempt == 0 and pause.label == "loop error" and pause.end > pause.start
     steps, losses = picture.series["loss"]["loss"]
     assert steps == [0, 1, 2, 3, 4, 5] and losses == [5.0 - 0.5 * s for s in steps]  # one point per step
     assert picture.series["learning rate"]["lr"][1][-1] == pytest.approx(6e-3)

@@ -12,7 +12,6 @@ import threading
 import time
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import pytest
 
 import rayzero
@@ -21,7 +20,7 @@ from rayzero.driver.fit import controller_actor_name
 sys.path.insert(0, str(Path(__file__).parent))
 import elastic_loop
 
-pytest.importorskip("rayzero.engine.api")
+from rayzero.driver.metrics_store import read_metrics
 
 
 def _finals(result) -> tuple[list[float], int]:
@@ -64,7 +63,7 @@ def test_driver_sigterm_is_a_planned_stop_and_a_rerun_with_the_same_name_resumes
     assert stopped_at >= 3
 
     # Rerun: same name and storage -> resumes from that checkpoint, appends to the metrics log.
-    rows_before = pq.read_table(str(tmp_path / "sigterm" / "metrics.parquet")).num_rows
+    rows_before = read_metrics(str(tmp_path / "sigterm")).num_rows
     result = rayzero.fit(elastic_loop.train, config=elastic_loop.config(), scaling=rayzero.ScalingConfig(num_workers=2),
                          run=rayzero.RunConfig(name="sigterm", storage=tmp_path.as_uri(), progress_interval_s=0),
                          train_loop_config={"steps": stopped_at + 3})
@@ -73,7 +72,7 @@ def test_driver_sigterm_is_a_planned_stop_and_a_rerun_with_the_same_name_resumes
     weights, final_step = _finals(result)
     assert final_step == stopped_at + 3
     assert weights == pytest.approx(elastic_loop.reference_weights(stopped_at + 3), abs=1e-5)
-    assert pq.read_table(str(tmp_path / "sigterm" / "metrics.parquet")).num_rows > rows_before
+    assert read_metrics(str(tmp_path / "sigterm")).num_rows > rows_before
     # the rerun kept the checkpoint it resumed from (retention keeps the newest three)
     assert (tmp_path / "sigterm" / "checkpoints" / committed[0] / "manifest.json").exists()
 

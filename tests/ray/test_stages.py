@@ -4,8 +4,6 @@ from __future__ import annotations
 import pytest
 
 import rayzero
-
-pytest.importorskip("rayzero.engine.api")
 from rayzero.demo.train import train_loop
 
 SMALL = {"max_chars": 200_000, "n_layer": 1, "n_embd": 64, "n_head": 4, "block_size": 32}

@@ -9,6 +9,8 @@ import os
 import threading
 import time
 
+import pytest
+
 from rayzero.config.errors import RayZeroRuntimeError, RayZeroValueError
 from rayzero.controller.status import CheckpointRecord, RankStatus, RunStatus
 
@@ -110,3 +112,13 @@ class FakeRun:
     def kill(self, reason: str) -> None:
         self.killed = reason
         self.state = "errored"
+
+
+@pytest.fixture(autouse=True)
+def private_token_directory(tmp_path, monkeypatch):
+    """Each test's own token directory (never the user's ~/.rayzero), and no token or CA from outside."""
+    monkeypatch.setenv("RAYZERO_CONTROL_TOKEN_DIR", str(tmp_path / "tokens"))
+    for variable in ("RAYZERO_CONTROL_TOKEN", "RAYZERO_CONTROL_TLS_CA", "RAYZERO_CONTROL_TLS_CERT",
+                     "RAYZERO_CONTROL_TLS_KEY"):
+        monkeypatch.delenv(variable, raising=False)
+    return tmp_path / "tokens"

@@ -93,3 +93,20 @@ def test_validate_prints_each_note_once(tmp_path):
     assert run.returncode == 0, run.stderr
     assert run.stderr.count("only applies to ZeRO stage 3") == 1, run.stderr
     assert run.stderr.count("rounded: zero_optimization.reduce_bucket_size") == 1, run.stderr
+
+
+def test_validate_with_trainer_values_agrees_with_what_run_accepts(capsys):
+    """Issue 21 item 3: the same `--trainer` values `rayzero run` takes validate, HF's defaults filling
+    every TrainingArguments value not given (warm-up included), the world size taken as given."""
+    arguments = ["config", "validate", str(ROOT / "examples" / "ds_zero3_auto.json"), "--world-size", "2",
+                 "--hidden-size", "64", "--trainer", "per_device_train_batch_size=4", "--trainer", "learning_rate=3e-3"]
+    assert cli.main(arguments[1:]) == 0, capsys.readouterr().err
+    config = json.loads(capsys.readouterr().out)
+    assert config["train_batch_size"] == 8 and config["optimizer"]["params"]["betas"] == [0.9, 0.999]
+    assert config["scheduler"]["params"]["warmup_num_steps"] == 1 and config["fp16"]["enabled"] is False
+    from rayzero.driver.config_check import validated_config
+
+    _, validated, _ = validated_config(str(ROOT / "examples" / "ds_zero3_auto.json"), 2,
+                                       {"per_device_train_batch_size": 4, "learning_rate": 3e-3})
+    assert {key: validated[key] for key in ("train_batch_size", "optimizer", "scheduler", "fp16")} == {
+        key: config[key] for key in ("train_batch_size", "optimizer", "scheduler", "fp16")}

@@ -87,7 +87,7 @@ def test_initialize_refuses_before_building_anything():
 
 
 def test_the_operator_reports_it_before_creating_a_rayjob():
-    spec = pytest.importorskip("rayzero_operator.spec")
+    from rayzero_operator import spec
     problems = spec.deepspeed_problems({**BATCH, "optimizer": {"type": "OneBitLamb"}}, 2, "spec.deepspeed")
     assert [p.field for p in problems] == ["spec.deepspeed.optimizer.type"]
 

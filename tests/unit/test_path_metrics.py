@@ -2,23 +2,22 @@
 that says why the step went back."""
 from __future__ import annotations
 
-import pyarrow.parquet as pq
-
 from rayzero.driver.metrics_log import MetricsLog
+from rayzero.driver.metrics_store import read_metrics
 from rayzero.driver.progress import Progress
 from rayzero.workers.session import Report
 
 
-def _reports(rank: int, steps: range, start_time: float) -> list[Report]:
+def _reports(rank: int, steps: range, start_time: float, attempt: int = 0) -> list[Report]:
     # a fresh worker process numbers its reports from 0: seq restarts with each attempt
     return [Report(rank=rank, seq=seq, time=start_time + step, metrics={"step": step, "loss": 10.0 - step,
-                                                                         "samples": 4 * (step + 1)})
+                                                                         "samples": 4 * (step + 1)}, attempt=attempt)
             for seq, step in enumerate(steps)]
 
 
 def _two_attempts() -> list[Report]:
     first = [r for pair in zip(_reports(0, range(5), 0), _reports(1, range(5), 0)) for r in pair]
-    second = [r for pair in zip(_reports(0, range(3, 7), 100), _reports(1, range(3, 7), 100)) for r in pair]
+    second = [r for pair in zip(_reports(0, range(3, 7), 100, 1), _reports(1, range(3, 7), 100, 1)) for r in pair]
     return first + second  # the checkpoint was at step 3: steps 3 and 4 are run again
 
 
@@ -28,7 +27,7 @@ def test_re_run_steps_replace_their_rows_marked_by_attempt(tmp_path):
         log.add(item)
     log.flush()
     assert [m["step"] for m in log.history()] == [0, 1, 2, 3, 4, 5, 6]  # rank 0, each step once
-    table = pq.read_table(str(tmp_path / "metrics.parquet")).to_pydict()
+    table = read_metrics(str(tmp_path)).to_pydict()
     rows = sorted(zip(table["rank"], table["step"], table["attempt"], table["time"]))
     assert len(rows) == 14  # 7 steps x 2 ranks
     assert [(step, attempt) for rank, step, attempt, _ in rows if rank == 1] == [
@@ -47,7 +46,7 @@ def test_a_same_name_rerun_appends_replaces_re_run_steps_and_reports_only_its_ow
     rerun.flush()
     assert [m["step"] for m in rerun.history()] == [3, 4, 5, 6]  # this run's reports, each step once
     assert [m["step"] for m in rerun.history(rank=1)] == [3, 4, 5, 6]
-    table = pq.read_table(str(tmp_path / "metrics.parquet")).to_pydict()
+    table = read_metrics(str(tmp_path)).to_pydict()
     rows = sorted(zip(table["rank"], table["step"], table["attempt"]))
     assert [(step, attempt) for rank, step, attempt in rows if rank == 0] == [
         (0, 0), (1, 0), (2, 0), (3, 1), (4, 1), (5, 1), (6, 1)]
@@ -60,11 +59,28 @@ def test_the_progress_line_says_resumed_when_the_step_goes_back():
         progress.observe(item)
     # the first report prints; the long interval prints nothing else, except the restart at once
     assert len(lines) == 2
-    assert lines[1].startswith("[rayzero] step 3 (resumed from step 3)")
+    assert lines[1].startswith("[rayzero] step 3 (restarted: no checkpoint known, the loop went back to step 3)")
     for item in _reports(0, range(7, 9), 104):
         progress.observe(item)
     assert "resumed" not in progress.line()
     assert progress.rates()["samples_per_s"] > 0  # measured within the new attempt, never negative
+
+
+def test_the_progress_line_names_the_checkpoint_a_restart_resumed_from():
+    lines: list[str] = []
+    progress = Progress(None, interval_s=3600, phase_keys=False, emit=lines.append)
+    progress.checkpoint_step = 2  # what the controller knew committed when the group restarted
+    for item in _two_attempts():
+        progress.observe(item)
+    assert lines[1].startswith("[rayzero] step 3 (restarted: resumed from the checkpoint of step 2)"), lines
+    assert progress.final_line() is not None  # newer reports came after the last line printed
+
+
+def test_the_summary_does_not_repeat_the_last_progress_line():
+    lines: list[str] = []
+    progress = Progress(None, interval_s=0, phase_keys=False, emit=lines.append)
+    progress.observe(Report(rank=0, seq=0, time=1.0, metrics={"step": 1}))
+    assert progress.final_line() is None
 
 
 def test_the_progress_line_says_where_offloaded_state_lives():

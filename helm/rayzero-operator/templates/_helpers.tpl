@@ -41,3 +41,42 @@ app.kubernetes.io/part-of: rayzero
 {{- required "serviceAccount.name is required when serviceAccount.create is false" .Values.serviceAccount.name }}
 {{- end }}
 {{- end }}
+
+{{/*
+The operator's permissions: exactly the calls it makes (operators/rayzero_operator/kube.py, plus kopf's
+watches, finalizer and Events). A ClusterRole (all namespaces) or one Role per watched namespace use
+the same rules. The k8s tests run the operator with these and nothing else.
+*/}}
+{{- define "rayzero-operator.rules" -}}
+# Read and watch the jobs; patch for kopf's finalizer and bookkeeping annotations.
+- apiGroups: ["rayzero.io"]
+  resources: ["rayzerojobs"]
+  verbs: ["get", "list", "watch", "patch"]
+# Write the observed phase, conditions and restarts.
+- apiGroups: ["rayzero.io"]
+  resources: ["rayzerojobs/status"]
+  verbs: ["patch"]
+# Owner references with blockOwnerDeletion need this where the apiserver enforces
+# OwnerReferencesPermissionEnforcement.
+- apiGroups: ["rayzero.io"]
+  resources: ["rayzerojobs/finalizers"]
+  verbs: ["update"]
+# One RayJob per attempt: create it, follow its status, suspend/resume it, delete it on deletion.
+- apiGroups: ["ray.io"]
+  resources: ["rayjobs"]
+  verbs: ["list", "watch", "create", "patch", "delete"]
+# The generated DeepSpeed config, and reading a referenced one to validate it.
+- apiGroups: [""]
+  resources: ["configmaps"]
+  verbs: ["get", "create", "patch", "delete"]
+# The job's Secret ([Note: the job's tokens]): created, its control credentials replaced for each
+# attempt (patch), read for the control token and CA, deleted with the job; `get` also reads the type
+# and labels of a job's credentialsSecret. No list/watch: the operator never looks through Secrets.
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["get", "create", "patch", "delete"]
+# Events on RayZeroJobs (InvalidSpec, RayJobCreated, Failed, ...).
+- apiGroups: [""]
+  resources: ["events"]
+  verbs: ["create"]
+{{- end }}

@@ -1,0 +1,192 @@
+"""What a new user hit in the first hour (issue 21), reproduced as a user meets it: the README's own
+loop, a stopped worker seen through `status`, an unwritable storage path."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import ray
+
+import rayzero
+from rayzero.driver.fit import controller_actor_name
+from rayzero.driver.metrics_store import read_metrics
+
+pytestmark = pytest.mark.ray
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def _readme_loop() -> str:
+    """The README's first Python example, as written."""
+    text = README.read_text()
+    section = text[text.index("**From Python**"):]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+def test_the_readme_loop_runs_as_written_and_a_rerun_goes_on_from_its_checkpoint(tmp_path):
+    code = _readme_loop()
+    assert "engine.steps(" in code and "range(config" not in code  # the resuming shape
+    env = {key: value for key, value in os.environ.items() if key not in ("RAY_ADDRESS", "RAYZERO_ADDRESS")}
+    (tmp_path / "first.py").write_text(code)
+    first = subprocess.run([sys.executable, "first.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                           timeout=600, check=False)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    # the same program with more steps: a rerun of `exp1` goes on from step 200, not from 0
+    (tmp_path / "more.py").write_text(code.replace('{"steps": 200}', '{"steps": 230}'))
+    more = subprocess.run([sys.executable, "more.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=600, check=False)
+    assert more.returncode == 0, more.stdout[-3000:] + more.stderr[-3000:]
+    assert "resuming from its checkpoint" in more.stdout and "(step 200)" in more.stdout, more.stdout
+    rows = read_metrics(str(tmp_path / "runs" / "exp1"), rank=0)
+    steps, attempts = rows.column("step").to_pylist(), rows.column("attempt").to_pylist()
+    assert steps == list(range(1, 231))  # each step once
+    assert {attempt for step, attempt in zip(steps, attempts) if step > 200} == {1}  # the rerun's own
+
+
+def stopping_loop(config):
+    import torch
+
+    context = rayzero.get_context()
+    torch.manual_seed(0)
+    engine, _, _, _ = rayzero.initialize(model=torch.nn.Linear(4, 1), config={
+        "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.01}}})
+    Path(config["dir"], f"pid-{context.rank}-{context.attempt}").write_text(str(os.getpid()))
+    for step in engine.steps(config["steps"]):
+        loss = engine(torch.ones(2, 4)).sum()
+        engine.backward(loss)
+        engine.step()
+        rayzero.report({"step": step + 1, "loss": loss.item(), "samples": 4 * (step + 1)})
+        if step + 1 == 5:
+            engine.save_checkpoint()  # the loop's own checkpoint: status must see it
+        time.sleep(0.05)
+
+
+def test_a_stopped_worker_shows_in_status_and_the_hang_report_leads_with_its_stacks(local_ray, tmp_path, capsys):
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            outcome["result"] = rayzero.fit(
+                stopping_loop, scaling=rayzero.ScalingConfig(num_workers=2),
+                run=rayzero.RunConfig(storage=tmp_path.as_uri(), name="sigstop"),
+                failure=rayzero.FailureConfig(max_failures=1, hang_timeout_s=8, backoff_s=0),
+                train_loop_config={"dir": str(tmp_path), "steps": 400})
+        except BaseException as error:  # noqa: BLE001 - reported by the assertions below
+            outcome["error"] = error
+
+    driver = threading.Thread(target=run)
+    driver.start()
+    pid_file = tmp_path / "pid-1-0"
+    deadline = time.monotonic() + 180
+    while not pid_file.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    controller = ray.get_actor(controller_actor_name("sigstop"))
+    while time.monotonic() < deadline:  # status sees the loop's own checkpoint and measures throughput
+        status = ray.get(controller.status.remote())
+        if status.checkpoints and status.samples_per_s:
+            break
+        time.sleep(0.3)
+    assert [record.step for record in status.checkpoints] == [5], status
+    assert status.samples_per_s > 0 and status.step >= 5
+    pid = int(pid_file.read_text())
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        seen = None
+        while time.monotonic() < deadline:
+            status = ray.get(controller.status.remote())
+            ages = {rank.rank: rank.heartbeat_age_s for rank in status.ranks}
+            if ages.get(1, 0.0) > 4.0:
+                seen = ages
+                break
+            time.sleep(0.3)
+        assert seen is not None, "rank 1's heartbeat age never grew"
+        assert seen[0] < 3.0, seen  # the healthy rank still answers; the stopped one's age grows
+        driver.join(300)
+    finally:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    assert "result" in outcome, outcome.get("error")
+    out = capsys.readouterr().out
+    report = out[out.index("hang detected: rank 1"):]
+    assert "stopped answering its heartbeats" in report.splitlines()[0]
+    first_stacks = report[report.index("--- rank"):]
+    assert first_stacks.startswith("--- rank 1 Python stacks (culprit) ---"), first_stacks[:300]
+    assert "read from outside with py-spy" in first_stacks.split("--- rank 0")[0]
+    assert "stopping_loop" in first_stacks.split("--- rank 0")[0]  # its own frames, read while stopped
+
+
+def test_an_unwritable_storage_is_named_before_any_worker_starts(tmp_path):
+    (tmp_path / "train.py").write_text("def loop(config):\n    pass\n")
+    (tmp_path / "ds.json").write_text('{"train_micro_batch_size_per_gpu": 1}')
+    done = subprocess.run([sys.executable, "-m", "rayzero.cli", "run", "train.py:loop", "--config", "ds.json",
+                           "--storage", "file:///proc/x"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "--storage" in done.stderr and "/proc/x" in done.stderr and "cannot write" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+    assert "starting a local Ray" not in done.stdout  # checked before Ray and the workers
+
+
+def _engine(config=None):
+    import torch
+
+    torch.manual_seed(0)
+    return rayzero.initialize(model=torch.nn.Linear(4, 1), config={
+        "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.01}},
+        "checkpoint": {"async_save": False}})[0]
+
+
+def flaky_loop(config):
+    import torch
+
+    context = rayzero.get_context()
+    engine = _engine()
+    for step in engine.steps(16):
+        engine.backward(engine(torch.ones(2, 4)).sum())
+        engine.step()
+        rayzero.report({"step": step + 1})
+        if (step + 1) % 2 == 0:
+            engine.save_checkpoint()
+        if context.rank == 1 and context.attempt < 3 and step + 1 == 4 * (context.attempt + 1):
+            raise RuntimeError(f"a flaky worker (attempt {context.attempt})")
+
+
+def broken_loop(config):
+    import torch
+
+    context = rayzero.get_context()
+    engine = _engine()
+    for step in engine.steps(16):
+        engine.backward(engine(torch.ones(2, 4)).sum())
+        engine.step()
+        if context.rank == 1 and step == 2:
+            raise RuntimeError("a bug that fails the same step every time")
+
+
+def test_by_default_a_run_keeps_going_through_failures_while_it_checkpoints(local_ray, tmp_path):
+    result = rayzero.fit(flaky_loop, scaling=rayzero.ScalingConfig(num_workers=2),
+                         run=rayzero.RunConfig(storage=tmp_path.as_uri(), name="flaky"),
+                         failure=rayzero.FailureConfig(backoff_s=0))  # the defaults, minus the wait
+    assert result.failures == 3 and result.checkpoint_step == 16
+    assert [m["step"] for m in result.metrics_history] == list(range(1, 17))
+
+
+def test_by_default_a_failure_that_keeps_coming_back_ends_the_run_saying_how_to_go_on(local_ray, tmp_path, capsys):
+    with pytest.raises(rayzero.TrainingFailedError) as raised:
+        rayzero.fit(broken_loop, scaling=rayzero.ScalingConfig(num_workers=2),
+                    run=rayzero.RunConfig(storage=tmp_path.as_uri(), name="broken"),
+                    failure=rayzero.FailureConfig(backoff_s=0))
+    message = str(raised.value)
+    assert "a bug that fails the same step every time" in message
+    assert "3 failures in a row came without a newer checkpoint" in message
+    assert "max_failures_without_progress" in message and "Run it again with the same name" in message
+    assert capsys.readouterr().out.count("restarting the worker group") == 2  # three tries in all
