@@ -7,8 +7,8 @@ the LR scheduler, RNG states and `trainer_state.json` (step, epoch, log history:
 many batches to skip). A restart must therefore go through `Trainer.train(resume_from_checkpoint=
 ...)`; resuming the engine alone would leave the Trainer counting from step 0 and re-apply steps.
 So `Trainer.train` is wrapped ([Note: the DeepSpeed compatibility layer], item 2):
-- when the run is restarted by the controller (`get_context().attempt > 0`) or resumed by a rerun
-  (`get_context().resume_from` set) and the script passed no checkpoint, `train` gets the newest
+- when the run is restarted by the controller or resumed by a same-name rerun or `--resume-from`
+  (`get_context().resuming`) and the script passed no checkpoint, `train` gets the newest
   *complete* `checkpoint-N`: one with `trainer_state.json` (the Trainer writes it last) and, when it
   holds an engine checkpoint, a committed manifest for step N. Rank 0 chooses; every rank takes its
   choice, so all resume from the same step.
@@ -88,9 +88,7 @@ def _resume_due() -> bool:
     resume point given (`get_context().resuming`)."""
     from rayzero.workers.session import get_context
 
-    context = get_context()
-    return bool(getattr(context, "resuming", False)) or context.attempt > 0 or context.resume_from is not None \
-        or os.environ.get("RAYZERO_RESUMING") == "1"
+    return get_context().resuming
 
 
 def newest_complete_checkpoint(output_dir: str) -> str | None:

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("rayzero.workers.script")  # `rayzero run SCRIPT.py`
 pytest.importorskip("accelerate")
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -27,7 +27,6 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("rayzero.workers.script")  # `rayzero run SCRIPT.py`
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 pytest.importorskip("datasets")
