@@ -146,3 +146,17 @@ def test_clone_for_saving_copies_each_tensor_once_so_ties_survive():
     assert torch.equal(state["0.weight"], model[0].weight)
     nested = clone_tensors_for_torch_save({"a": [torch.ones(2)], "b": (torch.zeros(1), 3)})
     assert torch.equal(nested["a"][0], torch.ones(2)) and nested["b"][1] == 3
+
+
+def test_the_trainer_is_wrapped_even_when_transformers_loads_after_deepspeed():
+    """A script that imports deepspeed first: the Trainer's train() is wrapped when transformers'
+    trainer module loads ([Note: the Trainer in a rayzero run]); nothing else is touched."""
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import deepspeed, transformers.trainer_utils; "
+            "assert 'transformers.trainer' not in sys.modules; from transformers import Trainer, TrainingArguments; "
+            "print('WRAPPED', getattr(Trainer.train, '__rayzero_wrapped__', False), Trainer.train.__name__, "
+            "hasattr(TrainingArguments, '__rayzero_wrapped__'))")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, "-c", code, SITE_DIR], env=env, capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    assert "WRAPPED True train False" in done.stdout
