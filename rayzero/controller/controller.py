@@ -28,7 +28,14 @@ from rayzero.controller.actor import ControllerActor  # re-exported: fit and the
 from rayzero.controller.checkpoints import CheckpointTracker
 from rayzero.controller.elastic import BatchPlan
 from rayzero.controller.errors import TrainingFailedError, first_to_blame, training_failed
-from rayzero.controller.health import HangPolicy, Straggler, StragglerPolicy, find_hang, slow_ranks
+from rayzero.controller.health import (
+    HangPolicy,
+    Straggler,
+    StragglerPolicy,
+    find_hang,
+    slow_ranks,
+    stacks_text,
+)
 from rayzero.controller.planned import PlannedStops
 from rayzero.controller.requests import ControlRequest, RequestKind
 from rayzero.controller.state import Fail, Failure, FailureKind, FailurePolicy, Retry, RunState
@@ -324,9 +331,7 @@ class Controller(PlannedStops):
         if hang is None:
             return True
         stacks = self._group.stacks(5.0)
-        message = hang.reason + "\n\n" + "\n".join(  # the hung rank first
-            f"--- rank {rank} Python stacks{' (culprit)' if rank == hang.culprit else ''} ---\n{text}"
-            for rank, text in sorted(stacks.items(), key=lambda item: (item[0] != hang.culprit, item[0])))
+        message = hang.reason + "\n\n" + stacks_text(stacks, hang.culprit)  # the hung rank first
         self._event(f"hang detected: {message}")
         self._on_failure(Failure(FailureKind.HANG, message, hang.culprit, stacks.get(hang.culprit, "")))
         return False
