@@ -169,6 +169,7 @@ class Controller(PlannedStops):
         self._next_grow_check = 0.0
         self._next_checkpoint_scan = 0.0
         self.heard_at: dict[int, float] = {}  # rank -> clock of its last heartbeat answer (status, hangs)
+        self.heartbeat_rounds = 0  # rounds taken so far: status() rebuilds its rank table once per round
         self.checkpoints = CheckpointTracker(settings.checkpoint_locations, settings.node_local)
         self._size_cap: int | None = None  # an explicit scale(n) caps growing back at n
 
@@ -318,6 +319,7 @@ class Controller(PlannedStops):
                 self.heard_at[rank] = now
                 self.heartbeats[rank] = beat
                 self.checkpoints.note_heartbeat(beat.committed)
+        self.heartbeat_rounds += 1
         if now >= self._next_checkpoint_scan:
             self._next_checkpoint_scan = now + self._settings.checkpoint_scan_interval_s
             self.checkpoints.refresh()

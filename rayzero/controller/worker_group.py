@@ -29,6 +29,8 @@ logger = logging.getLogger("rayzero.controller")
 
 # How long one worker-side poll waits for a report; bounds how late the controller sees a finish.
 _WORKER_POLL_S = 1.0
+# Silent ranks whose stacks a hang report reads from outside (one py-spy task each).
+_MAX_OUTSIDE_READS = 16
 
 
 @dataclass
@@ -308,8 +310,11 @@ class RayWorkerGroup:
             except ray.exceptions.RayError as error:
                 out[refs[ref]] = f"(no stacks: {error})"
         silent = [rank for rank in refs.values() if rank not in out]
+        for rank in silent[_MAX_OUTSIDE_READS:]:  # a whole rack silent must not start a py-spy task per rank
+            out[rank] = (f"(the process did not answer; not read from outside: py-spy reads only the first "
+                         f"{_MAX_OUTSIDE_READS} of the {len(silent)} silent ranks)")
         outside = {}
-        for rank in silent:
+        for rank in silent[:_MAX_OUTSIDE_READS]:
             info = self._infos[rank] if rank < len(self._infos) else None
             if info is not None:
                 outside[_py_spy_dump.options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(

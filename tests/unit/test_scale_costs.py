@@ -138,3 +138,61 @@ def test_a_hang_report_grows_with_the_distinct_situations_not_with_the_ranks():
     assert large.index("--- rank 3 Python stacks (culprit) ---") < large.index("--- ranks 0-2, 4-1023 (1023 ranks")
     assert "seconds without progress per rank: 3: 70; 0-2, 4-1023: 0" in large
     assert large.count("File \"train.py\"") == 1
+
+
+class _BeatingGroup:
+    """Always running; every heartbeat round every rank answers at step `self.step`."""
+
+    def __init__(self, ranks: int) -> None:
+        self.ranks, self.step = ranks, 1
+
+    def start(self):
+        return {}
+
+    def launch(self, train_loop, loop_config):
+        pass
+
+    def poll(self, timeout_s):
+        from rayzero.controller.worker_group import GroupPoll
+
+        return GroupPoll()
+
+    def heartbeats(self, timeout_s):
+        return {rank: Heartbeat(rank, f"node{rank // 8}", self.step, self.step, 0.1, True, False, 1.0, 0, 0, None,
+                                False) for rank in range(self.ranks)}, []
+
+    def shutdown(self):
+        pass
+
+
+def test_status_calls_between_heartbeat_rounds_reuse_the_rank_table(monkeypatch):
+    from rayzero.controller import control_server
+    from rayzero.controller.controller import Controller
+    from rayzero.controller.elastic import BatchPlan
+    from rayzero.controller.state import FailurePolicy, RunState
+    from rayzero.controller.status_view import RankTable, run_status
+
+    group = _BeatingGroup(64)
+    now = [1000.0]
+    controller = Controller(lambda attempt, resume, workers: group, lambda: None, None, FailurePolicy(0),
+                            plan=BatchPlan(64, 64, None), clock=lambda: now[0])
+    while controller.state is not RunState.RUNNING:
+        controller.step()
+    controller.step()  # the first heartbeat round
+    table = RankTable()
+
+    class Target:
+        def status(self):
+            return run_status(controller, "run", 0.0, table)
+
+    converted = []
+    real = control_server.rank_messages
+    monkeypatch.setattr(control_server, "rank_messages", lambda status: converted.append(1) or real(status))
+    servicer = control_server.ControlServicer(Target())
+    first, again = servicer._message(Target().status()), servicer._message(Target().status())
+    assert len(first.ranks) == len(again.ranks) == 64 and first.ranks[63].step == 1
+    assert len(converted) == 1  # was a rank table built and converted per call: O(ranks) each
+    group.step, now[0] = 2, now[0] + 1.5
+    controller.step()  # a new round: the table follows it
+    fresh = servicer._message(Target().status())
+    assert len(converted) == 2 and fresh.ranks[63].step == 2
