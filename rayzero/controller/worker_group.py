@@ -261,9 +261,10 @@ class RayWorkerGroup:
         if ready:  # take everything else that is ready too, in one pass
             ready, _ = ray.wait(pending, num_returns=len(pending), timeout=0)
         ready_set = set(ready)
-        for rank, ref in [(rank, ref) for rank, ref in self._poll_refs.items() if ref in ready_set]:
+        answered = [(rank, ref) for rank, ref in self._poll_refs.items() if ref in ready_set]
+        for (rank, _), value in zip(answered, _values([ref for _, ref in answered])):
             del self._poll_refs[rank]  # reports before outcomes
-            if self._take_reports(ref, rank, result) and rank in self._run_refs and rank not in self._done:
+            if self._take_reports(value, rank, result) and rank in self._run_refs and rank not in self._done:
                 self._poll_refs[rank] = self._workers[rank].poll.remote(_WORKER_POLL_S)
         finished = [(rank, ref) for rank, ref in self._run_refs.items() if ref in ready_set]
         for rank, _ in finished:
@@ -284,13 +285,13 @@ class RayWorkerGroup:
         ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s) if refs else ([], [])
         beats: dict[int, Heartbeat | None] = {rank: None for rank in range(len(self._workers))}
         failures: list[Failure] = []
-        for ref in ready:
+        for ref, value in zip(ready, _values(ready)):
             rank = refs[ref]
             del self._heartbeat_refs[rank]
-            try:
-                beats[rank] = ray.get(ref)
-            except ray.exceptions.RayActorError as error:  # ActorUnavailableError too: a lost node
-                failures.append(_died(rank, error))
+            if isinstance(value, ray.exceptions.RayActorError):  # ActorUnavailableError too: a lost node
+                failures.append(_died(rank, value))
+            else:
+                beats[rank] = value
         return beats, failures
 
     def request_boundary(self, request_id: int, kind: int) -> None:
@@ -347,20 +348,21 @@ class RayWorkerGroup:
             except ray.exceptions.RayActorError:
                 pass  # a second casualty: the first failure is the one to blame
 
-    def _take_reports(self, ref: Any, rank: int, result: GroupPoll) -> bool:
-        try:
-            result.reports.extend(ray.get(ref))
-            return True
-        except ray.exceptions.RayActorError as error:
-            result.failures.append(_died(rank, error))
+    @staticmethod
+    def _take_reports(value: list[Report] | BaseException, rank: int, result: GroupPoll) -> bool:
+        """A poll's answer (see `_values`) into `result`; False when the rank's worker died."""
+        if isinstance(value, ray.exceptions.RayActorError):
+            result.failures.append(_died(rank, value))
             return False
+        result.reports.extend(value)
+        return True
 
     def _take_all(self, calls: list[tuple[Any, int]], result: GroupPoll) -> None:
         """The reports of several poll calls, (ref, rank) in order, after one wait for all of them."""
         if calls:
             ray.wait([ref for ref, _ in calls], num_returns=len(calls))
-        for ref, rank in calls:
-            self._take_reports(ref, rank, result)
+        for (_, rank), value in zip(calls, _values([ref for ref, _ in calls])):
+            self._take_reports(value, rank, result)
 
     def _finish_ranks(self, finished: list[tuple[int, Any]], result: GroupPoll) -> None:
         """Ranks whose run() returned, with that call: their outcomes and their last reports."""
@@ -407,6 +409,24 @@ class RayWorkerGroup:
         if self._pg is not None:
             remove_placement_group(self._pg)
             self._pg = None
+
+
+def _values(refs: list[Any]) -> list[Any]:
+    """The values of finished calls, in order, each call that failed as its RayActorError: one
+    `ray.get` for all of them while none failed (a get per call costs the caller ~0.07 ms, N times
+    per round: [Note: per-rank calls])."""
+    if not refs:
+        return []
+    try:
+        return ray.get(refs)
+    except ray.exceptions.RayActorError:
+        values: list[Any] = []
+        for ref in refs:
+            try:
+                values.append(ray.get(ref))
+            except ray.exceptions.RayActorError as error:
+                values.append(error)
+        return values
 
 
 def setup_failure(error: BaseException) -> Failure:
