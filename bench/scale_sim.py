@@ -71,6 +71,7 @@ class SimulatedGroup:
         self.finished = self.stopped = False
         self.calls = {"poll": 0, "heartbeats": 0, "request_boundary": 0, "stacks": 0, "shutdown": 0}
         self._reports: list[Report] = []
+        self._last_reports: list[Report] = []
         self._beats: dict[int, Heartbeat | None] = {}
         self._lock = threading.Lock()  # advance() may run in another thread than poll()
 
@@ -94,7 +95,15 @@ class SimulatedGroup:
         if self.hung is not None:
             beats[self.hung] = heartbeat(self.hung, self.step - 1, now - self.hung_since, self.handled)
         with self._lock:
-            self._reports, self._beats = reports, beats
+            self._reports, self._beats, self._last_reports = reports, beats, reports
+        if self._stepped is not None:
+            self._stepped.set()
+
+    def repeat(self) -> None:
+        """The last step's reports and heartbeats again, built once: the workers' side of a round costs
+        the controller's process nothing (in a real run it happens in the workers' processes)."""
+        with self._lock:
+            self._reports = list(self._last_reports)
         if self._stepped is not None:
             self._stepped.set()
 
@@ -242,10 +251,10 @@ class HostedRayWorkerGroup(RayWorkerGroup):
     def start(self) -> dict[str, float]:
         started = time.monotonic()
         others = list(range(self.world_size - 1))
-        chunks = [others[index::self.host_count] for index in range(self.host_count)]
+        chunks = [chunk for chunk in (others[index::self.host_count] for index in range(self.host_count)) if chunk]
         options = {"max_concurrency": 4 * self.world_size + 100}  # every rank's run + poll + heartbeat in flight
         self.hosts = [RankHost.options(**options).remote(chunk, self.step_time_s, self.checkpoint_dir)
-                      for chunk in chunks if chunk]
+                      for chunk in chunks]
         victim = RankHost.options(max_concurrency=100).remote([self.victim_rank], self.step_time_s,
                                                               self.checkpoint_dir)
         self.hosts.append(victim)
@@ -254,10 +263,12 @@ class HostedRayWorkerGroup(RayWorkerGroup):
         host_of = {rank: host for chunk, host in zip(chunks, self.hosts) for rank in chunk}
         host_of[self.victim_rank] = victim
         self._workers = [RankHandle(host_of[rank], rank) for rank in range(self.world_size)]
-        # the victim's real node and pid: a hang report reads its stacks from outside with py-spy there
+        # the real node and each rank's host process: a hang report reads a silent rank's stacks from
+        # outside with py-spy there
         here = ray.get_runtime_context().get_node_id()
-        self._infos = [NodeInfo(here, "127.0.0.1", (), self.victim_pid) if rank == self.victim_rank
-                       else NodeInfo(node_of(rank), "127.0.0.1", (), 0) for rank in range(self.world_size)]
+        pid_of = {rank: pid for chunk, pid in zip(chunks, pids) for rank in chunk}
+        pid_of[self.victim_rank] = self.victim_pid
+        self._infos = [NodeInfo(here, "127.0.0.1", (), pid_of[rank]) for rank in range(self.world_size)]
         return {"worker_start_s": time.monotonic() - started}
 
     def stacks(self, timeout_s: float) -> dict[int, str]:
