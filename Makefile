@@ -40,6 +40,7 @@ lint: $(STAMP)
 docs-check: $(STAMP)
 	$(BIN)/python -m rayzero.config.docs --check docs/config.md
 	$(BIN)/python scripts/doc_tables.py --check
+	$(BIN)/python bench/scale.py --doc docs/scale.md --check
 
 # The RayZeroJob CRD is generated from rayzero/config/k8s_job.py, deploy/rbac.yaml from the chart.
 crd-check: $(STAMP)

@@ -77,13 +77,20 @@ def plan_read(name: str, entry: TensorEntry, start: int, end: int) -> list[ReadS
     """
     if not 0 <= start <= end <= entry.numel:
         raise RayZeroValueError(f"requested range [{start}, {end}) of {name!r} lies outside its {entry.numel} elements")
+    # One sweep over the pieces in start order (a no-op sort for a manifest, which stores them so):
+    # the piece reaching furthest among those starting at or before the position is the one the
+    # scan over every piece used to find, without rescanning all of them per step, which made a
+    # tensor split over N ranks cost O(N^2) to plan (minutes at 4,096 ranks, for every tensor).
+    pieces = sorted(entry.pieces, key=lambda piece: piece.start)
     steps: list[ReadStep] = []
-    position = start
+    position, next_piece, best = start, 0, None
     while position < end:
-        covering = [piece for piece in entry.pieces if piece.start <= position < piece.end]
-        if not covering:
+        while next_piece < len(pieces) and pieces[next_piece].start <= position:
+            if best is None or pieces[next_piece].end > best.end:
+                best = pieces[next_piece]
+            next_piece += 1
+        if best is None or best.end <= position:
             raise RayZeroValueError(f"checkpoint holds no data for elements [{position}, {end}) of {name!r}")
-        best = max(covering, key=lambda piece: piece.end)
         stop = min(end, best.end)
         steps.append(ReadStep(best, position - best.start, stop - best.start, position - start))
         position = stop

@@ -36,6 +36,9 @@ class ControllerActor:
         self._calls_lock = threading.Lock()
         self._answered_at = 0.0
         self._polled_at = 0.0  # when the previous poll answered (POLL_BATCH_S)
+        from rayzero.controller.status_view import RankTable
+
+        self._rank_table = RankTable()  # status() rebuilds the ranks once per heartbeat round
 
     def start(self) -> None:
         import ray
@@ -107,7 +110,7 @@ class ControllerActor:
     def status(self) -> RunStatus:
         from rayzero.controller.status_view import run_status
 
-        return run_status(self._controller, self._run_name, self._started_at)
+        return run_status(self._controller, self._run_name, self._started_at, self._rank_table)
 
     def checkpoint_now(self, timeout_s: float) -> CheckpointRecord:
         return self._answer(ControlRequest(RequestKind.CHECKPOINT), timeout_s)

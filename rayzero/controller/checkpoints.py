@@ -31,6 +31,7 @@ class CheckpointTracker:
         self.reported: dict[str, None] = {}
         self.latest: CheckpointRecord | None = None  # the newest known, for Result and status()
         self._from_heartbeats: CheckpointRecord | None = None  # newest a rank's heartbeat found on its disk
+        self.manifests = registry.ManifestCache()  # each manifest parsed once ([Note: registry scans])
 
     def note_reported(self, location: str) -> None:
         self.reported[_save_directory(location)] = None
@@ -54,7 +55,7 @@ class CheckpointTracker:
 
     def refresh(self) -> CheckpointRecord | None:
         """List the locations again; the newest committed checkpoint known afterwards."""
-        found = registry.newest(self.locations())
+        found = registry.newest(self.locations(), self.manifests)
         if found is not None and (self.latest is None or found.record.step >= self.latest.step):
             self.latest = found.record
         return self.latest
@@ -62,7 +63,7 @@ class CheckpointTracker:
     def resume_location(self) -> str | None:
         """What the next attempt resumes from: the save directory holding the newest committed
         checkpoint, NODE_LOCAL_RESUME for node-local runs, None when there is none."""
-        found = registry.newest(self.locations())
+        found = registry.newest(self.locations(), self.manifests)
         if self._node_local:
             # Each new rank resumes from its own node's directory; the loader there takes the newest
             # checkpoint complete over the survivors' copies, peer replicas and the durable copy —
@@ -78,7 +79,7 @@ class CheckpointTracker:
 
     def record_of(self, location: str, step: int) -> CheckpointRecord:
         """The record of the checkpoint the ranks just committed at `location` (a tag directory)."""
-        for item in registry.committed_in(location):
+        for item in registry.committed_in(location, self.manifests):
             self.latest = item.record
             return item.record
         return CheckpointRecord("durable", location, step, time.time())

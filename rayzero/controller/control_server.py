@@ -56,8 +56,16 @@ DEFAULT_WAIT_S = 600.0
 TERMINAL_STATES = ("finished", "errored")
 
 
-def status_message(status: RunStatus) -> control_pb2.Status:
-    """A RunStatus as the protobuf `Status` (field by field; see the note in status.py)."""
+def rank_messages(status: RunStatus) -> list[control_pb2.RankStatus]:
+    return [control_pb2.RankStatus(
+        rank=rank.rank, node_id=rank.node_id, heartbeat_age_s=rank.heartbeat_age_s, step=rank.step,
+        micro_step=rank.micro_step, memory_bytes=rank.memory_bytes,
+        host_memory_bytes=rank.host_memory_bytes) for rank in status.ranks]
+
+
+def status_message(status: RunStatus, ranks: list[control_pb2.RankStatus] | None = None) -> control_pb2.Status:
+    """A RunStatus as the protobuf `Status` (field by field; see the note in status.py). `ranks`: its
+    rank table already converted ([Note: status at scale] in status_view.py)."""
     message = control_pb2.Status(
         run_name=status.run_name, state=status.state, attempt=status.attempt, world_size=status.world_size,
         min_workers=status.min_workers, max_workers=status.max_workers, started_at=status.started_at,
@@ -65,10 +73,7 @@ def status_message(status: RunStatus) -> control_pb2.Status:
         checkpoints=[checkpoint_message(record) for record in status.checkpoints],
         failures=status.failures, max_failures=status.max_failures, message=status.message,
         extra={str(key): str(value) for key, value in status.extra.items()},
-        ranks=[control_pb2.RankStatus(
-            rank=rank.rank, node_id=rank.node_id, heartbeat_age_s=rank.heartbeat_age_s, step=rank.step,
-            micro_step=rank.micro_step, memory_bytes=rank.memory_bytes,
-            host_memory_bytes=rank.host_memory_bytes) for rank in status.ranks],
+        ranks=rank_messages(status) if ranks is None else ranks,
     )
     for key in ("loss", "samples_per_s", "tokens_per_s"):  # optional fields: unset when unknown
         value = getattr(status, key)
@@ -116,10 +121,20 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
 
     def __init__(self, target: ControlTarget) -> None:
         self._target = target
+        # the newest rank table seen and its protobuf form: converted once while the target returns
+        # the same table ([Note: status at scale] in status_view.py)
+        self._ranks: tuple[tuple[Any, ...], list[control_pb2.RankStatus]] = ((), [])
+
+    def _message(self, status: RunStatus) -> control_pb2.Status:
+        table, converted = self._ranks
+        if status.ranks is not table:
+            converted = rank_messages(status)
+            self._ranks = (status.ranks, converted)
+        return status_message(status, converted)
 
     @_guarded
     def GetStatus(self, request: control_pb2.GetStatusRequest, context: grpc.ServicerContext) -> control_pb2.Status:
-        return status_message(self._target.status())
+        return self._message(self._target.status())
 
     def WatchStatus(self, request: control_pb2.WatchStatusRequest, context: grpc.ServicerContext
                     ) -> Iterator[control_pb2.Status]:
@@ -133,7 +148,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
                 status = self._target.status()
             except Exception as error:
                 context.abort(grpc.StatusCode.INTERNAL, f"{type(error).__name__}: {error}")
-            yield status_message(status)
+            yield self._message(status)
             if status.state in TERMINAL_STATES:
                 return
             time.sleep(interval)

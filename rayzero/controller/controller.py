@@ -28,7 +28,14 @@ from rayzero.controller.actor import ControllerActor  # re-exported: fit and the
 from rayzero.controller.checkpoints import CheckpointTracker
 from rayzero.controller.elastic import BatchPlan
 from rayzero.controller.errors import TrainingFailedError, first_to_blame, training_failed
-from rayzero.controller.health import HangPolicy, Straggler, StragglerPolicy, find_hang, slow_ranks
+from rayzero.controller.health import (
+    HangPolicy,
+    Straggler,
+    StragglerPolicy,
+    find_hang,
+    slow_ranks,
+    stacks_text,
+)
 from rayzero.controller.planned import PlannedStops
 from rayzero.controller.requests import ControlRequest, RequestKind
 from rayzero.controller.state import Fail, Failure, FailureKind, FailurePolicy, Retry, RunState
@@ -162,6 +169,7 @@ class Controller(PlannedStops):
         self._next_grow_check = 0.0
         self._next_checkpoint_scan = 0.0
         self.heard_at: dict[int, float] = {}  # rank -> clock of its last heartbeat answer (status, hangs)
+        self.heartbeat_rounds = 0  # rounds taken so far: status() rebuilds its rank table once per round
         self.checkpoints = CheckpointTracker(settings.checkpoint_locations, settings.node_local)
         self._size_cap: int | None = None  # an explicit scale(n) caps growing back at n
 
@@ -311,6 +319,7 @@ class Controller(PlannedStops):
                 self.heard_at[rank] = now
                 self.heartbeats[rank] = beat
                 self.checkpoints.note_heartbeat(beat.committed)
+        self.heartbeat_rounds += 1
         if now >= self._next_checkpoint_scan:
             self._next_checkpoint_scan = now + self._settings.checkpoint_scan_interval_s
             self.checkpoints.refresh()
@@ -324,9 +333,7 @@ class Controller(PlannedStops):
         if hang is None:
             return True
         stacks = self._group.stacks(5.0)
-        message = hang.reason + "\n\n" + "\n".join(  # the hung rank first
-            f"--- rank {rank} Python stacks{' (culprit)' if rank == hang.culprit else ''} ---\n{text}"
-            for rank, text in sorted(stacks.items(), key=lambda item: (item[0] != hang.culprit, item[0])))
+        message = hang.reason + "\n\n" + stacks_text(stacks, hang.culprit)  # the hung rank first
         self._event(f"hang detected: {message}")
         self._on_failure(Failure(FailureKind.HANG, message, hang.culprit, stacks.get(hang.culprit, "")))
         return False

@@ -13,7 +13,9 @@ answer its heartbeat at all for the same limit is hung too (its process is wedge
 """
 from __future__ import annotations
 
+import re
 import statistics
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from rayzero.workers.boundary import Heartbeat
@@ -80,8 +82,55 @@ def find_hang(beats: dict[int, Heartbeat | None], silent_for: dict[int, float], 
                   "SIGSTOP or a debugger, or wedged outside Python)")
     reason = (f"rank {culprit} made no progress for {ages[culprit]:.0f}s {where} (limit {limit:.0f}s: "
               f"FailureConfig.hang_timeout_s / --hang-timeout, at least {policy.multiple:g}x the median step time); "
-              f"seconds without progress per rank: " + ", ".join(f"{r}: {a:.0f}" for r, a in sorted(ages.items())))
+              f"seconds without progress per rank: " + _ages_text(ages))
     return Hang(culprit, ages, reason)
+
+
+# [Note: hang reports at scale]
+# A hang report names every rank, and at 4,096 ranks one line per rank (or one stack dump per rank,
+# 2-5 kB each) is megabytes in the driver's log that nobody reads. Ranks are grouped instead: by
+# whole seconds without progress, and by stack dump (numbers that differ between processes, such as
+# thread idents and addresses, ignored), each group written once with its ranks as ranges. The
+# report then grows with the number of distinct situations, not with the ranks.
+
+def rank_ranges(ranks: Iterable[int]) -> str:
+    """`[0, 1, 2, 5, 7, 8]` -> `"0-2, 5, 7-8"`."""
+    spans: list[list[int]] = []
+    for rank in sorted(ranks):
+        if spans and rank == spans[-1][1] + 1:
+            spans[-1][1] = rank
+        else:
+            spans.append([rank, rank])
+    return ", ".join(f"{first}" if first == last else f"{first}-{last}" for first, last in spans)
+
+
+def _ages_text(ages: dict[int, float]) -> str:
+    """`ranks: seconds` per whole number of seconds, the longest first ([Note: hang reports at scale])."""
+    by_age: dict[int, list[int]] = {}
+    for rank, age in ages.items():
+        by_age.setdefault(round(age), []).append(rank)
+    return "; ".join(f"{rank_ranges(ranks)}: {age}" for age, ranks in sorted(by_age.items(), reverse=True))
+
+
+_PER_PROCESS = re.compile(r"\b(?:0x[0-9a-fA-F]+|\d{5,})\b")  # thread idents, addresses, pids
+
+
+def stacks_text(stacks: dict[int, str], culprit: int) -> str:
+    """Every rank's stacks for a hang report: the culprit's first, then each distinct dump once with
+    the ranks that showed it ([Note: hang reports at scale])."""
+    blocks = [f"--- rank {culprit} Python stacks (culprit) ---\n{stacks[culprit]}"] if culprit in stacks else []
+    same: dict[str, list[int]] = {}
+    first_text: dict[str, str] = {}
+    for rank in sorted(stacks):
+        if rank != culprit:
+            key = _PER_PROCESS.sub("#", stacks[rank])
+            same.setdefault(key, []).append(rank)
+            first_text.setdefault(key, stacks[rank])
+    for key, ranks in same.items():  # in order of each group's lowest rank
+        label = (f"rank {ranks[0]}" if len(ranks) == 1
+                 else f"ranks {rank_ranges(ranks)} ({len(ranks)} ranks, the same stacks; rank {ranks[0]}'s shown)")
+        blocks.append(f"--- {label} Python stacks ---\n{first_text[key]}")
+    return "\n".join(blocks)
 
 
 # [Note: stragglers]

@@ -26,7 +26,8 @@ class RankStatus:
     node_id: str
     """Ray node id the rank runs on."""
     heartbeat_age_s: float
-    """Seconds since the controller last heard from the rank."""
+    """Seconds since the controller last heard from the rank, as of its newest heartbeat round (at most
+    `heartbeat_interval_s` old; [Note: status at scale] in status_view.py)."""
     step: int
     """Optimizer steps the rank's engine completed (its `global_steps`)."""
     micro_step: int

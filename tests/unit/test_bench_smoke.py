@@ -96,3 +96,39 @@ def test_a_real_invocation_writes_one_row_per_system_and_survives_failures(tmp_p
     assert ("error" in rayzero) or rayzero["comm_elements_ideal"] == 2 * rayzero["trainable_parameters"]
     assert any(c["target"].startswith("rayzero-stage0 throughput >= 1.00x ddp") for c in document["comparisons"])
     assert "ddp" in completed.stdout and "targets:" in completed.stdout
+
+
+@pytest.mark.timeout(120)
+def test_the_scale_bench_runs_the_real_controller_over_simulated_ranks_and_fits_exponents(tmp_path: pathlib.Path) -> None:
+    from bench import scale
+
+    assert scale.exponent([64, 256, 1024], [1.0, 4.0, 16.0]) == pytest.approx(1.0)
+    assert scale.exponent([64, 256], [1.0, 16.0]) == pytest.approx(2.0)
+    output = tmp_path / "scale.json"
+    completed = subprocess.run(
+        [sys.executable, str(REPOSITORY / "bench" / "scale.py"), "--quick", "--sizes", "8,16",
+         "--sections", "checkpoint,logic,metrics", "--json", str(output)],
+        check=False, capture_output=True, text=True, timeout=110, cwd=REPOSITORY,
+    )
+    assert completed.returncode == 0, completed.stderr[-2000:]
+    document = json.loads(output.read_text())
+    assert [row["n"] for row in document["rows"]] == [8, 16]
+    for row in document["rows"]:
+        assert "error" not in row["logic"] and "error" not in row["checkpoint"], row
+        assert row["logic"]["hang_detect_sim_s"] == 61.0  # the 60 s default limit, checked once a second
+        assert row["checkpoint"]["manifest_bytes"] > 0 and row["metrics"]["part_rows"] == 5 * row["n"]
+    assert "logic.heartbeat_round_cpu_s" in document["exponents"]
+    assert any(target["target"].startswith("exponent of") for target in document["targets"])
+
+
+def test_docs_scale_md_tables_are_the_ones_bench_results_give(tmp_path: pathlib.Path) -> None:
+    from bench import scale_model
+
+    doc = REPOSITORY / "docs" / "scale.md"
+    assert scale_model.write_or_check(str(doc), check=True) == 0, "run: python bench/scale.py --doc docs/scale.md"
+    stale = tmp_path / "scale.md"
+    text = doc.read_text()
+    start = text.index("<!-- scale:goodput -->")
+    stale.write_text(text[:start] + text[start:].replace("%", "% ", 1))  # one figure edited by hand
+    assert scale_model.write_or_check(str(stale), check=True) == 1
+    assert scale_model.write_or_check(str(stale), check=False) == 0 and stale.read_text() == text
