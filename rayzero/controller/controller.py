@@ -28,7 +28,7 @@ from rayzero.controller.actor import ControllerActor  # re-exported: fit and the
 from rayzero.controller.checkpoints import CheckpointTracker
 from rayzero.controller.elastic import BatchPlan
 from rayzero.controller.errors import TrainingFailedError, first_to_blame, training_failed
-from rayzero.controller.health import HangPolicy, Straggler, StragglerPolicy, find_hang, slow_ranks
+from rayzero.controller.health import HangPolicy, Straggler, StragglerPolicy
 from rayzero.controller.planned import PlannedStops
 from rayzero.controller.requests import ControlRequest, RequestKind
 from rayzero.controller.state import Fail, Failure, FailureKind, FailurePolicy, Retry, RunState
@@ -52,6 +52,7 @@ from rayzero.controller.states import (
     transition,
 )
 from rayzero.controller.status import AttemptStart, CheckpointRecord
+from rayzero.controller.watch import Watch
 from rayzero.controller.worker_group import WorkerGroup, setup_failure
 from rayzero.workers.boundary import Heartbeat
 from rayzero.workers.session import Report
@@ -64,7 +65,6 @@ logger = logging.getLogger("rayzero.controller")
 RESTART_CAUSES = {FailureKind.WORKER_DIED: "worker died", FailureKind.HANG: "hang",
                   FailureKind.LOOP_ERROR: "loop error", FailureKind.SETUP_ERROR: "setup error",
                   FailureKind.SCHEDULING: "placement"}
-MAX_STRAGGLERS_KEPT = 1000  # every update carries the list: the newest this many
 
 # attempt number, resume point, number of workers -> a fresh (not yet started) worker group
 GroupFactory = Callable[[int, str | None, int], WorkerGroup]
@@ -120,7 +120,7 @@ class ControllerSettings:
     """Checkpoints live on the workers' disks: learn them from heartbeats ([Note: node-local runs])."""
 
 
-class Controller(PlannedStops):
+class Controller(PlannedStops, Watch):
     """Drives one run through its states; owns nothing Ray-specific but the group it is given."""
 
     def __init__(
@@ -346,79 +346,6 @@ class Controller(PlannedStops):
         self._event(f"rank(s) {ranks or '?'} preempted (SIGTERM): checkpoint committed at step {step}; regrouping")
         workers = self._plan.choose(self._capacity())
         self._new_group(workers if workers is not None else self._smallest(), "preemption")
-
-    def _check_heartbeats(self, now: float) -> bool:
-        """Take a round of heartbeats; False when it ended the attempt (a failure)."""
-        assert self._group is not None
-        beats, failures = self._group.heartbeats(min(2.0, self._settings.heartbeat_interval_s + 1.0))
-        if failures:
-            self._on_failure(first_to_blame(failures))
-            return False
-        for rank, beat in beats.items():
-            if beat is not None:
-                self.heard_at[rank] = now
-                self.heartbeats[rank] = beat
-                self.checkpoints.note_heartbeat(beat.committed)
-        if now >= self._next_checkpoint_scan:
-            self._next_checkpoint_scan = now + self._settings.checkpoint_scan_interval_s
-            self.checkpoints.refresh()
-        self._progress_awaiting()
-        self._watch_stragglers()
-        if isinstance(self._state, Running):
-            self._check_drain()
-        silent = {rank: now - since for rank, since in self.heard_at.items()}
-        hang = find_hang({rank: self.heartbeats.get(rank) for rank in range(self.world_size)}, silent,
-                         self._settings.hang)
-        if hang is None:
-            return True
-        stacks = self._group.stacks(5.0)
-        message = hang.reason + "\n\n" + "\n".join(  # the hung rank first
-            f"--- rank {rank} Python stacks{' (culprit)' if rank == hang.culprit else ''} ---\n{text}"
-            for rank, text in sorted(stacks.items(), key=lambda item: (item[0] != hang.culprit, item[0])))
-        self._event(f"hang detected: {message}")
-        self._on_failure(Failure(FailureKind.HANG, message, hang.culprit, stacks.get(hang.culprit, "")))
-        return False
-
-    def _watch_stragglers(self) -> None:
-        """Report a rank slow in `rounds` heartbeat rounds in a row, once per streak ([Note: stragglers])."""
-        policy = self._settings.stragglers
-        slow = slow_ranks({rank: self.heartbeats.get(rank) for rank in range(self.world_size)}, policy)
-        self._slow_rounds = {rank: self._slow_rounds.get(rank, 0) + 1 for rank in slow}
-        for rank, (own, median, step_time) in sorted(slow.items()):
-            beat = self.heartbeats.get(rank)
-            if self._slow_rounds[rank] == policy.rounds and beat is not None:
-                found = Straggler(rank, beat.node_id, self.attempt, own, median, step_time)
-                self.stragglers = [*self.stragglers[-(MAX_STRAGGLERS_KEPT - 1):], found]
-                self._event(found.describe())
-
-    def _check_drain(self) -> None:
-        """Ray's node drain notice (a preemption with a deadline) on a node a rank runs on: checkpoint
-        at the agreed boundary and regroup without it, before the node goes (no budget used)."""
-        try:
-            draining = self._draining()
-        except Exception as error:  # noqa: BLE001 - a failed probe must not end the run
-            logger.debug("drain probe failed: %s", error)
-            return
-        hit = {rank for rank, beat in self.heartbeats.items()
-               if beat is not None and rank < self.world_size and beat.node_id in draining}
-        if not hit:
-            return
-        target = self._plan.choose(self.world_size - len(hit)) or self._smallest()
-        self._event(f"node(s) of rank(s) {sorted(hit)} are draining: checkpointing, then regrouping with {target}")
-        self._begin_planned(ControlRequest(RequestKind.SCALE, workers=target, reason="drain"))
-
-    def _maybe_grow(self, now: float) -> None:
-        ceiling = min(self._plan.max_workers, self._size_cap or self._plan.max_workers)
-        if now < self._next_grow_check or self.world_size >= ceiling:
-            return
-        self._next_grow_check = now + self._settings.grow_interval_s
-        free = self._capacity()
-        if free is None:
-            return
-        target = self._plan.choose(min(ceiling, self.world_size + free))
-        if target is not None and target > self.world_size:
-            self._event(f"room for {target} worker(s) (now {self.world_size}): growing through a planned resize")
-            self._begin_planned(ControlRequest(RequestKind.SCALE, workers=target, reason="grow"))
 
     def _restart(self) -> None:
         state = self._state
