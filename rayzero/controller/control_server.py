@@ -65,12 +65,13 @@ def status_message(status: RunStatus) -> control_pb2.Status:
         checkpoints=[checkpoint_message(record) for record in status.checkpoints],
         failures=status.failures, max_failures=status.max_failures, message=status.message,
         extra={str(key): str(value) for key, value in status.extra.items()},
+        wall_s=status.wall_s, badput_s={str(key): float(value) for key, value in status.badput_s.items()},
         ranks=[control_pb2.RankStatus(
             rank=rank.rank, node_id=rank.node_id, heartbeat_age_s=rank.heartbeat_age_s, step=rank.step,
             micro_step=rank.micro_step, memory_bytes=rank.memory_bytes,
             host_memory_bytes=rank.host_memory_bytes) for rank in status.ranks],
     )
-    for key in ("loss", "samples_per_s", "tokens_per_s"):  # optional fields: unset when unknown
+    for key in ("loss", "samples_per_s", "tokens_per_s", "goodput"):  # optional fields: unset when unknown
         value = getattr(status, key)
         if value is not None:
             setattr(message, key, float(value))

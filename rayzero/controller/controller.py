@@ -28,6 +28,7 @@ from rayzero.controller.actor import ControllerActor  # re-exported: fit and the
 from rayzero.controller.checkpoints import CheckpointTracker
 from rayzero.controller.elastic import BatchPlan
 from rayzero.controller.errors import TrainingFailedError, first_to_blame, training_failed
+from rayzero.controller.goodput import Goodput
 from rayzero.controller.health import HangPolicy, Straggler, StragglerPolicy
 from rayzero.controller.planned import PlannedStops
 from rayzero.controller.requests import ControlRequest, RequestKind
@@ -97,6 +98,8 @@ class ControllerUpdate:
     """Reports dropped so far because the driver did not collect them ([Note: reporting never waits])."""
     attempts: list[AttemptStart] = field(default_factory=list)
     """Attempts begun since the previous poll, with why (the driver records them beside the metrics)."""
+    goodput: dict[str, Any] = field(default_factory=dict)
+    """The run's goodput and badput by cause so far ([Note: goodput accounting] in goodput.py)."""
 
 
 @dataclass(frozen=True)
@@ -118,6 +121,10 @@ class ControllerSettings:
     """Where committed checkpoints are looked for ([Note: checkpoints from the checkpoint layer])."""
     node_local: bool = False
     """Checkpoints live on the workers' disks: learn them from heartbeats ([Note: node-local runs])."""
+    goodput_before: dict[str, Any] | None = None
+    """What earlier `fit` calls of this run left in `<run>/goodput.json` ([Note: goodput accounting])."""
+    started_wall: float | None = None
+    """Unix time the `fit` call began: its start-up before the controller existed counts too."""
 
 
 class Controller(PlannedStops, Watch):
@@ -173,6 +180,9 @@ class Controller(PlannedStops, Watch):
         self._next_checkpoint_scan = 0.0
         self.heard_at: dict[int, float] = {}  # rank -> clock of its last heartbeat answer (status, hangs)
         self.checkpoints = CheckpointTracker(settings.checkpoint_locations, settings.node_local)
+        # [Note: goodput accounting]: wall-clock times, as the workers stamp their reports
+        self.goodput = Goodput(settings.started_wall or time.time(), settings.goodput_before)
+        self._goodput_checkpoint: int | None = None  # the newest checkpoint step goodput was told of
         self._size_cap: int | None = None  # an explicit scale(n) caps growing back at n
 
     # ---- views of the state ([Note: states that carry their data]) --------------------------
@@ -215,6 +225,8 @@ class Controller(PlannedStops, Watch):
             request = getattr(self._state, "request", None)
             self._state = Errored(error)
             logger.info("state -> errored on a controller failure")
+            latest = self.checkpoints.latest
+            self.goodput.ended(time.time(), latest.step if latest is not None else None, failed=True)
             if request is not None:
                 self._settle(request)
 
@@ -253,6 +265,7 @@ class Controller(PlannedStops, Watch):
             resumed = latest.step if latest is not None and self._resume_from else None
             with self._lock:
                 self._attempts.append(AttemptStart(self.attempt, cause, time.time(), resumed, workers))
+            self.goodput.attempt_began(self.attempt, cause, time.time(), resumed)
         group = self._factory(self.attempt, self._resume_from, workers)
         self._move(GroupMade(group, self.attempt, workers, cause))
 
@@ -278,6 +291,7 @@ class Controller(PlannedStops, Watch):
         self.heartbeats, self._slow_rounds = {}, {}
         state.group.launch(self._loop, self._loop_config)
         self._move(Started(state.workers))
+        self.goodput.placement_waited(timings.get("placement_group_s", 0.0), time.time())
         self._next_grow_check = self._clock() + self._settings.grow_interval_s
         self._event(f"attempt {self.attempt}: {self.world_size} worker(s) running"
                     + (f", resuming from {self._resume_from}" if self._resume_from else ""))
@@ -292,6 +306,7 @@ class Controller(PlannedStops, Watch):
             self.dropped_reports += max(0, len(polled.reports) - room)
         for item in polled.reports:
             if item.rank == 0:
+                self.goodput.reported(item.metrics.get("step"), item.time)
                 if self.first_rank0_report is None or throughput.went_back(item, self.last_rank0_report):
                     self.first_rank0_report = item
                 self.last_rank0_report = item
@@ -301,6 +316,7 @@ class Controller(PlannedStops, Watch):
             self._on_failure(first_to_blame(polled.failures))
             return
         if polled.finished:
+            self.goodput.save_stalled(polled.save_stall_s, time.time())  # saves after the last heartbeat
             if polled.stopped and isinstance(state, Running):  # nobody asked: a worker was preempted
                 return self._regroup_after_preemption(polled.preempted)
             self._group_ended(stopped=polled.stopped)
@@ -331,6 +347,7 @@ class Controller(PlannedStops, Watch):
             return
         latest = self.checkpoints.refresh()  # what the run leaves behind, for Result and status()
         self._move(Ended(stopped))
+        self.goodput.ended(time.time(), latest.step if latest is not None else None, failed=False)
         if isinstance(state, (Draining, Resizing)):
             state.request.resolve(latest)
 
@@ -365,6 +382,7 @@ class Controller(PlannedStops, Watch):
             self._failures_in_a_row = 0
         self._checkpoint_at_last_failure = newest_step
         decision = self._policy.decide(failure, self.failures, self._failures_in_a_row)
+        self.goodput.failed(time.time())
         self.failures += 1
         self._failures_in_a_row += 1
         self._resolve_awaiting(RayZeroRuntimeError(f"the worker group failed first: {failure.message.splitlines()[0]}"))
@@ -393,6 +411,7 @@ class Controller(PlannedStops, Watch):
                                 + f"Run it again with the same name and storage to resume from {resume}.")
         request = getattr(self._state, "request", None)  # a planned stop or resize being carried out
         self._move(Killed(error) if killed else Failed(failure.kind.value, failure.message, error=error))
+        self.goodput.ended(time.time(), latest.step if latest is not None else None, failed=True)
         if request is not None:
             self._settle(request)
 
@@ -423,6 +442,7 @@ class Controller(PlannedStops, Watch):
         with self._lock:
             update = ControllerUpdate(self.state, self._outbox, self.error, dict(self.timings), self._events,
                                       self.stopped, self.checkpoints.latest, self.failures, self.world_size,
-                                      self.attempt, list(self.stragglers), self.dropped_reports, self._attempts)
+                                      self.attempt, list(self.stragglers), self.dropped_reports, self._attempts,
+                                      self.goodput.snapshot(time.time()))
             self._outbox, self._events, self._attempts = [], [], []
         return update

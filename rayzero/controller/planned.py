@@ -10,6 +10,7 @@ both wait for the boundary checkpoint ([Note: one retry budget]: neither is char
 from __future__ import annotations
 
 import threading
+import time
 from typing import TYPE_CHECKING
 
 from rayzero.config.errors import RayZeroRuntimeError
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
     from rayzero.controller.checkpoints import CheckpointTracker
     from rayzero.controller.controller import ControllerSettings
     from rayzero.controller.elastic import BatchPlan
+    from rayzero.controller.goodput import Goodput
     from rayzero.controller.worker_group import WorkerGroup
     from rayzero.workers.boundary import Heartbeat
 
@@ -53,6 +55,7 @@ class PlannedStops:
     _awaiting: list[ControlRequest]  # sent to the workers, waiting for the boundary
     _size_cap: int | None
     _clock: Callable[[], float]
+    goodput: Goodput
 
     def _event(self, line: str) -> None:
         raise NotImplementedError
@@ -115,7 +118,9 @@ class PlannedStops:
                 if self._group is not None:
                     self._group.shutdown()
                 self._move(StoppedIdle())
-                request.resolve(self.checkpoints.refresh())
+                latest = self.checkpoints.refresh()
+                self.goodput.ended(time.time(), latest.step if latest is not None else None, failed=False)
+                request.resolve(latest)
             else:
                 request.resolve(None)
             return
@@ -124,6 +129,7 @@ class PlannedStops:
         deadline = self._clock() + self._settings.stop_timeout_s
         self._move(StopPlanned(request, deadline) if request.kind is RequestKind.STOP
                    else ResizePlanned(request, deadline))
+        self.goodput.planned(time.time())
         self._event(f"{self.state.value}: checkpoint at the next step boundary every rank reaches"
                     + (f", then regroup with {request.workers} worker(s)" if request.kind is RequestKind.SCALE else ""))
 

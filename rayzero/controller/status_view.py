@@ -1,6 +1,7 @@
 """`RunStatus` snapshots of a live controller ([Note: the control seam] in status.py)."""
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 from rayzero.controller import throughput
@@ -13,6 +14,7 @@ if TYPE_CHECKING:
 def run_status(controller: Controller, run_name: str, started_at: float) -> RunStatus:
     """A snapshot of `controller` now; reads only what its step loop already recorded (no worker call)."""
     report = controller.last_rank0_report
+    goodput = controller.goodput.snapshot(time.time())  # [Note: goodput accounting]
     metrics = report.metrics if report is not None else {}
     step = metrics.get("step")
     beats = dict(controller.heartbeats)  # a copy: the step thread updates it (dict() copies atomically)
@@ -52,6 +54,9 @@ def run_status(controller: Controller, run_name: str, started_at: float) -> RunS
         ranks=ranks,
         message=controller.message,
         extra={"stopped": str(controller.stopped).lower()} if controller.state.is_terminal else {},
+        goodput=goodput.get("goodput"),
+        wall_s=float(goodput.get("wall_s") or 0.0),
+        badput_s=dict(goodput.get("badput_s") or {}),
     )
 
 

@@ -6,6 +6,7 @@ controller's own transitions ([Note: states that carry their data] in states.py)
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING
 
 from rayzero.controller.errors import first_to_blame
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
     from rayzero.controller.checkpoints import CheckpointTracker
     from rayzero.controller.controller import ControllerSettings
     from rayzero.controller.elastic import BatchPlan
+    from rayzero.controller.goodput import Goodput
     from rayzero.controller.states import ControllerState
     from rayzero.controller.worker_group import WorkerGroup
     from rayzero.workers.boundary import Heartbeat
@@ -47,6 +49,8 @@ class Watch:
     _next_checkpoint_scan: float
     _next_grow_check: float
     _size_cap: int | None
+    _goodput_checkpoint: int | None
+    goodput: Goodput
     _capacity: Callable[[], int | None]
     _draining: Callable[[], set[str]]
 
@@ -80,6 +84,7 @@ class Watch:
         if now >= self._next_checkpoint_scan:
             self._next_checkpoint_scan = now + self._settings.checkpoint_scan_interval_s
             self.checkpoints.refresh()
+        self._tell_goodput(now)
         self._progress_awaiting()
         self._watch_stragglers()
         if isinstance(self._state, Running):
@@ -96,6 +101,16 @@ class Watch:
         self._event(f"hang detected: {message}")
         self._on_failure(Failure(FailureKind.HANG, message, hang.culprit, stacks.get(hang.culprit, "")))
         return False
+
+    def _tell_goodput(self, now: float) -> None:
+        """Checkpoints committed and the ranks' save stalls, for [Note: goodput accounting]."""
+        latest = self.checkpoints.latest
+        if latest is not None and latest.step != self._goodput_checkpoint:
+            self._goodput_checkpoint = latest.step
+            self.goodput.checkpointed(latest.step)
+        stalls = [beat.save_stall_s for beat in self.heartbeats.values() if beat is not None]
+        if stalls:
+            self.goodput.save_stalled(max(stalls), time.time())
 
     def _watch_stragglers(self) -> None:
         """Report a rank slow in `rounds` heartbeat rounds in a row, once per streak ([Note: stragglers])."""
