@@ -51,6 +51,8 @@ class RunPicture:
     series: dict[str, dict[str, tuple[list[float], list[float]]]] = field(default_factory=dict)
     markers: list[Marker] = field(default_factory=list)
     timeline: list[Segment] = field(default_factory=list)
+    goodput: dict[str, Any] = field(default_factory=dict)
+    """The run's goodput totals (`<run>/goodput.json`, [Note: goodput accounting])."""
 
 
 def metrics_uri(run: str, storage: str | None) -> str:
@@ -68,6 +70,15 @@ def read_rows(uri: str) -> dict[str, list[Any]]:
     from rayzero.driver.metrics_store import read_metrics
 
     return read_metrics(uri).to_pydict()
+
+
+def _without_goodput_rows(rows: dict[str, list[Any]]) -> dict[str, list[Any]]:
+    """The report rows only: the dataset also holds one row per attempt and goodput cause."""
+    kinds = rows.get("kind")
+    if not kinds or "goodput" not in kinds:
+        return rows
+    keep = [index for index, kind in enumerate(kinds) if kind != "goodput"]
+    return {key: [values[index] for index in keep] for key, values in rows.items()}
 
 
 def _numeric(value: Any) -> bool:
@@ -187,14 +198,15 @@ def plot_run(run: str, output: str, storage: str | None = None) -> RunPicture:
         import matplotlib.pyplot as plt
     except ImportError:
         raise RayZeroValueError("rayzero plot needs matplotlib: pip install 'rayzero[plot]'") from None
-    from rayzero.driver.metrics_store import read_attempts
+    from rayzero.driver.metrics_store import read_attempts, read_goodput
 
     uri = metrics_uri(run, storage)
-    rows = read_rows(uri)
+    rows = _without_goodput_rows(read_rows(uri))
     if "step" not in rows or "rank" not in rows:
         raise RayZeroValueError(f"{uri} has no `step` column: the loop must report {{'step': ...}} to be plotted")
     records = {int(record["attempt"]): record for record in read_attempts(uri)}
-    picture = RunPicture(path=output, markers=_markers(rows, records), timeline=_timeline(rows, records))
+    picture = RunPicture(path=output, markers=_markers(rows, records), timeline=_timeline(rows, records),
+                         goodput=read_goodput(uri.rstrip("/").rsplit("/", 1)[0]) or {})
     ranks = sorted(set(rows["rank"]))
     panels: dict[str, dict[str, tuple[list[float], list[float]]]] = {
         "loss": {"loss": _series(rows, 0, "loss")} if "loss" in rows else {},
@@ -223,7 +235,7 @@ def plot_run(run: str, output: str, storage: str | None = None) -> RunPicture:
     axes[3].set_xlabel("step")
     for axis in axes[1:4]:
         axis.sharex(axes[0])
-    _draw_timeline(axes[4], picture.timeline)
+    _draw_timeline(axes[4], picture.timeline, picture.goodput)
     figure.suptitle(f"rayzero run {run.rstrip('/').rsplit('/', 1)[-1]}")
     figure.tight_layout()
     directory = os.path.dirname(os.path.abspath(output))
@@ -260,9 +272,13 @@ def _draw_panel(axis: Any, title: str, lines: dict[str, tuple[list[float], list[
     axis.grid(alpha=0.3)
 
 
-def _draw_timeline(axis: Any, segments: list[Segment]) -> None:
-    axis.set_title("where the wall time went (per attempt)", loc="left", fontsize=10)
-    if not segments:
+def _draw_timeline(axis: Any, segments: list[Segment], goodput: dict[str, Any]) -> None:
+    """Row 0: per attempt, start-up / training / pause on the wall clock. Row 1: the run's goodput,
+    its productive time and each cause of badput stacked ([Note: goodput accounting])."""
+    share = goodput.get("goodput")
+    axis.set_title("where the wall time went" + (f": goodput {100 * share:.1f}%" if share is not None else ""),
+                   loc="left", fontsize=10)
+    if not segments and not goodput:
         axis.text(0.5, 0.5, "no timing recorded", transform=axis.transAxes, ha="center", va="center", color="grey")
         return
     for segment in segments:
@@ -271,9 +287,16 @@ def _draw_timeline(axis: Any, segments: list[Segment]) -> None:
             axis.text((segment.start + segment.end) / 2, 0.45, segment.label, ha="center", fontsize=7, color="red")
     for kind, colour in _COLOURS.items():
         axis.barh(0, 0, color=colour, label=kind)
-    axis.set_yticks([])
-    axis.set_xlabel("seconds since the first attempt began")
-    axis.legend(fontsize=8, loc="lower right", ncol=3)
+    left = 0.0
+    parts = [("productive", goodput.get("productive_s", 0.0))] + sorted((goodput.get("badput_s") or {}).items())
+    for index, (cause, seconds) in enumerate(parts):
+        if seconds and seconds > 0:
+            axis.barh(1, seconds, left=left, height=0.6, color="tab:green" if cause == "productive" else f"C{index + 3}",
+                      label=cause if cause != "productive" else None, hatch="" if cause == "productive" else "//")
+            left += seconds
+    axis.set_yticks([0, 1] if goodput else [0], ["attempts", "goodput"] if goodput else ["attempts"], fontsize=8)
+    axis.set_xlabel("seconds (the attempts since the first began; goodput over every call of the run)")
+    axis.legend(fontsize=7, loc="lower right", ncol=4)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -31,8 +31,8 @@ from rayzero_operator import manifests
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_NOW_ANNOTATION = f"{GROUP}/checkpoint-now"
-STATUS_KEYS = ("runState", "step", "loss", "worldSize", "failures", "lastCheckpoint", "lastCheckpointStep",
-               "controlTime", "checkpointRequest", "scaleRequest")
+STATUS_KEYS = ("runState", "step", "loss", "worldSize", "failures", "goodput", "badputSeconds", "lastCheckpoint",
+               "lastCheckpointStep", "controlTime", "checkpointRequest", "scaleRequest")
 """The status fields this module owns; every reconcile carries them over unless it refreshes them."""
 CALL_TIMEOUT_S = float(os.environ.get("RAYZERO_OPERATOR_CONTROL_TIMEOUT_SECONDS", "5"))
 REFRESH_S = float(os.environ.get("RAYZERO_OPERATOR_CONTROL_REFRESH_SECONDS", "5"))
@@ -84,6 +84,8 @@ def _apply(status: dict[str, Any], run: Any) -> None:
     status.update(runState=run.state, step=int(run.step), worldSize=run.world_size, failures=run.failures,
                   controlTime=_now())
     status["loss"] = float(run.loss) if run.HasField("loss") else None
+    status["goodput"] = round(float(run.goodput), 4) if run.HasField("goodput") else None
+    status["badputSeconds"] = {cause: round(float(seconds), 1) for cause, seconds in run.badput_s.items()} or None
     if run.checkpoints:
         # The durable copy outlives the cluster; otherwise the newest of any tier.
         durable = [record for record in run.checkpoints if record.tier == "durable"]

@@ -106,6 +106,7 @@ def crd() -> dict[str, Any]:
                         {"name": "World", "type": "integer", "jsonPath": ".status.worldSize"},
                         {"name": "Checkpoint", "type": "integer", "jsonPath": ".status.lastCheckpointStep"},
                         {"name": "Failures", "type": "integer", "jsonPath": ".status.failures"},
+                        {"name": "Goodput", "type": "number", "jsonPath": ".status.goodput"},
                         {"name": "Workers", "type": "integer", "jsonPath": ".status.workers", "priority": 1},
                         {"name": "Restarts", "type": "integer", "jsonPath": ".status.restarts"},
                         {"name": "RayJob", "type": "string", "jsonPath": ".status.rayJobName",

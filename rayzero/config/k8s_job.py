@@ -285,6 +285,11 @@ class RayZeroJobStatus(K8sModel):
     """Training ranks of the current worker group."""
     failures: int | None = None
     """Worker failures the controller restarted from (inside the attempt; `restarts` counts attempts)."""
+    goodput: float | None = None
+    """Kept training time over the run's wall time (0-1), from the control service."""
+    badput_seconds: dict[str, float] | None = None
+    """Where the rest of the wall time went, seconds per cause (start-up, restart, failure detection,
+    redone steps, checkpoint stall, planned, idle)."""
     last_checkpoint: str | None = None
     """Location of the newest committed checkpoint (durable tier when there is one)."""
     last_checkpoint_step: int | None = None

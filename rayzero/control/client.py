@@ -151,7 +151,7 @@ def status_dict(status: control_pb2.Status) -> dict[str, Any]:
     from google.protobuf.json_format import MessageToDict
 
     out = MessageToDict(status, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
-    for key in ("loss", "samples_per_s", "tokens_per_s"):  # optional: null when the run never reported it
+    for key in ("loss", "samples_per_s", "tokens_per_s", "goodput"):  # optional: null when not measured
         out.setdefault(key, None)
     for key in ("step",):  # int64 is a string in the protobuf JSON mapping; users want numbers
         out[key] = int(out[key])

@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING, Any
 from rayzero.controller.control_server import ControlServer
 from rayzero.controller.errors import TrainingFailedError
 from rayzero.controller.requests import ControlRequest, RequestKind
-from rayzero.controller.state import RunState
 from rayzero.controller.status import CheckpointRecord, RunStatus
 
 if TYPE_CHECKING:
@@ -57,12 +56,11 @@ class ControllerActor:
             except Exception as error:  # noqa: BLE001 - a controller bug must still end the run with a reason
                 import traceback
 
-                controller.error = TrainingFailedError(
+                controller.fail_with(TrainingFailedError(
                     f"the rayzero controller failed: {type(error).__name__}: {error}",
                     None,
                     traceback.format_exc(),
-                )
-                controller.state = RunState.ERRORED
+                ))
             self._changed.set()
         self._control.close()  # control.json goes first; a Stop waiting for this end still gets its answer
 

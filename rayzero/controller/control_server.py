@@ -73,9 +73,10 @@ def status_message(status: RunStatus, ranks: list[control_pb2.RankStatus] | None
         checkpoints=[checkpoint_message(record) for record in status.checkpoints],
         failures=status.failures, max_failures=status.max_failures, message=status.message,
         extra={str(key): str(value) for key, value in status.extra.items()},
+        wall_s=status.wall_s, badput_s={str(key): float(value) for key, value in status.badput_s.items()},
         ranks=rank_messages(status) if ranks is None else ranks,
     )
-    for key in ("loss", "samples_per_s", "tokens_per_s"):  # optional fields: unset when unknown
+    for key in ("loss", "samples_per_s", "tokens_per_s", "goodput"):  # optional fields: unset when unknown
         value = getattr(status, key)
         if value is not None:
             setattr(message, key, float(value))

@@ -28,18 +28,32 @@ from rayzero.controller.actor import ControllerActor  # re-exported: fit and the
 from rayzero.controller.checkpoints import CheckpointTracker
 from rayzero.controller.elastic import BatchPlan
 from rayzero.controller.errors import TrainingFailedError, first_to_blame, training_failed
-from rayzero.controller.health import (
-    HangPolicy,
-    Straggler,
-    StragglerPolicy,
-    find_hang,
-    slow_ranks,
-    stacks_text,
-)
+from rayzero.controller.goodput import Goodput
+from rayzero.controller.health import HangPolicy, Straggler, StragglerPolicy
 from rayzero.controller.planned import PlannedStops
 from rayzero.controller.requests import ControlRequest, RequestKind
 from rayzero.controller.state import Fail, Failure, FailureKind, FailurePolicy, Retry, RunState
+from rayzero.controller.states import (
+    ControllerState,
+    Draining,
+    Ended,
+    Errored,
+    Event,
+    Failed,
+    Finished,
+    GroupMade,
+    Initializing,
+    Killed,
+    Resizing,
+    Restarting,
+    Running,
+    Scheduling,
+    Started,
+    describe,
+    transition,
+)
 from rayzero.controller.status import AttemptStart, CheckpointRecord
+from rayzero.controller.watch import Watch
 from rayzero.controller.worker_group import WorkerGroup, setup_failure
 from rayzero.workers.boundary import Heartbeat
 from rayzero.workers.session import Report
@@ -52,7 +66,6 @@ logger = logging.getLogger("rayzero.controller")
 RESTART_CAUSES = {FailureKind.WORKER_DIED: "worker died", FailureKind.HANG: "hang",
                   FailureKind.LOOP_ERROR: "loop error", FailureKind.SETUP_ERROR: "setup error",
                   FailureKind.SCHEDULING: "placement"}
-MAX_STRAGGLERS_KEPT = 1000  # every update carries the list: the newest this many
 
 # attempt number, resume point, number of workers -> a fresh (not yet started) worker group
 GroupFactory = Callable[[int, str | None, int], WorkerGroup]
@@ -85,6 +98,8 @@ class ControllerUpdate:
     """Reports dropped so far because the driver did not collect them ([Note: reporting never waits])."""
     attempts: list[AttemptStart] = field(default_factory=list)
     """Attempts begun since the previous poll, with why (the driver records them beside the metrics)."""
+    goodput: dict[str, Any] = field(default_factory=dict)
+    """The run's goodput and badput by cause so far ([Note: goodput accounting] in goodput.py)."""
 
 
 @dataclass(frozen=True)
@@ -106,9 +121,13 @@ class ControllerSettings:
     """Where committed checkpoints are looked for ([Note: checkpoints from the checkpoint layer])."""
     node_local: bool = False
     """Checkpoints live on the workers' disks: learn them from heartbeats ([Note: node-local runs])."""
+    goodput_before: dict[str, Any] | None = None
+    """What earlier `fit` calls of this run left in `<run>/goodput.json` ([Note: goodput accounting])."""
+    started_wall: float | None = None
+    """Unix time the `fit` call began: its start-up before the controller existed counts too."""
 
 
-class Controller(PlannedStops):
+class Controller(PlannedStops, Watch):
     """Drives one run through its states; owns nothing Ray-specific but the group it is given."""
 
     def __init__(
@@ -125,15 +144,12 @@ class Controller(PlannedStops):
         settings: ControllerSettings = ControllerSettings(),
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.state = RunState.INITIALIZING
-        self.error: TrainingFailedError | None = None
+        self._state: ControllerState = Initializing()  # [Note: states that carry their data]
         self.failures = 0  # failures so far, the policy's budget counter
         self._failures_in_a_row = 0  # failures since the newest committed checkpoint changed
         self._checkpoint_at_last_failure: int | None = None  # its step at the previous failure
         self.attempt = 0  # incremented on each restart or resize; passed to the group factory
         self.timings: dict[str, float] = {}
-        self.stopped = False  # ended by a planned stop
-        self.world_size = 0  # workers in the current group (0 while none runs)
         self.heartbeats: dict[int, Heartbeat | None] = {}  # newest per rank, for status()
         self.message = ""  # the newest event, for status()
         self.last_rank0_report: Report | None = None  # for status(): step, loss, time
@@ -151,40 +167,82 @@ class Controller(PlannedStops):
         self._clock = clock
         self._resume_from = resume_from  # what the next attempt resumes from
         self._poll_timeout_s = poll_timeout_s
-        self._group: WorkerGroup | None = None
-        self._target_workers = 0  # the size of the group being scheduled
         self._outbox: list[Report] = []  # reports not yet handed to the driver
         self._attempts: list[AttemptStart] = []  # attempts begun, not yet handed to the driver
-        self._restart_cause = "failure"  # why the next restart happens (the newest failure's kind)
         self.max_outbox = 100_000  # the bound on that while the driver does not poll (it drops the rest)
         self.dropped_reports = 0
         self._events: list[str] = []
         self._lock = threading.Lock()  # requests and take_update come from other threads
         self._requests: list[ControlRequest] = []  # recorded, not yet taken by step()
         self._awaiting: list[ControlRequest] = []  # sent to the workers, waiting for the boundary
-        self._planned: ControlRequest | None = None  # the stop/scale being carried out
-        self._planned_deadline = 0.0
-        self._not_before = 0.0  # backoff: do not reschedule before this clock time
         self._next_heartbeat = 0.0
         self._next_grow_check = 0.0
         self._next_checkpoint_scan = 0.0
         self.heard_at: dict[int, float] = {}  # rank -> clock of its last heartbeat answer (status, hangs)
         self.heartbeat_rounds = 0  # rounds taken so far: status() rebuilds its rank table once per round
         self.checkpoints = CheckpointTracker(settings.checkpoint_locations, settings.node_local)
+        # [Note: goodput accounting]: wall-clock times, as the workers stamp their reports
+        self.goodput = Goodput(settings.started_wall or time.time(), settings.goodput_before)
+        self._goodput_checkpoint: int | None = None  # the newest checkpoint step goodput was told of
         self._size_cap: int | None = None  # an explicit scale(n) caps growing back at n
+
+    # ---- views of the state ([Note: states that carry their data]) --------------------------
+    @property
+    def state(self) -> RunState:
+        return self._state.kind
+
+    @property
+    def current(self) -> ControllerState:
+        """The state with its data."""
+        return self._state
+
+    @property
+    def error(self) -> TrainingFailedError | None:
+        return self._state.error if isinstance(self._state, Errored) else None
+
+    @property
+    def stopped(self) -> bool:
+        """The run ended through a planned stop (not because every loop finished)."""
+        return isinstance(self._state, Finished) and self._state.stopped
+
+    @property
+    def world_size(self) -> int:
+        """Workers in the running group (0 while none runs)."""
+        return getattr(self._state, "world_size", 0)
+
+    @property
+    def _group(self) -> WorkerGroup | None:
+        return getattr(self._state, "group", None)
+
+    def _move(self, event: Event) -> None:
+        """Every transition goes through here, and is logged."""
+        before = self._state
+        self._state = transition(before, event)
+        logger.info("state %s -> %s on %s", describe(before), describe(self._state), type(event).__name__)
+
+    def fail_with(self, error: TrainingFailedError) -> None:
+        """End the run with `error` whatever the state (the actor's last resort on a controller bug)."""
+        if not self.state.is_terminal:
+            request = getattr(self._state, "request", None)
+            self._state = Errored(error)
+            logger.info("state -> errored on a controller failure")
+            latest = self.checkpoints.latest
+            self.goodput.ended(time.time(), latest.step if latest is not None else None, failed=True)
+            if request is not None:
+                self._settle(request)
 
     # ---- the state machine -----------------------------------------------------------------
     def step(self) -> RunState:
         """Make one transition (or, while the group runs, one poll of the workers)."""
         self._take_requests()
         handler = {
-            RunState.INITIALIZING: self._initialize,
-            RunState.SCHEDULING: self._schedule,
-            RunState.RUNNING: self._run,
-            RunState.DRAINING: self._run,
-            RunState.RESIZING: self._run,
-            RunState.RESTARTING: self._restart,
-        }.get(self.state)
+            Initializing: self._initialize,
+            Scheduling: self._schedule,
+            Running: self._run,
+            Draining: self._run,
+            Resizing: self._run,
+            Restarting: self._restart,
+        }.get(type(self._state))
         if handler is not None:
             handler()
         if self.state.is_terminal:
@@ -201,52 +259,55 @@ class Controller(PlannedStops):
     def _smallest(self) -> int:
         return min(self._plan.valid_sizes() or [self._plan.min_workers])
 
-    def _new_group(self, workers: int, cause: str = "") -> None:
-        if cause:  # a new attempt (not a smaller try of the same one)
+    def _new_group(self, workers: int, cause: str, new_attempt: bool = True) -> None:
+        """Make the group for an attempt (`new_attempt` False: a smaller try of the same one)."""
+        if new_attempt:
             latest = self.checkpoints.latest
             resumed = latest.step if latest is not None and self._resume_from else None
             with self._lock:
                 self._attempts.append(AttemptStart(self.attempt, cause, time.time(), resumed, workers))
-        self._target_workers = workers
-        self._group = self._factory(self.attempt, self._resume_from, workers)
-        self.state = RunState.SCHEDULING
+            self.goodput.attempt_began(self.attempt, cause, time.time(), resumed)
+        group = self._factory(self.attempt, self._resume_from, workers)
+        self._move(GroupMade(group, self.attempt, workers, cause))
 
     def _schedule(self) -> None:
-        assert self._group is not None
-        self._event(f"attempt {self.attempt}: placing {self._target_workers} worker(s), then forming their "
-                    "process group")
+        state = self._state
+        assert isinstance(state, Scheduling)
+        self._event(f"attempt {self.attempt}: placing {state.workers} worker(s), then forming their process group")
         try:
-            timings = self._group.start()
+            timings = state.group.start()
         except Exception as error:  # noqa: BLE001 - every start-up failure goes through the policy
             failure = setup_failure(error)
-            smaller = self._plan.choose(self._target_workers - 1) if failure.kind is FailureKind.SCHEDULING else None
+            smaller = self._plan.choose(state.workers - 1) if failure.kind is FailureKind.SCHEDULING else None
             if smaller is not None and smaller >= self._plan.min_workers:
                 # Elastic: fewer workers fit than planned (a node went away meanwhile); not a failure.
-                self._event(f"{self._target_workers} worker(s) did not fit; trying {smaller}")
-                self._group.shutdown()
-                self._new_group(smaller)
+                self._event(f"{state.workers} worker(s) did not fit; trying {smaller}")
+                state.group.shutdown()
+                self._new_group(smaller, state.cause, new_attempt=False)
                 return
             self._on_failure(failure)
             return
         self.timings.update({f"attempt{self.attempt}_{k}" if self.attempt else k: v for k, v in timings.items()})
-        self.world_size = self._target_workers
-        self.heard_at = {rank: self._clock() for rank in range(self.world_size)}
+        self.heard_at = {rank: self._clock() for rank in range(state.workers)}
         self.heartbeats, self._slow_rounds = {}, {}
-        self._group.launch(self._loop, self._loop_config)
-        self.state = RunState.RUNNING
+        state.group.launch(self._loop, self._loop_config)
+        self._move(Started(state.workers))
+        self.goodput.placement_waited(timings.get("placement_group_s", 0.0), time.time())
         self._next_grow_check = self._clock() + self._settings.grow_interval_s
         self._event(f"attempt {self.attempt}: {self.world_size} worker(s) running"
                     + (f", resuming from {self._resume_from}" if self._resume_from else ""))
 
     def _run(self) -> None:
-        assert self._group is not None
-        polled = self._group.poll(self._poll_timeout_s)
+        state = self._state
+        assert isinstance(state, (Running, Draining, Resizing))
+        polled = state.group.poll(self._poll_timeout_s)
         with self._lock:
             room = max(0, self.max_outbox - len(self._outbox))
             self._outbox.extend(polled.reports[:room])
             self.dropped_reports += max(0, len(polled.reports) - room)
         for item in polled.reports:
             if item.rank == 0:
+                self.goodput.reported(item.metrics.get("step"), item.time)
                 if self.first_rank0_report is None or throughput.went_back(item, self.last_rank0_report):
                     self.first_rank0_report = item
                 self.last_rank0_report = item
@@ -256,7 +317,8 @@ class Controller(PlannedStops):
             self._on_failure(first_to_blame(polled.failures))
             return
         if polled.finished:
-            if polled.stopped and self.state is RunState.RUNNING and self._planned is None:
+            self.goodput.save_stalled(polled.save_stall_s, time.time())  # saves after the last heartbeat
+            if polled.stopped and isinstance(state, Running):  # nobody asked: a worker was preempted
                 return self._regroup_after_preemption(polled.preempted)
             self._group_ended(stopped=polled.stopped)
             return
@@ -265,34 +327,30 @@ class Controller(PlannedStops):
             self._next_heartbeat = now + self._settings.heartbeat_interval_s
             if not self._check_heartbeats(now):
                 return
-        if self.state is RunState.RUNNING:
+        if isinstance(self._state, Running):
             self._maybe_grow(now)
-        elif now >= self._planned_deadline:
+        elif isinstance(self._state, (Draining, Resizing)) and now >= self._state.deadline:
             self._event(f"the boundary checkpoint did not come within {self._settings.stop_timeout_s:g}s "
                         "(does the loop step a rayzero engine?); ending the group without it")
-            self._group.shutdown()
             self._group_ended(stopped=True)
 
     def _group_ended(self, stopped: bool) -> None:
         """Every rank's loop returned: the run finished, or a planned stop/resize reached its end."""
-        assert self._group is not None
-        self._group.shutdown()
-        self.world_size = 0
+        state = self._state
+        assert isinstance(state, (Running, Draining, Resizing))
+        state.group.shutdown()
         self._resolve_awaiting(error=None)
-        planned = self._planned
-        if self.state is RunState.RESIZING and stopped and planned is not None:
-            self._planned = None
+        if isinstance(state, Resizing) and stopped:
             self.attempt += 1
             self._resume_from = self.checkpoints.resume_location() or self._resume_from
-            planned.resolve(None)
-            self._new_group(planned.workers, f"resize {planned.reason}".strip())
+            state.request.resolve(None)
+            self._new_group(state.request.workers, f"resize {state.request.reason}".strip())
             return
-        self.stopped = stopped
         latest = self.checkpoints.refresh()  # what the run leaves behind, for Result and status()
-        self.state = RunState.FINISHED
-        if planned is not None:
-            self._planned = None
-            planned.resolve(latest)
+        self._move(Ended(stopped))
+        self.goodput.ended(time.time(), latest.step if latest is not None else None, failed=False)
+        if isinstance(state, (Draining, Resizing)):
+            state.request.resolve(latest)
 
     def _regroup_after_preemption(self, ranks: list[int]) -> None:
         """A worker got SIGTERM ([Note: preemption] in rayzero/workers/actor.py): the group saved at
@@ -307,88 +365,16 @@ class Controller(PlannedStops):
         workers = self._plan.choose(self._capacity())
         self._new_group(workers if workers is not None else self._smallest(), "preemption")
 
-    def _check_heartbeats(self, now: float) -> bool:
-        """Take a round of heartbeats; False when it ended the attempt (a failure)."""
-        assert self._group is not None
-        beats, failures = self._group.heartbeats(min(2.0, self._settings.heartbeat_interval_s + 1.0))
-        if failures:
-            self._on_failure(first_to_blame(failures))
-            return False
-        for rank, beat in beats.items():
-            if beat is not None:
-                self.heard_at[rank] = now
-                self.heartbeats[rank] = beat
-                self.checkpoints.note_heartbeat(beat.committed)
-        self.heartbeat_rounds += 1
-        if now >= self._next_checkpoint_scan:
-            self._next_checkpoint_scan = now + self._settings.checkpoint_scan_interval_s
-            self.checkpoints.refresh()
-        self._progress_awaiting()
-        self._watch_stragglers()
-        if self.state is RunState.RUNNING and self._planned is None:
-            self._check_drain()
-        silent = {rank: now - since for rank, since in self.heard_at.items()}
-        hang = find_hang({rank: self.heartbeats.get(rank) for rank in range(self.world_size)}, silent,
-                         self._settings.hang)
-        if hang is None:
-            return True
-        stacks = self._group.stacks(5.0)
-        message = hang.reason + "\n\n" + stacks_text(stacks, hang.culprit)  # the hung rank first
-        self._event(f"hang detected: {message}")
-        self._on_failure(Failure(FailureKind.HANG, message, hang.culprit, stacks.get(hang.culprit, "")))
-        return False
-
-    def _watch_stragglers(self) -> None:
-        """Report a rank slow in `rounds` heartbeat rounds in a row, once per streak ([Note: stragglers])."""
-        policy = self._settings.stragglers
-        slow = slow_ranks({rank: self.heartbeats.get(rank) for rank in range(self.world_size)}, policy)
-        self._slow_rounds = {rank: self._slow_rounds.get(rank, 0) + 1 for rank in slow}
-        for rank, (own, median, step_time) in sorted(slow.items()):
-            beat = self.heartbeats.get(rank)
-            if self._slow_rounds[rank] == policy.rounds and beat is not None:
-                found = Straggler(rank, beat.node_id, self.attempt, own, median, step_time)
-                self.stragglers = [*self.stragglers[-(MAX_STRAGGLERS_KEPT - 1):], found]
-                self._event(found.describe())
-
-    def _check_drain(self) -> None:
-        """Ray's node drain notice (a preemption with a deadline) on a node a rank runs on: checkpoint
-        at the agreed boundary and regroup without it, before the node goes (no budget used)."""
-        try:
-            draining = self._draining()
-        except Exception as error:  # noqa: BLE001 - a failed probe must not end the run
-            logger.debug("drain probe failed: %s", error)
-            return
-        hit = {rank for rank, beat in self.heartbeats.items()
-               if beat is not None and rank < self.world_size and beat.node_id in draining}
-        if not hit:
-            return
-        target = self._plan.choose(self.world_size - len(hit)) or self._smallest()
-        self._event(f"node(s) of rank(s) {sorted(hit)} are draining: checkpointing, then regrouping with {target}")
-        self._begin_planned(ControlRequest(RequestKind.SCALE, workers=target, reason="drain"))
-
-    def _maybe_grow(self, now: float) -> None:
-        ceiling = min(self._plan.max_workers, self._size_cap or self._plan.max_workers)
-        if now < self._next_grow_check or self.world_size >= ceiling:
-            return
-        self._next_grow_check = now + self._settings.grow_interval_s
-        free = self._capacity()
-        if free is None:
-            return
-        target = self._plan.choose(min(ceiling, self.world_size + free))
-        if target is not None and target > self.world_size:
-            self._event(f"room for {target} worker(s) (now {self.world_size}): growing through a planned resize")
-            self._begin_planned(ControlRequest(RequestKind.SCALE, workers=target, reason="grow"))
-
     def _restart(self) -> None:
-        if self._clock() < self._not_before:
-            time.sleep(min(0.2, self._not_before - self._clock()))
+        state = self._state
+        assert isinstance(state, Restarting)
+        if self._clock() < state.not_before:
+            time.sleep(min(0.2, state.not_before - self._clock()))
             return
-        if self._group is not None:
-            self._group.shutdown()
         self.attempt += 1
         self._resume_from = self.checkpoints.resume_location() or self._resume_from
         workers = self._plan.choose(self._capacity())  # as many as fit now, not the old count
-        self._new_group(workers if workers is not None else self._smallest(), self._restart_cause)
+        self._new_group(workers if workers is not None else self._smallest(), state.cause)
 
     def _on_failure(self, failure: Failure) -> None:
         newest = self.checkpoints.refresh()
@@ -397,33 +383,38 @@ class Controller(PlannedStops):
             self._failures_in_a_row = 0
         self._checkpoint_at_last_failure = newest_step
         decision = self._policy.decide(failure, self.failures, self._failures_in_a_row)
-        self._restart_cause = RESTART_CAUSES.get(failure.kind, failure.kind.value)
+        self.goodput.failed(time.time())
         self.failures += 1
         self._failures_in_a_row += 1
-        self.world_size = 0
         self._resolve_awaiting(RayZeroRuntimeError(f"the worker group failed first: {failure.message.splitlines()[0]}"))
-        if isinstance(decision, Retry):
-            if self._planned is not None:  # a stop still ends the run; a resize regroups anyway
-                if self._planned.kind is RequestKind.STOP:
-                    return self._end_errored(failure)
-                self._planned.resolve(None)
-                self._planned = None
-            self._event(f"restarting the worker group: {decision.reason}")
-            self._not_before = self._clock() + self._policy.backoff(self.failures)
-            self.state = RunState.RESTARTING
+        if isinstance(decision, Fail):
+            self._end_errored(decision.failure, self._policy.ending(self.failures, self._failures_in_a_row - 1))
             return
-        assert isinstance(decision, Fail)
-        self._end_errored(decision.failure, self._policy.ending(self.failures, self._failures_in_a_row - 1))
+        assert isinstance(decision, Retry)
+        planned = getattr(self._state, "request", None)
+        if planned is not None:  # a stop still ends the run; a resize regroups anyway
+            if planned.kind is RequestKind.STOP:
+                return self._end_errored(failure)
+            planned.resolve(None)
+        if self._group is not None:
+            self._group.shutdown()  # now, not after the backoff: its resources are free meanwhile
+        self._event(f"restarting the worker group: {decision.reason}")
+        self._move(Failed(RESTART_CAUSES.get(failure.kind, failure.kind.value), decision.reason,
+                          not_before=self._clock() + self._policy.backoff(self.failures)))
 
-    def _end_errored(self, failure: Failure, why: str = "") -> None:
+    def _end_errored(self, failure: Failure, why: str = "", killed: bool = False) -> None:
         if self._group is not None:
             self._group.shutdown()
         latest = self.checkpoints.latest
         resume = (f"the checkpoint of step {latest.step} ({latest.location})" if latest is not None
                   else "the start (no checkpoint was committed)")
-        self.error = training_failed(failure, (f"{why}. " if why else "")
-                                     + f"Run it again with the same name and storage to resume from {resume}.")
-        self.state = RunState.ERRORED
+        error = training_failed(failure, (f"{why}. " if why else "")
+                                + f"Run it again with the same name and storage to resume from {resume}.")
+        request = getattr(self._state, "request", None)  # a planned stop or resize being carried out
+        self._move(Killed(error) if killed else Failed(failure.kind.value, failure.message, error=error))
+        self.goodput.ended(time.time(), latest.step if latest is not None else None, failed=True)
+        if request is not None:
+            self._settle(request)
 
     @property
     def latest_checkpoint(self) -> CheckpointRecord | None:
@@ -452,6 +443,7 @@ class Controller(PlannedStops):
         with self._lock:
             update = ControllerUpdate(self.state, self._outbox, self.error, dict(self.timings), self._events,
                                       self.stopped, self.checkpoints.latest, self.failures, self.world_size,
-                                      self.attempt, list(self.stragglers), self.dropped_reports, self._attempts)
+                                      self.attempt, list(self.stragglers), self.dropped_reports, self._attempts,
+                                      self.goodput.snapshot(time.time()))
             self._outbox, self._events, self._attempts = [], [], []
         return update

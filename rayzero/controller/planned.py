@@ -3,18 +3,28 @@
 [Note: the control seam] in status.py says where requests come from; [Note: agreed step boundary]
 in rayzero/workers/boundary.py how the ranks save at one step. Requests are recorded from any
 thread (`submit`) and taken by the step loop only (`_take_requests`), so the state machine never
-changes state outside `Controller.step()`. A STOP moves RUNNING to DRAINING, a SCALE to RESIZING;
+changes state outside `Controller.step()`. A STOP moves Running to Draining, a SCALE to Resizing
+([Note: states that carry their data] in states.py: the request and its deadline travel with them);
 both wait for the boundary checkpoint ([Note: one retry budget]: neither is charged as a failure).
 """
 from __future__ import annotations
 
 import threading
+import time
 from typing import TYPE_CHECKING
 
 from rayzero.config.errors import RayZeroRuntimeError
-from rayzero.controller.errors import TrainingFailedError
 from rayzero.controller.requests import ControlRequest, RequestKind
 from rayzero.controller.state import Failure, FailureKind, RunState
+from rayzero.controller.states import (
+    ControllerState,
+    Event,
+    ResizePlanned,
+    Resizing,
+    Running,
+    StoppedIdle,
+    StopPlanned,
+)
 from rayzero.workers.boundary import BoundaryRequest
 
 if TYPE_CHECKING:
@@ -23,6 +33,7 @@ if TYPE_CHECKING:
     from rayzero.controller.checkpoints import CheckpointTracker
     from rayzero.controller.controller import ControllerSettings
     from rayzero.controller.elastic import BatchPlan
+    from rayzero.controller.goodput import Goodput
     from rayzero.controller.worker_group import WorkerGroup
     from rayzero.workers.boundary import Heartbeat
 
@@ -32,27 +43,27 @@ class PlannedStops:
 
     # Set by Controller.__init__; listed here for the reader and the type checker.
     state: RunState
-    error: TrainingFailedError | None
-    stopped: bool
     world_size: int
     heartbeats: dict[int, Heartbeat | None]
     checkpoints: CheckpointTracker
+    _state: ControllerState
     _group: WorkerGroup | None
     _plan: BatchPlan
     _settings: ControllerSettings
     _lock: threading.Lock
     _requests: list[ControlRequest]  # recorded, not yet taken by step()
     _awaiting: list[ControlRequest]  # sent to the workers, waiting for the boundary
-    _planned: ControlRequest | None  # the stop/scale being carried out
-    _planned_deadline: float
     _size_cap: int | None
-    _target_workers: int
     _clock: Callable[[], float]
+    goodput: Goodput
 
     def _event(self, line: str) -> None:
         raise NotImplementedError
 
-    def _end_errored(self, failure: Failure) -> None:
+    def _end_errored(self, failure: Failure, why: str = "", killed: bool = False) -> None:
+        raise NotImplementedError
+
+    def _move(self, event: Event) -> None:
         raise NotImplementedError
 
     # ---- requests ([Note: the control seam]) -----------------------------------------------
@@ -70,12 +81,14 @@ class PlannedStops:
         for request in requests:
             if request.kind is RequestKind.KILL:
                 self._event(f"killed: {request.reason}")
-                self._end_errored(Failure(FailureKind.LOOP_ERROR, f"the run was killed: {request.reason}"))
+                if not self.state.is_terminal:
+                    self._end_errored(Failure(FailureKind.LOOP_ERROR, f"the run was killed: {request.reason}"),
+                                      killed=True)
                 request.resolve(None)
             elif self.state.is_terminal:
                 self._settle(request)
             elif request.kind is RequestKind.CHECKPOINT:
-                if self.state is not RunState.RUNNING or self._group is None:
+                if not isinstance(self._state, Running):
                     request.reject(RayZeroRuntimeError(f"cannot checkpoint now: the run is {self.state.value}, "
                                                        "not running; try again once it runs"))
                     continue
@@ -89,31 +102,34 @@ class PlannedStops:
 
     def _begin_planned(self, request: ControlRequest) -> None:
         """A stop or resize: ask for the boundary checkpoint (and a stop) at the agreed step."""
-        if self._planned is not None:  # a stop overrides a resize in flight; otherwise the first wins
-            if request.kind is RequestKind.STOP and self._planned.kind is RequestKind.SCALE:
-                self._planned.resolve(None)
+        planned = getattr(self._state, "request", None)  # a stop or resize already being carried out
+        if planned is not None:  # a stop overrides a resize in flight; otherwise the first wins
+            if request.kind is RequestKind.STOP and planned.kind is RequestKind.SCALE:
+                planned.resolve(None)
             else:
                 request.resolve(None)
                 return
-        self._planned = request
         if request.kind is RequestKind.SCALE and request.reason != "grow":
             self._size_cap = request.workers  # asked for: do not grow back past it
-        if self.state is not RunState.RUNNING or self._group is None:
-            # Nothing runs (scheduling, restarting): a stop ends the run now; a resize waits its turn.
+        if not isinstance(self._state, (Running, Resizing)):
+            # Nothing runs (scheduling, restarting): a stop ends the run now; a resize waits its turn
+            # (the size cap above applies to the next group).
             if request.kind is RequestKind.STOP:
                 if self._group is not None:
                     self._group.shutdown()
-                self._planned = None
-                self.stopped, self.state = True, RunState.FINISHED
-                request.resolve(self.checkpoints.refresh())
+                self._move(StoppedIdle())
+                latest = self.checkpoints.refresh()
+                self.goodput.ended(time.time(), latest.step if latest is not None else None, failed=False)
+                request.resolve(latest)
             else:
-                self._planned = None
-                self._target_workers = request.workers
                 request.resolve(None)
             return
+        assert self._group is not None
         self._group.request_boundary(request.request_id, BoundaryRequest.STOP)
-        self._planned_deadline = self._clock() + self._settings.stop_timeout_s
-        self.state = RunState.DRAINING if request.kind is RequestKind.STOP else RunState.RESIZING
+        deadline = self._clock() + self._settings.stop_timeout_s
+        self._move(StopPlanned(request, deadline) if request.kind is RequestKind.STOP
+                   else ResizePlanned(request, deadline))
+        self.goodput.planned(time.time())
         self._event(f"{self.state.value}: checkpoint at the next step boundary every rank reaches"
                     + (f", then regroup with {request.workers} worker(s)" if request.kind is RequestKind.SCALE else ""))
 
@@ -141,9 +157,6 @@ class PlannedStops:
 
     def _settle_requests(self) -> None:
         self._resolve_awaiting(None)
-        if self._planned is not None:
-            self._settle(self._planned)
-            self._planned = None
         with self._lock:
             requests, self._requests = self._requests, []
         for request in requests:

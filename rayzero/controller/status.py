@@ -106,6 +106,12 @@ class RunStatus:
     """The newest event in words (why it restarted, what it waits for)."""
     extra: dict[str, str] = field(default_factory=dict)
     """Anything else worth showing, as text."""
+    goodput: float | None = None
+    """Kept training time / wall time over every call of this run name ([Note: goodput accounting])."""
+    wall_s: float = 0.0
+    """The wall time that goodput is a share of."""
+    badput_s: dict[str, float] = field(default_factory=dict)
+    """Where the rest went: seconds per cause."""
 
 
 class ControlTarget(Protocol):

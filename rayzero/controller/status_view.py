@@ -9,6 +9,7 @@ given table to protobuf once (`ControlServicer`). A status call then costs O(1) 
 """
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 from rayzero.controller import throughput
@@ -51,6 +52,7 @@ def run_status(controller: Controller, run_name: str, started_at: float, table: 
     """A snapshot of `controller` now; reads only what its step loop already recorded (no worker call).
     With `table`, the ranks are those of the newest heartbeat round ([Note: status at scale])."""
     report = controller.last_rank0_report
+    goodput = controller.goodput.snapshot(time.time())  # [Note: goodput accounting]
     metrics = report.metrics if report is not None else {}
     step = metrics.get("step")
     if not isinstance(step, (int, float)):
@@ -81,6 +83,9 @@ def run_status(controller: Controller, run_name: str, started_at: float, table: 
         ranks=ranks,
         message=controller.message,
         extra={"stopped": str(controller.stopped).lower()} if controller.state.is_terminal else {},
+        goodput=goodput.get("goodput"),
+        wall_s=float(goodput.get("wall_s") or 0.0),
+        badput_s=dict(goodput.get("badput_s") or {}),
     )
 
 

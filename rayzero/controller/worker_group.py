@@ -45,6 +45,8 @@ class GroupPoll:
     """With `finished`: the loops ended because the run was told to stop (a planned stop)."""
     preempted: list[int] = field(default_factory=list)
     """With `stopped`: ranks whose process got SIGTERM (a preemption, not a request)."""
+    save_stall_s: float = 0.0
+    """With `finished`: the most seconds a rank's loop waited on saves in this attempt."""
 
 
 class WorkerGroup(Protocol):
@@ -160,6 +162,7 @@ class RayWorkerGroup:
         self._done: set[int] = set()
         self._stopped: set[int] = set()  # ranks whose loop ended through a planned stop
         self._preempted: set[int] = set()  # ranks whose process got SIGTERM
+        self._save_stall_s = 0.0  # the most a finished rank's loop waited on saves (goodput)
         self._heartbeat_refs: dict[int, Any] = {}  # rank -> outstanding heartbeat() call
         self.placement_timeout_s = scaling.placement_timeout_s  # the controller shortens it for tries above min
 
@@ -281,6 +284,7 @@ class RayWorkerGroup:
         result.finished = not result.failures and len(self._done) == len(self._workers)
         result.stopped = result.finished and bool(self._stopped)
         result.preempted = sorted(self._preempted) if result.stopped else []
+        result.save_stall_s = self._save_stall_s if result.finished else 0.0
         return result
 
     def heartbeats(self, timeout_s: float) -> tuple[dict[int, Heartbeat | None], list[Failure]]:
@@ -389,6 +393,7 @@ class RayWorkerGroup:
                     self._stopped.add(rank)
                 if outcome.preempted:
                     self._preempted.add(rank)
+                self._save_stall_s = max(self._save_stall_s, outcome.save_stall_s)
             else:
                 result.failures.append(
                     Failure(

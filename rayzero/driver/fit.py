@@ -31,7 +31,8 @@ from rayzero.controller.worker_group import RayWorkerGroup, draining_nodes, free
 from rayzero.driver.cluster import check_fits, connect
 from rayzero.driver.config_check import validated_config
 from rayzero.driver.metrics_log import MetricsLog
-from rayzero.driver.progress import Progress
+from rayzero.driver.metrics_store import read_goodput
+from rayzero.driver.progress import Progress, goodput_line
 from rayzero.driver.scripts import prepare_script, script_environment
 from rayzero.driver.shipping import ship
 from rayzero.driver.signals import StopSignals
@@ -65,6 +66,9 @@ class Result:
     """Step of the newest committed checkpoint the controller found (None when there is none)."""
     stragglers: list[Straggler] = field(default_factory=list)
     """Ranks found persistently slower than the others, each once per streak ([Note: stragglers])."""
+    goodput: dict[str, Any] = field(default_factory=dict)
+    """`goodput` (kept training time / wall time, over every call of this run name), `wall_s`,
+    `productive_s`, `badput_s` by cause and per attempt ([Note: goodput accounting])."""
 
 
 
@@ -215,6 +219,8 @@ def fit(
         stop_timeout_s=failure.stop_timeout_s,
         checkpoint_locations=tuple(locations),
         node_local=node_local,
+        goodput_before=read_goodput(run_uri),  # a rerun goes on counting ([Note: goodput accounting])
+        started_wall=fit_started_wall,
     )
 
     def make_controller() -> Controller:  # runs inside the controller actor
@@ -272,7 +278,11 @@ def fit(
         except Exception as error:  # noqa: BLE001 - the controller may be gone already
             logging.getLogger("rayzero.driver").debug("controller quiesce: %s", error)
         ray.kill(controller)  # its workers and placement group go with it (fate sharing)
+        if progress.goodput:
+            metrics_log.goodput_rows(progress.goodput)
         metrics_log.close()
+        if progress.goodput:
+            print(f"[rayzero] {goodput_line(progress.goodput)}", flush=True)
     timings["total_s"] = time.monotonic() - fit_started
     timings.update(progress.rates())
     if wall_clock_breakdown:
@@ -306,6 +316,7 @@ def fit(
         failures=final.failures if final is not None else 0,
         checkpoint_step=record.step if record is not None else None,
         stragglers=list(final.stragglers) if final is not None else [],
+        goodput=dict(progress.goodput or {}),
     )
 
 
@@ -407,6 +418,9 @@ def _stream(
                     print(f"[rayzero] {line}", flush=True)
                 for start in update.attempts:
                     metrics_log.add_attempt(start)
+                if update.goodput:
+                    progress.goodput = update.goodput
+                    metrics_log.set_goodput(update.goodput)
                 if update.dropped_reports > dropped_said:
                     dropped_said = update.dropped_reports
                     print(f"[rayzero] metrics: the controller dropped {dropped_said} report(s) the driver did not "

@@ -34,6 +34,7 @@ import pyarrow.parquet as pq
 from rayzero.checkpoint.storage import filesystem_from_uri
 from rayzero.controller.status import AttemptStart
 from rayzero.driver.metrics_store import (
+    GOODPUT_FILE,
     METRICS_DIR,
     MetricsHistory,
     adopt_single_file,
@@ -86,6 +87,7 @@ class MetricsLog:
         self._next_index = 0
         self._pending: list[dict[str, Any]] = []  # rows not yet handed to the writer
         self._pending_attempts: list[dict[str, Any]] = []  # attempt records not yet written
+        self._goodput: dict[str, Any] | None = None  # newest goodput snapshot not yet written
         self._cond = threading.Condition()
         self._flush_now = False
         self._closing = False
@@ -126,6 +128,24 @@ class MetricsLog:
         with self._cond:
             self._pending_attempts.append(record)
 
+    def set_goodput(self, snapshot: dict[str, Any]) -> None:
+        """The run's newest goodput figures: written as `<run>/goodput.json` with the next batch, so
+        a rerun (even after the driver was killed) goes on from them ([Note: goodput accounting])."""
+        if snapshot:
+            with self._cond:
+                self._goodput = snapshot
+
+    def goodput_rows(self, snapshot: dict[str, Any]) -> None:
+        """One row per attempt of this call and per cause (seconds), beside the reports in the dataset
+        (`kind` = "goodput"; no `rank` or `step`, so a rank's history never includes them)."""
+        now = time.time()
+        for attempt, buckets in sorted((snapshot.get("attempts") or {}).items(), key=lambda item: int(item[0])):
+            for cause, seconds in sorted(buckets.items()):
+                row = {"kind": "goodput", "attempt": self.first_attempt + int(attempt), "cause": cause,
+                       "seconds": seconds, "time": now}
+                with self._cond:
+                    self._pending.append(row)
+
     def history(self, rank: int = 0) -> MetricsHistory:
         """What `rank` reported in this log's attempts, one dict per step (a re-run step's newest
         report), in step order of first appearance; read from storage when first used."""
@@ -139,9 +159,10 @@ class MetricsLog:
                 self._start_writer()
             self._flush_now = True
             self._cond.notify()
-            while (self._pending or self._pending_attempts or self._writing) and time.monotonic() < deadline:
+            while ((self._pending or self._pending_attempts or self._goodput or self._writing)
+                   and time.monotonic() < deadline):
                 self._cond.wait(min(0.2, max(0.0, deadline - time.monotonic())))
-            return not self._pending and not self._pending_attempts and not self._writing
+            return not self._pending and not self._pending_attempts and not self._goodput and not self._writing
 
     def close(self, timeout_s: float = 60.0) -> None:
         """Write what is left (at most `timeout_s`), stop the writer, and say what was lost."""
@@ -173,9 +194,13 @@ class MetricsLog:
                     return
                 batch, self._pending = self._pending, []
                 attempts, self._pending_attempts = self._pending_attempts, []
+                goodput, self._goodput = self._goodput, None
                 self._flush_now = False
-                self._writing = bool(batch or attempts)
+                self._writing = bool(batch or attempts or goodput)
             try:
+                if goodput:
+                    self._write_json(f"{self._run_path}/{GOODPUT_FILE}", goodput)
+                    goodput = None
                 if attempts:
                     self._write_attempts(attempts)
                     attempts = []
@@ -189,6 +214,7 @@ class MetricsLog:
                 pause = min(60.0, max(1.0, pause * 2))
                 with self._cond:  # the batch goes back in front, within the bound
                     self._pending_attempts = attempts + self._pending_attempts
+                    self._goodput = self._goodput or goodput
                     room = max(0, self._max_pending - len(self._pending))
                     self.dropped += max(0, len(batch) - room)
                     self._pending = batch[:room] + self._pending
@@ -206,10 +232,15 @@ class MetricsLog:
         directory = attempts_directory(self._run_path)
         self._filesystem.create_dir(directory, recursive=True)
         for record in records:
-            name = attempt_file_name(record["attempt"])
-            with self._filesystem.open_output_stream(f"{directory}/.{name}.tmp") as stream:
-                stream.write(json.dumps(record).encode())
-            self._filesystem.move(f"{directory}/.{name}.tmp", f"{directory}/{name}")
+            self._write_json(f"{directory}/{attempt_file_name(record['attempt'])}", record)
+
+    def _write_json(self, path: str, record: dict[str, Any]) -> None:
+        """Written whole under a temporary name, then moved: a reader sees the old file or the new one."""
+        directory, _, name = path.rpartition("/")
+        self._filesystem.create_dir(directory, recursive=True)
+        with self._filesystem.open_output_stream(f"{directory}/.{name}.tmp") as stream:
+            stream.write(json.dumps(record).encode())
+        self._filesystem.move(f"{directory}/.{name}.tmp", path)
 
     def _write(self, rows: list[dict[str, Any]]) -> None:
         """Each attempt's rows of the batch as one new part (names sort in writing order)."""

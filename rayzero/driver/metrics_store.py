@@ -136,6 +136,18 @@ def adopt_single_file(filesystem: pafs.FileSystem, directory: str) -> None:
 # per attempt, written once: no rewrite, any pyarrow.fs store.
 
 ATTEMPTS_DIR = "attempts"
+GOODPUT_FILE = "goodput.json"  # the run's goodput totals so far ([Note: goodput accounting])
+
+
+def read_goodput(run: str) -> dict[str, Any] | None:
+    """What earlier `fit` calls of the run left (None for a new run)."""
+    uri = run if "://" in run else f"file://{_absolute(run)}"
+    filesystem, path = filesystem_from_uri(uri)
+    try:
+        with filesystem.open_input_stream(f"{path.rstrip('/')}/{GOODPUT_FILE}") as source:
+            return json.loads(source.read().decode())
+    except (OSError, ValueError):
+        return None
 
 
 def attempts_directory(run_path: str) -> str:
@@ -236,8 +248,9 @@ def read_metrics(run: str, *, rank: int | None = None, columns: list[str] | None
             names = pq.read_schema(source).names
             selected = None if wanted is None else [name for name in wanted if name in names]
             table = pq.read_table(source, columns=selected)
-        if rank is not None and "rank" in table.column_names:
-            table = table.filter(pc.equal(table.column("rank"), rank))
+        if rank is not None:  # a part without a rank column holds no rank's rows (goodput rows)
+            table = (table.filter(pc.equal(table.column("rank"), rank)) if "rank" in table.column_names
+                     else table.slice(0, 0))
         if since_attempt and "attempt" in table.column_names:
             table = table.filter(pc.greater_equal(table.column("attempt"), since_attempt))
         tables.append(table)

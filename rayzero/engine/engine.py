@@ -15,10 +15,12 @@ strategy (strategy.py), numerics in the policies and the loss scaler.
 """
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import math
 import resource
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -54,6 +56,10 @@ class StepBoundaryHook(Protocol):
 
     def should_stop(self) -> bool: ...
 
+    saving: bool  # set while the loop waits on a save: the runtime must not call that a hang
+
+    def save_stalled(self, seconds: float) -> None: ...
+
 
 _STEP_BOUNDARY_HOOK: StepBoundaryHook | None = None  # process-wide, like the default process group
 
@@ -62,6 +68,22 @@ def set_step_boundary_hook(hook: StepBoundaryHook | None) -> None:
     """Install (or remove, with None) the process's step-boundary hook ([Note: step boundary hook])."""
     global _STEP_BOUNDARY_HOOK
     _STEP_BOUNDARY_HOOK = hook
+
+
+@contextlib.contextmanager
+def _stall_counted() -> Iterator[None]:
+    """Time the loop spends waiting on a save, told to the runtime's hook (goodput's checkpoint stall)."""
+    hook = _STEP_BOUNDARY_HOOK
+    started = time.perf_counter()
+    if hook is None:
+        yield
+        return
+    was_saving, hook.saving = getattr(hook, "saving", False), True  # a long save is not a hang
+    try:
+        yield
+    finally:
+        hook.saving = was_saving
+        hook.save_stalled(time.perf_counter() - started)
 
 
 class Phase(enum.Enum):
@@ -373,7 +395,8 @@ class ZeroEngine(DeepSpeedAccessors):
             logger.warning("save_checkpoint(save_latest=False) is ignored: rayzero moves `latest` to every "
                            "committed checkpoint (it only ever names a complete one); pass a tag to "
                            "load_checkpoint to load another")
-        return checkpoint_io.save_checkpoint(self, *args, **kwargs)
+        with _stall_counted():
+            return checkpoint_io.save_checkpoint(self, *args, **kwargs)
 
     def load_checkpoint(self, *args: Any, **kwargs: Any) -> Any:
         from rayzero.engine import checkpoint_io
@@ -386,7 +409,8 @@ class ZeroEngine(DeepSpeedAccessors):
     def wait_for_checkpoint(self) -> Any:
         """Block until the async save in flight is committed (and uploaded); its phase timings."""
         from rayzero.engine import checkpoint_io
-        return checkpoint_io.wait_for_checkpoint(self)
+        with _stall_counted():
+            return checkpoint_io.wait_for_checkpoint(self)
 
     def close(self) -> None:
         """Finish an async checkpoint save in flight, then remove the strategy's hooks and hand the

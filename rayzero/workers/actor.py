@@ -63,6 +63,8 @@ class WorkerOutcome:
     """The loop ended because the run was told to stop (a planned stop, its checkpoint committed)."""
     preempted: bool = False
     """This worker's process got SIGTERM (the stop was a preemption)."""
+    save_stall_s: float = 0.0
+    """Seconds the loop waited on checkpoint saves in this attempt (the last ones no heartbeat saw)."""
     exit_code: int | None = None
     """A script's exit status when it failed ([Note: scripts on workers] in script.py)."""
 
@@ -213,9 +215,9 @@ class TrainWorker:
 
             wait_for_pending_saves()
             return WorkerOutcome(rank, stopped=boundary is not None and boundary.should_stop(),
-                                 preempted=self.preempted)
+                                 preempted=self.preempted, save_stall_s=boundary.save_stall_s)
         except RunStopped:
-            return WorkerOutcome(rank, stopped=True, preempted=self.preempted)
+            return WorkerOutcome(rank, stopped=True, preempted=self.preempted, save_stall_s=boundary.save_stall_s)
         except BaseException as error:  # noqa: BLE001 - SystemExit from an argparse loop is a failure too
             return WorkerOutcome(rank, f"{type(error).__name__}: {error}", traceback.format_exc())
         finally:

@@ -97,6 +97,8 @@ class Heartbeat:
     in_step: bool = False
     """Inside an engine step (forward called, optimizer step not yet done): in a hang, such a rank is
     usually blocked in a collective waiting for one that is not."""
+    save_stall_s: float = 0.0
+    """Seconds this rank's loop waited on checkpoint saves so far (goodput's checkpoint stall)."""
     loop_time_s: float | None = None
     """Median of the rank's recent times outside the engine between two steps (its data loading and
     the loop's own work): the part of a step only this rank spends ([Note: stragglers] in health.py)."""
@@ -148,6 +150,7 @@ class StepBoundary:
         self.finished = False
         self.preempted = False  # this process got SIGTERM ([Note: preemption] in actor.py)
         self.in_step = False  # between before_forward and after_step
+        self.save_stall_s = 0.0  # seconds the loop waited on saves (save_stalled)
 
     # ---- requests (from the controller, through the worker actor) --------------------------
     def request(self, request_id: int, kind: int) -> None:
@@ -189,6 +192,11 @@ class StepBoundary:
             return float(rates[0]) if rates else None
         except (AttributeError, IndexError, TypeError, ValueError):
             return None
+
+    def save_stalled(self, seconds: float) -> None:
+        """The engine waited `seconds` on a save ([Note: goodput accounting] in rayzero/controller)."""
+        self.save_stall_s += seconds
+        self._progress_at = time.monotonic()  # a save is progress, not a hang
 
     def progressed(self) -> None:
         self._progress_at = time.monotonic()
@@ -269,6 +277,7 @@ class StepBoundary:
             host_memory_bytes=host_memory_bytes(), handled=handled, finished=self.finished,
             preempted=self.preempted, committed=self._newest_committed(), in_step=self.in_step,
             loop_time_s=statistics.median(loop_times) if len(loop_times) >= 3 else None,
+            save_stall_s=self.save_stall_s,
         )
 
     def _newest_committed(self) -> tuple[int, str] | None:

@@ -85,7 +85,7 @@ class RankStatus(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., node_id: _Optional[str] = ..., heartbeat_age_s: _Optional[float] = ..., step: _Optional[int] = ..., micro_step: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., host_memory_bytes: _Optional[int] = ...) -> None: ...
 
 class Status(_message.Message):
-    __slots__ = ("run_name", "state", "attempt", "world_size", "min_workers", "max_workers", "started_at", "step", "loss", "samples_per_s", "tokens_per_s", "last_report_time", "checkpoints", "failures", "max_failures", "ranks", "message", "extra")
+    __slots__ = ("run_name", "state", "attempt", "world_size", "min_workers", "max_workers", "started_at", "step", "loss", "samples_per_s", "tokens_per_s", "last_report_time", "checkpoints", "failures", "max_failures", "ranks", "message", "extra", "goodput", "wall_s", "badput_s")
     class ExtraEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +93,13 @@ class Status(_message.Message):
         key: str
         value: str
         def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class BadputSEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     RUN_NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
@@ -111,6 +118,9 @@ class Status(_message.Message):
     RANKS_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     EXTRA_FIELD_NUMBER: _ClassVar[int]
+    GOODPUT_FIELD_NUMBER: _ClassVar[int]
+    WALL_S_FIELD_NUMBER: _ClassVar[int]
+    BADPUT_S_FIELD_NUMBER: _ClassVar[int]
     run_name: str
     state: str
     attempt: int
@@ -129,4 +139,7 @@ class Status(_message.Message):
     ranks: _containers.RepeatedCompositeFieldContainer[RankStatus]
     message: str
     extra: _containers.ScalarMap[str, str]
-    def __init__(self, run_name: _Optional[str] = ..., state: _Optional[str] = ..., attempt: _Optional[int] = ..., world_size: _Optional[int] = ..., min_workers: _Optional[int] = ..., max_workers: _Optional[int] = ..., started_at: _Optional[float] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., samples_per_s: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., last_report_time: _Optional[float] = ..., checkpoints: _Optional[_Iterable[_Union[Checkpoint, _Mapping]]] = ..., failures: _Optional[int] = ..., max_failures: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., message: _Optional[str] = ..., extra: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    goodput: float
+    wall_s: float
+    badput_s: _containers.ScalarMap[str, float]
+    def __init__(self, run_name: _Optional[str] = ..., state: _Optional[str] = ..., attempt: _Optional[int] = ..., world_size: _Optional[int] = ..., min_workers: _Optional[int] = ..., max_workers: _Optional[int] = ..., started_at: _Optional[float] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., samples_per_s: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., last_report_time: _Optional[float] = ..., checkpoints: _Optional[_Iterable[_Union[Checkpoint, _Mapping]]] = ..., failures: _Optional[int] = ..., max_failures: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., message: _Optional[str] = ..., extra: _Optional[_Mapping[str, str]] = ..., goodput: _Optional[float] = ..., wall_s: _Optional[float] = ..., badput_s: _Optional[_Mapping[str, float]] = ...) -> None: ...

@@ -1,0 +1,190 @@
+"""Goodput: the share of a run's wall time that became kept training progress, and where the rest went.
+
+[Note: goodput accounting]
+Wall time is the time `rayzero.fit` calls of the run were alive, summed over same-name reruns (a
+rerun starts from the totals the previous call left in `<run>/goodput.json`; the days between two
+calls are nobody's wall time). Every second of it lands in exactly one bucket:
+
+- `productive`: a group trained (from an attempt's first step report on) and what it did was kept;
+- `start-up`: the first attempt of a call (or a rerun) until its first step: Ray, workers, the
+  process group, building the model, loading the checkpoint;
+- `restart`: after a failure: the backoff, the new group, loading the checkpoint, until its first step;
+- `failure detection`: from a failed attempt's last step report to the controller's decision (for a
+  hang, the hang timeout);
+- `redone steps`: steps run again after a restore: the failed attempt's time from the report of the
+  step the next attempt resumed from to its last report (all of it when there was no checkpoint),
+  moved out of `productive`; for a run that ends on a failure, what the last checkpoint does not keep;
+- `checkpoint stall`: seconds the loop waited on saves (`engine.save_checkpoint`,
+  `wait_for_checkpoint`, the ranks' cumulative count in their heartbeats), moved out of `productive`;
+- `planned`: planned stops and resizes (a preemption's regroup included): from the request to the
+  new group's first step, or to the end;
+- `idle`: waiting for resources (the placement group's wait);
+- `shutdown`: after the loops' last step: the final save's commit beyond the measured stall, the
+  group's teardown.
+
+goodput = productive / wall. The accountant is fed by the controller at its transitions and with
+rank 0's reports; it keeps O(steps since the newest checkpoint) step times for the redone
+computation, so its memory does not grow with the run.
+"""
+from __future__ import annotations
+
+import bisect
+from collections import defaultdict
+from typing import Any
+
+CAUSES = ("start-up", "restart", "failure detection", "redone steps", "checkpoint stall", "planned", "idle",
+          "shutdown")
+_PLANNED = ("preemption", "resize")
+_MAX_STEP_TIMES = 1_000_000  # a loop that never checkpoints: older step times are thinned past this
+
+
+def _bucket_for(cause: str) -> str:
+    """The bucket an attempt's start-up goes to, by why the attempt began."""
+    if cause in ("start", "rerun"):
+        return "start-up"
+    if cause.startswith(_PLANNED):
+        return "planned"
+    return "restart"
+
+
+class Goodput:
+    """[Note: goodput accounting]. Times are the controller's clock (monotonic seconds)."""
+
+    def __init__(self, now: float, carried: dict[str, Any] | None = None) -> None:
+        carried = carried or {}
+        self._wall_before = float(carried.get("wall_s", 0.0))  # earlier calls of this run
+        self._seconds: dict[str, float] = defaultdict(float, {
+            key: float(value) for key, value in (carried.get("seconds") or {}).items()})
+        self._start = now
+        self._bucket, self._since = "start-up", now
+        self._per_attempt: dict[int, dict[str, float]] = {}  # this call's attempts
+        self._attempt = 0
+        self._last_report: float | None = None  # rank 0's newest report of the current attempt
+        self._first_report: float | None = None
+        self._steps: list[float] = []  # rank 0's reported steps in this attempt since the newest checkpoint
+        self._times: list[float] = []  # ... and when they were reported
+        self._stall_seen = 0.0  # the current attempt's cumulative save stall already counted
+        self._stalls: list[tuple[float, float]] = []  # (when, seconds) counted since the newest checkpoint
+
+    # ---- the controller's events ------------------------------------------------------------
+    def attempt_began(self, attempt: int, cause: str, now: float, resumed_step: int | None) -> None:
+        if attempt and self._first_report is not None:
+            self._redo(resumed_step)  # the previous attempt's steps past the checkpoint run again
+        self._switch(_bucket_for(cause), now)
+        self._attempt = attempt
+        self._last_report = self._first_report = None
+        self._steps, self._times, self._stall_seen, self._stalls = [], [], 0.0, []
+
+    def placement_waited(self, seconds: float, now: float) -> None:
+        """The new group's placement group took `seconds`: that part of its start was idle."""
+        self._flush(now)
+        spent = self._per_attempt.get(self._attempt, {}).get(self._bucket, 0.0)
+        moved = min(max(0.0, seconds), max(0.0, spent))
+        self._add(self._bucket, -moved)
+        self._add("idle", moved)
+
+    def reported(self, step: Any, now: float) -> None:
+        """One of rank 0's reports (its `step` metric when numeric)."""
+        if self._first_report is None:
+            self._first_report = now
+            self._switch("productive", now)
+        self._last_report = now
+        if isinstance(step, (int, float)) and not isinstance(step, bool):
+            self._steps.append(float(step))
+            self._times.append(now)
+            if len(self._steps) > _MAX_STEP_TIMES:  # keep every other one: precision, not memory, is lost
+                self._steps, self._times = self._steps[::2], self._times[::2]
+
+    def checkpointed(self, step: int) -> None:
+        """A checkpoint at `step` is committed: step times before it are never needed again."""
+        cut = bisect.bisect_left(self._steps, float(step))
+        if cut > 0:
+            self._steps, self._times = self._steps[cut - 1:], self._times[cut - 1:]
+            self._stalls = [(when, seconds) for when, seconds in self._stalls if when >= self._times[0]]
+
+    def save_stalled(self, cumulative_s: float, now: float) -> None:
+        """The ranks' cumulative seconds waiting on saves in this attempt (the largest of them)."""
+        fresh = max(0.0, cumulative_s - self._stall_seen)
+        self._stall_seen = max(self._stall_seen, cumulative_s)
+        if fresh and self._bucket == "productive":
+            self._flush(now)
+            fresh = min(fresh, self._seconds["productive"])
+            self._seconds["productive"] -= fresh
+            self._per_attempt_add("productive", -fresh)
+            self._add("checkpoint stall", fresh)
+            self._stalls.append((now, fresh))
+
+    def failed(self, now: float) -> None:
+        """The controller decided the attempt failed: the time since its last report was detection."""
+        since = self._last_report if self._last_report is not None and self._bucket == "productive" else now
+        self._switch("failure detection", max(since, self._since))
+        self._switch("restart", now)
+
+    def planned(self, now: float) -> None:
+        """A planned stop or resize began (its checkpoint, the regroup)."""
+        self._switch("planned", now)
+
+    def ended(self, now: float, kept_step: int | None, failed: bool) -> None:
+        """The run ended; on a failure, what the newest checkpoint (`kept_step`) does not keep is lost;
+        after the loops finished, the time from the last step on is shutdown (or a stall, measured)."""
+        if failed and self._first_report is not None:
+            self._redo(kept_step)
+        elif self._bucket == "productive" and self._last_report is not None:
+            self._flush(now)
+            stalled = sum(seconds for when, seconds in self._stalls if when > self._last_report)
+            tail = max(0.0, min(now - self._last_report - stalled, self._seconds.get("productive", 0.0)))
+            self._add("productive", -tail)
+            self._add("shutdown", tail)
+        self._switch("ended", now)
+
+    # ---- what it says -------------------------------------------------------------------------
+    def snapshot(self, now: float) -> dict[str, Any]:
+        seconds = dict(self._seconds)
+        if self._bucket != "ended":
+            seconds[self._bucket] = seconds.get(self._bucket, 0.0) + max(0.0, now - self._since)
+        seconds.pop("ended", None)
+        wall = self._wall_before + max(0.0, (now if self._bucket != "ended" else self._since) - self._start)
+        productive = max(0.0, seconds.pop("productive", 0.0))
+        badput = {cause: round(max(0.0, seconds.get(cause, 0.0)), 3) for cause in CAUSES}
+        return {"wall_s": round(wall, 3), "productive_s": round(productive, 3),
+                "goodput": round(productive / wall, 4) if wall > 0 else None, "badput_s": badput,
+                "seconds": {**badput, "productive": round(productive, 3)},
+                "attempts": {str(attempt): {bucket: round(value, 3) for bucket, value in buckets.items()
+                                            if bucket != "ended" and round(value, 3)}
+                             for attempt, buckets in self._per_attempt.items()}}
+
+    # ---- bookkeeping ----------------------------------------------------------------------------
+    def _flush(self, now: float) -> None:
+        if now > self._since:
+            self._add(self._bucket, now - self._since)
+            self._since = now
+
+    def _switch(self, bucket: str, now: float) -> None:
+        self._flush(max(now, self._since))
+        self._bucket = bucket
+
+    def _add(self, bucket: str, seconds: float) -> None:
+        if bucket == "ended":
+            return
+        self._seconds[bucket] += seconds
+        self._per_attempt_add(bucket, seconds)
+
+    def _per_attempt_add(self, bucket: str, seconds: float) -> None:
+        buckets = self._per_attempt.setdefault(self._attempt, defaultdict(float))
+        buckets[bucket] += seconds
+
+    def _redo(self, resumed_step: int | None) -> None:
+        """Move the current attempt's time after `resumed_step`'s report out of productive."""
+        if self._last_report is None or self._first_report is None:
+            return
+        if resumed_step is None or not self._steps or resumed_step < self._steps[0]:
+            since = self._first_report  # nothing of this attempt is kept
+        else:
+            index = bisect.bisect_right(self._steps, float(resumed_step)) - 1
+            since = self._times[index] if index >= 0 else self._first_report
+        stalled = sum(seconds for when, seconds in self._stalls if when > since)  # already counted as stall
+        redone = max(0.0, min(self._last_report - since - stalled, self._seconds.get("productive", 0.0)))
+        self._seconds["productive"] -= redone
+        self._per_attempt_add("productive", -redone)
+        self._add("redone steps", redone)
+        self._first_report = None  # counted once

@@ -1,0 +1,72 @@
+"""The goodput accountant on a made-up timeline ([Note: goodput accounting]): every second lands in
+one bucket, redone steps and save stalls come out of productive time, and a rerun carries on."""
+from __future__ import annotations
+
+import pytest
+
+from rayzero.controller.goodput import Goodput
+
+pytestmark = pytest.mark.unit
+
+
+def _run() -> Goodput:
+    g = Goodput(0.0)
+    g.attempt_began(0, "start", 0.0, None)
+    g.placement_waited(1.0, 3.0)            # 0-1 s placement (idle), 1-3 s start-up
+    for step in range(1, 11):               # first report at 4 s, then a step a second to 13 s
+        g.reported(step, 3.0 + step)
+        if step == 5:
+            g.checkpointed(5)
+    g.save_stalled(2.0, 10.5)               # the save after step 5 took 2 s (seen by a heartbeat)
+    g.failed(15.0)                          # last report at 13 s: 2 s of detection
+    g.attempt_began(1, "worker died", 18.0, 5)   # 15-18 s restart; resumes from step 5
+    for step in range(6, 11):
+        g.reported(step, 20.0 + step - 5)   # first report at 21 s: 18-21 s restart
+    g.ended(26.0, 10, failed=False)         # the loops were done at 25 s: 1 s of shutdown
+    return g
+
+
+def test_every_second_lands_in_one_bucket_and_redone_steps_and_stalls_are_not_productive():
+    snapshot = _run().snapshot(100.0)       # after the end, wall time stops growing
+    badput = snapshot["badput_s"]
+    assert snapshot["wall_s"] == pytest.approx(26.0) and badput["shutdown"] == pytest.approx(1.0)
+    assert badput["idle"] == pytest.approx(1.0) and badput["start-up"] == pytest.approx(3.0)
+    assert badput["failure detection"] == pytest.approx(2.0)
+    assert badput["restart"] == pytest.approx(3.0 + 3.0)
+    assert badput["checkpoint stall"] == pytest.approx(2.0)
+    # steps 6-10 of the first attempt ran again: from step 5's report (8 s) to the last (13 s), less the
+    # 2 s stall in between
+    assert badput["redone steps"] == pytest.approx(5.0 - 2.0)
+    # kept: 4-13 s of the first attempt less the stall and the redone part, 21-25 s of the second
+    assert snapshot["productive_s"] == pytest.approx(9.0 - 2.0 - 3.0 + 4.0)
+    assert sum(badput.values()) + snapshot["productive_s"] == pytest.approx(snapshot["wall_s"])
+    assert snapshot["goodput"] == pytest.approx(snapshot["productive_s"] / 26.0, rel=1e-3)
+    assert set(snapshot["attempts"]) == {"0", "1"} and snapshot["attempts"]["1"]["restart"] == pytest.approx(3.0)
+
+
+def test_a_rerun_carries_the_earlier_calls_totals_and_a_planned_resize_is_planned():
+    before = _run().snapshot(26.0)
+    g = Goodput(1000.0, carried=before)
+    g.attempt_began(0, "rerun", 1000.0, 10)
+    g.reported(11, 1004.0)
+    g.planned(1006.0)
+    g.attempt_began(1, "resize scale", 1008.0, 11)
+    g.reported(12, 1010.0)
+    g.ended(1012.0, 12, failed=False)       # 2 s after its last step: shutdown
+    snapshot = g.snapshot(1012.0)
+    assert snapshot["wall_s"] == pytest.approx(26.0 + 12.0)
+    assert snapshot["badput_s"]["start-up"] == pytest.approx(3.0 + 4.0)
+    assert snapshot["badput_s"]["planned"] == pytest.approx(2.0 + 2.0)  # the stop's save, then the regroup
+    assert snapshot["productive_s"] == pytest.approx(before["productive_s"] + 2.0)
+    assert snapshot["badput_s"]["shutdown"] == pytest.approx(1.0 + 2.0)
+
+
+def test_a_run_that_ends_on_a_failure_loses_what_its_newest_checkpoint_does_not_keep():
+    g = Goodput(0.0)
+    g.attempt_began(0, "start", 0.0, None)
+    for step in range(1, 6):
+        g.reported(step, float(step))
+    g.failed(6.0)
+    g.ended(6.0, None, failed=True)  # no checkpoint: nothing of it is kept
+    snapshot = g.snapshot(6.0)
+    assert snapshot["productive_s"] == pytest.approx(0.0) and snapshot["badput_s"]["redone steps"] == pytest.approx(4.0)
