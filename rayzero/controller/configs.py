@@ -118,10 +118,11 @@ class FailureConfig(_Settings):
     backoff_s: float = Field(1.0, ge=0)
     """Seconds to wait before the first retry, doubled for each further one (at most 60 s); a
     placement that does not fit is retried like any failure, within `max_failures`."""
-    hang_timeout_s: float = Field(60.0, ge=0)
-    """A rank with no progress (engine step, forward, report) for this long after its first
-    optimizer step is hung: the controller names it, prints every rank's Python stacks and restarts
-    (within `max_failures`). Adaptive: at least 10x the median step time. 0 turns detection off."""
+    hang_timeout_s: float = Field(55.0, ge=0)
+    """A rank with no progress (engine step, forward, report, save) for this long after its first
+    optimizer step is hung: the controller names it, prints every rank's Python stacks (the hung one
+    first) and restarts (within `max_failures`). 55 s by default, so a hang is reported within a
+    minute. Adaptive: at least 10x the median step time. 0 turns detection off."""
     startup_grace_s: float = Field(600.0, gt=0)
     """The hang limit before a rank's first optimizer step (model build, data, first load)."""
     stop_timeout_s: float = Field(300.0, gt=0)

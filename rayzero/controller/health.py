@@ -23,7 +23,7 @@ from rayzero.workers.boundary import Heartbeat
 
 @dataclass(frozen=True)
 class HangPolicy:
-    hang_timeout_s: float = 60.0
+    hang_timeout_s: float = 55.0
     """No progress for this long after the first step is a hang (0 disables hang detection)."""
     startup_grace_s: float = 600.0
     """Before a rank's first optimizer step, the limit is this instead."""

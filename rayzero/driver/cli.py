@@ -66,7 +66,7 @@ def _parser() -> argparse.ArgumentParser:
                              "0: no such limit)")
     parser.add_argument("--hang-timeout", type=float, default=None, metavar="SECONDS",
                         help="a rank with no progress this long after its first step is hung: its stacks are "
-                             "printed and the group restarts (default 60; at least 10x the median step time; "
+                             "printed and the group restarts (default 55, so a hang is reported within a minute; at least 10x the median step time; "
                              "0: off)")
     parser.add_argument("--trainer", type=_trainer_arg, action="append", default=[], metavar="KEY=VALUE",
                         help="an HF trainer argument for the config's \"auto\" values (repeatable), e.g. "
