@@ -55,6 +55,9 @@ class TrainerFacts(ConfigModel):
     """`apex` makes `amp.enabled: auto` follow `fp16` (and then refused); anything else means fp16."""
 
 
+DECIDED_AT_RUN_TIME = frozenset({"checkpoint.interval"})
+"""rayzero's own "auto" values: chosen while the run goes (from what it measures), never from facts."""
+
 # key path -> what would resolve it (for the error when nothing does)
 _PROVIDERS = {
     "reduce_bucket_size": "the model's hidden size (hidden_size=..., `--hidden-size H`)",
@@ -134,6 +137,8 @@ def resolve(
     if world_size is not None:
         _derive_batch(config, world_size, notes, problems)
     for path in config.unresolved_autos():
+        if path in DECIDED_AT_RUN_TIME:
+            continue
         provider = _provider(path)
         if allow_unresolved:
             notes.append(f"auto: {path} is still \"auto\"; it needs {provider}")

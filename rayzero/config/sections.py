@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from enum import Enum
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 from pydantic import AfterValidator, BeforeValidator, ConfigDict, Field
 from typing_extensions import Annotated
@@ -210,6 +210,14 @@ class TagValidation(str, Enum):
     Fail = "Fail"
 
 
+def _checkpoint_interval(value: Any) -> str | float | None:
+    if value is None or value == "auto":
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+        return float(value)
+    raise ValueError(f"{value!r}: give \"auto\" (rayzero chooses), a number of seconds > 0, or null (the loop saves)")
+
+
 class CheckpointConfig(ConfigModel):
     """Where and how checkpoints are written."""
 
@@ -246,6 +254,16 @@ class CheckpointConfig(ConfigModel):
     timeout_s: Float = Field(1800.0, gt=0)
     """Seconds a checkpoint collective waits for the slowest rank (a barrier waits for its whole
     shard write and replicas). Env override `RAYZERO_CHECKPOINT_TIMEOUT_S`."""
+    interval: Annotated[Union[str, float, None], BeforeValidator(_checkpoint_interval)] = None
+    """When rayzero itself checkpoints a running `rayzero.fit` / `rayzero run`, at the next step
+    boundary every rank reaches (as `rayzero checkpoint now` does): null (default) leaves it to the
+    loop; a number of seconds between checkpoints; "auto" chooses it from the numbers, Young/Daly's
+    sqrt(2 x C x M) with C the measured save stall and M the mean time between failures (the prior
+    below, updated with the failures the run has seen). The loop's own saves go on as they are.
+    `rayzero status` shows the interval in use and its inputs."""
+    failures_per_node_day: Float = Field(419 / (54 * 2048), gt=0)
+    """The prior failure rate for `interval: "auto"`, per node and day: Llama 3's 419 unexpected
+    interruptions over 54 days on 2,048 nodes by default. M = 1 / (nodes x rate) until failures are seen."""
 
 
 class ElasticityConfig(ConfigModel):

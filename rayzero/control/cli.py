@@ -110,6 +110,10 @@ def status_table(status: Any) -> str:
         f"tokens/s {_optional(status, 'tokens_per_s', '{:.0f}')}   last report {_ago(status.last_report_time, now)}",
         f"goodput    {goodput_text(status)}",
     ]
+    if "checkpoint_interval_s" in status.extra:  # [Note: a checkpoint interval from the numbers]
+        lines.append(f"interval   a checkpoint every {status.extra['checkpoint_interval_s']} s"
+                     + (f"   {status.extra['checkpoint_interval_inputs']}" if "checkpoint_interval_inputs" in status.extra
+                        else ""))
     if status.checkpoints:
         for index, checkpoint in enumerate(status.checkpoints):
             label = "checkpoint" if index == 0 else ""

@@ -12,8 +12,8 @@ present a certificate it signed, and a run without TLS is refused rather than se
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import grpc

@@ -30,6 +30,7 @@ from rayzero.controller.elastic import BatchPlan
 from rayzero.controller.errors import TrainingFailedError, first_to_blame, training_failed
 from rayzero.controller.goodput import Goodput
 from rayzero.controller.health import HangPolicy, Straggler, StragglerPolicy
+from rayzero.controller.interval import CheckpointInterval
 from rayzero.controller.planned import PlannedStops
 from rayzero.controller.requests import ControlRequest, RequestKind
 from rayzero.controller.state import Fail, Failure, FailureKind, FailurePolicy, Retry, RunState
@@ -125,6 +126,10 @@ class ControllerSettings:
     """What earlier `fit` calls of this run left in `<run>/goodput.json` ([Note: goodput accounting])."""
     started_wall: float | None = None
     """Unix time the `fit` call began: its start-up before the controller existed counts too."""
+    checkpoint_interval: str | float | None = None
+    """`checkpoint.interval`: "auto", seconds, or None ([Note: a checkpoint interval from the numbers])."""
+    failures_per_node_day: float = 419 / (54 * 2048)
+    """`checkpoint.failures_per_node_day`: the prior failure rate for "auto"."""
 
 
 class Controller(PlannedStops, Watch):
@@ -184,6 +189,10 @@ class Controller(PlannedStops, Watch):
         # [Note: goodput accounting]: wall-clock times, as the workers stamp their reports
         self.goodput = Goodput(settings.started_wall or time.time(), settings.goodput_before)
         self._goodput_checkpoint: int | None = None  # the newest checkpoint step goodput was told of
+        # [Note: a checkpoint interval from the numbers]
+        self.interval = CheckpointInterval(settings.checkpoint_interval, settings.failures_per_node_day)
+        self._interval_request: ControlRequest | None = None  # the checkpoint it asked for, until done
+        self._attempt_started_at = time.time()  # for the interval before the attempt's first checkpoint
         self._size_cap: int | None = None  # an explicit scale(n) caps growing back at n
 
     # ---- views of the state ([Note: states that carry their data]) --------------------------
@@ -267,6 +276,7 @@ class Controller(PlannedStops, Watch):
             with self._lock:
                 self._attempts.append(AttemptStart(self.attempt, cause, time.time(), resumed, workers))
             self.goodput.attempt_began(self.attempt, cause, time.time(), resumed)
+            self._attempt_started_at = time.time()
         group = self._factory(self.attempt, self._resume_from, workers)
         self._move(GroupMade(group, self.attempt, workers, cause))
 

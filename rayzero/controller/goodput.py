@@ -102,8 +102,9 @@ class Goodput:
             self._steps, self._times = self._steps[cut - 1:], self._times[cut - 1:]
             self._stalls = [(when, seconds) for when, seconds in self._stalls if when >= self._times[0]]
 
-    def save_stalled(self, cumulative_s: float, now: float) -> None:
-        """The ranks' cumulative seconds waiting on saves in this attempt (the largest of them)."""
+    def save_stalled(self, cumulative_s: float, now: float) -> float:
+        """The ranks' cumulative seconds waiting on saves in this attempt (the largest of them);
+        returns the seconds not seen before."""
         fresh = max(0.0, cumulative_s - self._stall_seen)
         self._stall_seen = max(self._stall_seen, cumulative_s)
         if fresh and self._bucket == "productive":
@@ -113,6 +114,7 @@ class Goodput:
             self._per_attempt_add("productive", -fresh)
             self._add("checkpoint stall", fresh)
             self._stalls.append((now, fresh))
+        return fresh
 
     def failed(self, now: float) -> None:
         """The controller decided the attempt failed: the time since its last report was detection."""

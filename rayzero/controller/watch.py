@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from rayzero.controller.controller import ControllerSettings
     from rayzero.controller.elastic import BatchPlan
     from rayzero.controller.goodput import Goodput
+    from rayzero.controller.interval import CheckpointInterval
     from rayzero.controller.states import ControllerState
     from rayzero.controller.worker_group import WorkerGroup
     from rayzero.workers.boundary import Heartbeat
@@ -52,6 +53,10 @@ class Watch:
     _size_cap: int | None
     _goodput_checkpoint: int | None
     goodput: Goodput
+    interval: CheckpointInterval
+    failures: int
+    _interval_request: ControlRequest | None
+    _attempt_started_at: float
     _capacity: Callable[[], int | None]
     _draining: Callable[[], set[str]]
 
@@ -65,6 +70,9 @@ class Watch:
         raise NotImplementedError
 
     def _begin_planned(self, request: ControlRequest) -> None:
+        raise NotImplementedError
+
+    def submit(self, request: ControlRequest) -> ControlRequest:
         raise NotImplementedError
 
     def _smallest(self) -> int:
@@ -88,6 +96,7 @@ class Watch:
             self.checkpoints.refresh()
         self._tell_goodput(now)
         self._progress_awaiting()
+        self._maybe_checkpoint()
         self._watch_stragglers()
         if isinstance(self._state, Running):
             self._check_drain()
@@ -110,7 +119,25 @@ class Watch:
             self.goodput.checkpointed(latest.step)
         stalls = [beat.save_stall_s for beat in self.heartbeats.values() if beat is not None]
         if stalls:
-            self.goodput.save_stalled(max(stalls), time.time())
+            self.interval.saved(self.goodput.save_stalled(max(stalls), time.time()))
+
+    def nodes(self) -> int:
+        """Nodes the current group runs on (from the heartbeats; at least 1)."""
+        return max(1, len({beat.node_id for beat in self.heartbeats.values() if beat is not None}))
+
+    def _maybe_checkpoint(self) -> None:
+        """Ask for a checkpoint when the interval has passed ([Note: a checkpoint interval from the numbers])."""
+        if not self.interval.active or not isinstance(self._state, Running):
+            return
+        if self._interval_request is not None and not self._interval_request.done:
+            return  # the one asked for is still on its way
+        snapshot = self.goodput.snapshot(time.time())
+        interval = self.interval.seconds(self.nodes(), self.failures, snapshot["wall_s"])
+        latest = self.checkpoints.latest
+        since = max(latest.time if latest is not None else 0.0, self._attempt_started_at)
+        if interval is not None and time.time() - since >= interval:
+            self._interval_request = ControlRequest(RequestKind.CHECKPOINT, reason="interval")
+            self.submit(self._interval_request)
 
     def _watch_stragglers(self) -> None:
         """Report a rank slow in `rounds` heartbeat rounds in a row, once per streak ([Note: stragglers])."""

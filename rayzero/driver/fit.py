@@ -221,6 +221,9 @@ def fit(
         node_local=node_local,
         goodput_before=read_goodput(run_uri),  # a rerun goes on counting ([Note: goodput accounting])
         started_wall=fit_started_wall,
+        checkpoint_interval=(validated.get("checkpoint") or {}).get("interval"),
+        **({"failures_per_node_day": validated["checkpoint"]["failures_per_node_day"]}
+           if (validated.get("checkpoint") or {}).get("failures_per_node_day") else {}),
     )
 
     def make_controller() -> Controller:  # runs inside the controller actor

@@ -332,7 +332,7 @@ def test_a_hung_rank_is_named_with_every_ranks_stacks_and_restarted():
         controller.step()
     assert controller.state is RunState.RESTARTING and controller.failures == 1
     line = next(e for e in controller.take_update().events if "hang" in e)
-    assert "rank 1 made no progress for 66s at step 7 (micro step 7, outside" in line and "limit 60s" in line
+    assert "rank 1 made no progress for 66s at step 7 (micro step 7, outside" in line and "limit 55s" in line
 
 
 def test_a_hang_past_the_budget_errors_naming_the_rank_with_stacks():
@@ -399,3 +399,22 @@ def test_the_culprit_is_the_rank_outside_the_step_the_others_wait_in():
     sleeping = dataclasses.replace(_beat(1, 4, age=3.1), in_step=False)  # in user code between steps
     hang = find_hang({0: waiting, 1: sleeping}, {}, HangPolicy(hang_timeout_s=3))
     assert hang.culprit == 1 and "outside an engine step" in hang.reason
+
+
+def test_a_checkpoint_interval_makes_the_controller_ask_for_checkpoints_one_at_a_time():
+    """[Note: a checkpoint interval from the numbers]: once the interval has passed since the newest
+    checkpoint (or the attempt's start) the ranks are asked to checkpoint at the boundary; not again
+    while that one is on its way."""
+    beats = [{0: _beat(0, step), 1: _beat(1, step)} for step in range(1, 6)]
+    group = FakeGroup([GroupPoll()] * 6, beats=beats)
+    clock = Clock()
+    controller, _ = _controller([group], clock=clock, plan=BatchPlan(2, 2, None),
+                                settings=ControllerSettings(checkpoint_interval=1e-6))
+    _running(controller)
+    for _ in range(4):
+        clock.now += 2
+        controller.step()
+    assert [kind for _, kind in group.requests] == [int(BoundaryRequest.CHECKPOINT)]  # one, pending
+    from rayzero.controller.status_view import run_status
+
+    assert run_status(controller, "run", 0.0).extra["checkpoint_interval_s"] == "0"  # status shows the interval
