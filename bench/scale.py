@@ -94,7 +94,8 @@ class SimulatedWorldComm:
         self._others = iter(others)  # per gather: the values of ranks 1..N-1
 
     def all_gather_object(self, value: Any) -> list[Any]:
-        return [value, *next(self._others)]
+        others = next(self._others, None)  # past the prepared gathers (the commit's): all agree with rank 0
+        return [value] * self.world_size if others is None else [value, *others]
 
     def broadcast_object(self, value: Any, src: int = 0) -> Any:
         return value
@@ -117,6 +118,7 @@ def checkpoint_section(world_size: int, root: str) -> dict[str, Any]:
     from rayzero.checkpoint import rng
     from rayzero.checkpoint.manifest import MANIFEST, shard_file_name
     from rayzero.checkpoint.options import CheckpointOptions
+    from rayzero.checkpoint.retention import claim_tag_dir, new_lineage
     from rayzero.checkpoint.saver import CheckpointSaver
     from rayzero.checkpoint.shard_file import write_shard_file
     from rayzero.controller import registry
@@ -127,15 +129,17 @@ def checkpoint_section(world_size: int, root: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for step in (100, 200):  # two committed checkpoints for the registry to list
         tag = f"global_step{step}"
-        os.makedirs(os.path.join(root, tag), exist_ok=True)
+        # the leader claims the directory before any rank writes into it (as CheckpointSaver does)
+        claim_tag_dir(os.path.join(root, tag), new_lineage())
         states = [_rank_state(world_size, rank) for rank in range(world_size)]
         started = time.perf_counter()
         written = [write_shard_file(os.path.join(root, tag, shard_file_name(rank)),
                                     [(shard.spec.name, shard.local) for shard in states[rank]], fsync=False)
                    for rank in range(1, world_size)]
         out["shard_write_s_per_file"] = (time.perf_counter() - started) / max(1, world_size - 1)
-        gathers = [[[shard.spec for shard in state] for state in states[1:]],
-                   [(file, rng_state) for file in written]]
+        # what the saver exchanges: each rank's payload beside its storage problems (none here)
+        gathers = [[([shard.spec for shard in state], []) for state in states[1:]],
+                   [((file, rng_state), []) for file in written]]
         saver = CheckpointSaver(options, SimulatedWorldComm(world_size, gathers))
         started, started_cpu = time.perf_counter(), cpu()
         saver.save(root, tag, step, 3, "digest", states[0], {"global_steps": step}, {}, asynchronous=False)

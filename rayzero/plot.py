@@ -66,19 +66,10 @@ def metrics_uri(run: str, storage: str | None) -> str:
 
 
 def read_rows(uri: str) -> dict[str, list[Any]]:
-    """The run's rows, a re-run step once (its newest attempt), as columns ([Note: metrics in parts])."""
+    """The run's reports, a re-run step once (its newest attempt), as columns ([Note: metrics in parts])."""
     from rayzero.driver.metrics_store import read_metrics
 
     return read_metrics(uri).to_pydict()
-
-
-def _without_goodput_rows(rows: dict[str, list[Any]]) -> dict[str, list[Any]]:
-    """The report rows only: the dataset also holds one row per attempt and goodput cause."""
-    kinds = rows.get("kind")
-    if not kinds or "goodput" not in kinds:
-        return rows
-    keep = [index for index, kind in enumerate(kinds) if kind != "goodput"]
-    return {key: [values[index] for index in keep] for key, values in rows.items()}
 
 
 def _numeric(value: Any) -> bool:
@@ -201,7 +192,7 @@ def plot_run(run: str, output: str, storage: str | None = None) -> RunPicture:
     from rayzero.driver.metrics_store import read_attempts, read_goodput
 
     uri = metrics_uri(run, storage)
-    rows = _without_goodput_rows(read_rows(uri))
+    rows = read_rows(uri)  # the reports (goodput rows are read apart)
     if "step" not in rows or "rank" not in rows:
         raise RayZeroValueError(f"{uri} has no `step` column: the loop must report {{'step': ...}} to be plotted")
     records = {int(record["attempt"]): record for record in read_attempts(uri)}

@@ -12,6 +12,7 @@ gloo point-to-point works with any main backend (NCCL included).
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 from collections.abc import Callable, Sequence
@@ -27,6 +28,37 @@ from rayzero.checkpoint.options import TIMEOUT_ENV
 from rayzero.checkpoint.shard_file import CorruptShardError
 
 _CHUNK = 32 << 20  # bytes per message: bounds the memory a transfer holds at once
+
+# [Note: gloo at interpreter exit]
+# Gloo runs each collective on a worker thread of its process group, and that thread drops its
+# reference to the finished work *after* the caller's wait() has returned. Dropping it frees the
+# output tensors, which needs the GIL. If the process finalizes in that window (a script or a
+# spawned rank that ends right after its last collective: a checkpoint commit, say), the thread is
+# made to exit while taking the GIL and the C++ runtime aborts the process ("terminate called
+# without an active exception", SIGABRT; seen in about one run in three of a 3-rank test on 2
+# cores). A group in use keeps living after destroy_process_group() while anything (our
+# CheckpointComm, the engine) still holds it, so destroying it does not close the window. What
+# does: give the worker threads the GIL for a moment before finalization. Once any process group
+# was used, an exit handler registered at import (so it runs after every handler registered later,
+# the engine's leave-the-group one included) sleeps briefly.
+_GROUP_USED = False
+EXIT_SETTLE_S = 0.2
+
+
+def note_process_group_used() -> None:
+    """Called by whatever runs collectives (the checkpoint layer, the engine): see the note."""
+    global _GROUP_USED
+    _GROUP_USED = True
+
+
+def _let_gloo_settle() -> None:
+    if _GROUP_USED:
+        import time
+
+        time.sleep(EXIT_SETTLE_S)  # releases the GIL: the workers drop their last works ([Note: gloo at interpreter exit])
+
+
+atexit.register(_let_gloo_settle)
 NODE_ID_ENV = "RAYZERO_NODE_ID"
 DEFAULT_TIMEOUT_S = 1800.0
 
@@ -37,6 +69,8 @@ class CheckpointComm:
 
     def __init__(self, timeout_s: float | None = None) -> None:
         self.distributed = dist.is_available() and dist.is_initialized()
+        if self.distributed:
+            note_process_group_used()
         self.rank = dist.get_rank() if self.distributed else 0
         self.world_size = dist.get_world_size() if self.distributed else 1
         # see [Note: checkpoint process group]

@@ -137,12 +137,12 @@ class MetricsLog:
 
     def goodput_rows(self, snapshot: dict[str, Any]) -> None:
         """One row per attempt of this call and per cause (seconds), beside the reports in the dataset
-        (`kind` = "goodput"; no `rank` or `step`, so a rank's history never includes them)."""
+        (`goodput_cause`, `goodput_seconds`; no `rank` or `step`: `read_metrics(goodput=True)` reads them)."""
         now = time.time()
         for attempt, buckets in sorted((snapshot.get("attempts") or {}).items(), key=lambda item: int(item[0])):
             for cause, seconds in sorted(buckets.items()):
-                row = {"kind": "goodput", "attempt": self.first_attempt + int(attempt), "cause": cause,
-                       "seconds": seconds, "time": now}
+                row = {"attempt": self.first_attempt + int(attempt), "goodput_cause": cause,
+                       "goodput_seconds": seconds, "time": now}
                 with self._cond:
                     self._pending.append(row)
 
@@ -185,8 +185,10 @@ class MetricsLog:
         while True:
             with self._cond:
                 waited_since = time.monotonic()
-                while not self._closing and not self._flush_now and len(self._pending) < self._rows_per_part:
-                    left = self._flush_interval_s + pause - (time.monotonic() - waited_since)
+                # after a failure the pause holds even when a part's worth is queued: a dead sink is
+                # retried with backoff, not in a busy loop (a flush or close asks at once)
+                while not self._closing and not self._flush_now and (pause or len(self._pending) < self._rows_per_part):
+                    left = (pause or self._flush_interval_s) - (time.monotonic() - waited_since)
                     if left <= 0:
                         break
                     self._cond.wait(left)

@@ -14,6 +14,11 @@ first appeared; rows without a `step` are all kept. That is the table `Result.me
 `rayzero plot` and a same-name rerun see. Parts are named by attempt, so a rerun learns the next
 attempt number from the file names alone, without reading a row.
 
+The dataset also holds the run's goodput: one row per attempt and cause ([Note: goodput accounting]),
+with the runtime's own columns `goodput_cause` and `goodput_seconds` and no `rank` or `step`.
+`read_metrics` leaves them out unless asked (`goodput=True` returns only them), so a table of
+reports never has rows that are not reports.
+
 Columns can differ between parts (a key reported only later, an int column that later holds
 floats): `read_metrics` unifies them (numbers widen, anything else that disagrees becomes text). A
 run written by an earlier rayzero as one `metrics.parquet` file is moved into the directory as its
@@ -37,7 +42,8 @@ from rayzero.config.errors import RayZeroValueError
 METRICS_DIR = "metrics.parquet"
 PART = re.compile(r"^part-a(\d+)-(\d+)\.parquet$")
 
-REPORT_COLUMNS = ("rank", "seq", "time", "checkpoint", "peak_memory_bytes", "placement", "attempt", "engine_lr")
+REPORT_COLUMNS = ("rank", "seq", "time", "checkpoint", "peak_memory_bytes", "placement", "attempt", "engine_lr",
+                  "goodput_cause", "goodput_seconds")
 """Columns the runtime adds to every row; a loop's metric of the same name is stored as `metric_<name>`."""
 
 
@@ -223,13 +229,14 @@ def _newest_per_step(table: pa.Table) -> pa.Table:
 
 
 def read_metrics(run: str, *, rank: int | None = None, columns: list[str] | None = None,
-                 since_attempt: int = 0, raw: bool = False) -> pa.Table:
+                 since_attempt: int = 0, raw: bool = False, goodput: bool = False) -> pa.Table:
     """The run's metrics as one table ([Note: metrics in parts]).
 
     `run`: a run directory or URI (`Result.path`) or its metrics.parquet. `rank`: only that rank's
     rows. `columns`: only these (plus what the replacement needs). `since_attempt`: only rows of
     that attempt and later. `raw=True`: every row as written (a re-run step once per attempt).
-    Each part is read filtered, so memory holds what is asked for, not the whole run.
+    `goodput=True`: the goodput rows instead of the reports (attempt, time, goodput_cause,
+    goodput_seconds). Each part is read filtered, so memory holds what is asked for, not the whole run.
     """
     location = metrics_location(run)
     filesystem, directory = filesystem_from_uri(location)
@@ -241,7 +248,7 @@ def read_metrics(run: str, *, rank: int | None = None, columns: list[str] | None
         sources = [(0, 0, directory)]
     else:
         sources = [part for part in list_parts(filesystem, directory) if part[0] >= since_attempt]
-    wanted = None if columns is None else list(dict.fromkeys([*columns, "rank", "step", "attempt"]))
+    wanted = None if columns is None else list(dict.fromkeys([*columns, "rank", "step", "attempt", GOODPUT_CAUSE]))
     tables = []
     for _, _, path in sources:
         with filesystem.open_input_file(path) as source:
@@ -253,9 +260,28 @@ def read_metrics(run: str, *, rank: int | None = None, columns: list[str] | None
                      else table.slice(0, 0))
         if since_attempt and "attempt" in table.column_names:
             table = table.filter(pc.greater_equal(table.column("attempt"), since_attempt))
-        tables.append(table)
+        tables.append(_goodput_rows(table, goodput))
     table = _unified(tables)
+    if goodput:
+        return table
+    if columns is not None and GOODPUT_CAUSE not in columns and GOODPUT_CAUSE in table.column_names:
+        table = table.drop_columns([GOODPUT_CAUSE])
     return table if raw else _newest_per_step(table)
+
+
+GOODPUT_CAUSE = "goodput_cause"
+
+
+def _goodput_rows(table: pa.Table, goodput: bool) -> pa.Table:
+    """Only the goodput rows (`goodput`), or only the reports, of one part."""
+    if GOODPUT_CAUSE not in table.column_names:
+        return table.slice(0, 0) if goodput else table
+    is_goodput = pc.is_valid(table.column(GOODPUT_CAUSE))
+    table = table.filter(is_goodput if goodput else pc.invert(is_goodput))
+    if goodput:  # the report columns a goodput row never has
+        return table.select([name for name in table.column_names
+                             if name in ("attempt", "time", GOODPUT_CAUSE, "goodput_seconds")])
+    return table.drop_columns([name for name in (GOODPUT_CAUSE, "goodput_seconds") if name in table.column_names])
 
 
 def row_metrics(row: dict[str, Any]) -> dict[str, Any]:

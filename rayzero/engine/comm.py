@@ -39,6 +39,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rayzero.checkpoint.comm import note_process_group_used
+
 # [Note: gloo's temporary copies]: from this many elements (8 MiB of fp32) of the full tensor.
 GLOO_DIRECT_MIN_ELEMENTS = 1 << 21
 
@@ -103,6 +105,8 @@ class Communicator:
 
     def __init__(self, group: dist.ProcessGroup | None = None) -> None:
         initialized = dist.is_available() and dist.is_initialized()
+        if initialized:
+            note_process_group_used()  # [Note: gloo at interpreter exit]
         # Without a process group the engine runs as a world of one (unit tests, notebooks).
         self.group = (group or dist.group.WORLD) if initialized else None
         self.world_size = dist.get_world_size(group) if initialized else 1

@@ -75,9 +75,15 @@ def test_a_disk_full_on_one_rank_fails_the_save_everywhere_and_the_next_one_comm
     for rank, result in enumerate(results):
         assert not result["shared_first"]["failed"] and not result["local_first"]["failed"], (rank, result)
         # shared: rank 1's shard did not fit; both ranks know, nothing of step 2 is committed
-        assert result["shared_full"] == {"failed": True, "problems": [(1, "rank00001.safetensors")]}, result
+        # (rank 0's small shard may lose the race for the last free bytes to rank 1's partial write:
+        # then it is named too, and still nothing is committed)
+        shared_full = result["shared_full"]
+        assert shared_full["failed"] and (1, "rank00001.safetensors") in shared_full["problems"], result
+        assert set(shared_full["problems"]) <= {(0, "rank00000.safetensors"), (1, "rank00001.safetensors")}, result
         # node-local: the replica of rank 0's shard did not fit on node b; neither node committed
-        assert result["local_full"] == {"failed": True, "problems": [(1, "rank00000.safetensors")]}, result
+        local_full = result["local_full"]
+        assert local_full["failed"] and (1, "rank00000.safetensors") in local_full["problems"], result
+        assert all(problem_rank == 1 for problem_rank, _ in local_full["problems"]), result  # node a had room
         for prefix in ("shared_", "local_"):
             assert result[f"{prefix}latest"] == "global_step1" and result[f"{prefix}tags"] == ["global_step1"]
             assert not result[f"{prefix}again"]["failed"], (prefix, result)

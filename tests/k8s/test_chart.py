@@ -114,7 +114,7 @@ def test_the_chart_installed_into_the_apiserver(release, admin):
     client.AppsV1Api(admin).read_namespaced_deployment(f"{RELEASE}-rayzero-operator", RELEASE_NAMESPACE)
     crd = client.ApiextensionsV1Api(admin).read_custom_resource_definition("rayzerojobs.rayzero.io")
     columns = [column.name for column in crd.spec.versions[0].additional_printer_columns]
-    assert columns == ["Phase", "Step", "Loss", "World", "Checkpoint", "Failures", "Workers", "Restarts", "RayJob",
+    assert columns == ["Phase", "Step", "Loss", "World", "Checkpoint", "Failures", "Goodput", "Workers", "Restarts", "RayJob",
                        "Age"]
     assert crd.spec.names.short_names == ["rzj"] and crd.spec.versions[0].subresources.status is not None
 

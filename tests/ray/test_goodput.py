@@ -89,8 +89,10 @@ def test_goodput_and_its_causes_match_the_injected_delays(local_ray, tmp_path, c
     status = seen.get("status")
     assert status is not None and 0 < status.goodput < 1 and set(status.badput_s) == set(badput)
     assert read_goodput(result.path)["wall_s"] == pytest.approx(good["wall_s"], rel=0.05)
-    goodput_rows = [row for row in read_metrics(result.path, raw=True).to_pylist() if row.get("kind") == "goodput"]
-    assert {(row["attempt"], row["cause"]) for row in goodput_rows} >= {(0, "productive"), (1, "restart")}
+    goodput_rows = read_metrics(result.path, goodput=True).to_pylist()
+    assert {(row["attempt"], row["goodput_cause"]) for row in goodput_rows} >= {(0, "productive"), (1, "restart")}
+    assert all(row["goodput_seconds"] >= 0 for row in goodput_rows)
+    assert "goodput_cause" not in read_metrics(result.path).column_names  # the reports are reports
     assert f"goodput {100 * good['goodput']:.1f}%" in capsys.readouterr().out
     picture = plot.plot_run(result.path, str(tmp_path / "gp.png"))
     assert picture.goodput["goodput"] == pytest.approx(good["goodput"])

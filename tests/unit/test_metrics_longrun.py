@@ -102,7 +102,7 @@ def test_a_dead_sink_costs_metrics_never_waits_and_says_so(tmp_path):
     assert any("cannot write" in line and "training goes on" in line for line in lines), lines
     assert log.dropped >= 200 - 5 - 50
     directory.unlink()
-    shutil.move(tmp_path / "aside", directory)  # storage is back
+    os.rename(tmp_path / "aside", directory)  # storage is back (fails rather than nest if the writer made a directory)
     assert log.flush(timeout_s=30)
     log.close()
     assert any("works again" in line for line in lines), lines
@@ -149,3 +149,22 @@ def test_a_run_written_as_one_file_is_continued(tmp_path):
     assert table.column("loss").to_pylist() == [3.0, 1.5, 1.0]
     assert table.column("attempt").to_pylist() == [0, 2, 2]
     assert [m["step"] for m in MetricsHistory(str(tmp_path), 0, rerun.first_attempt)] == [1, 2]
+
+
+def test_goodput_rows_live_beside_the_reports_but_a_table_of_reports_holds_only_reports(tmp_path):
+    log = MetricsLog(tmp_path.as_uri(), flush_interval_s=0.05, emit=lambda line: None)
+    for step in range(3):
+        log.add(Report(rank=0, seq=step, time=1.0 + step, peak_memory_bytes=0,
+                       metrics={"step": step, "kind": "train", "goodput_cause": "mine"}))
+    log.goodput_rows({"attempts": {"0": {"productive": 9.5, "restart": 0.5}}})
+    assert log.flush(timeout_s=30)
+    log.close()
+    reports = read_metrics(str(tmp_path))
+    assert reports.column("step").to_pylist() == [0, 1, 2]
+    assert reports.column("kind").to_pylist() == ["train"] * 3  # a loop's own `kind` is its own
+    assert reports.column("metric_goodput_cause").to_pylist() == ["mine"] * 3  # a runtime name, prefixed
+    assert "goodput_seconds" not in reports.column_names
+    goodput = read_metrics(str(tmp_path), goodput=True).to_pylist()
+    assert sorted((row["attempt"], row["goodput_cause"], row["goodput_seconds"]) for row in goodput) == [
+        (0, "productive", 9.5), (0, "restart", 0.5)]
+    assert read_metrics(str(tmp_path), columns=["step"]).column_names[:1] == ["step"]
