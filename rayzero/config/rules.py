@@ -59,7 +59,7 @@ def _grad_accum_dtype(config: RayZeroConfig, notes: list[str]) -> None:
         return
     stage = config.zero_optimization.stage
     # stages 2-3 reduce each micro step into fp32 master gradients; stages 0-1 accumulate in the
-    # compute dtype, or in fp32 when asked ([Note: fp32 gradient accumulation] in engine/flat_strategy.py)
+    # compute dtype, or in fp32 when asked ([Note: fp32 gradient accumulation] in rayzero/engine/bucketed/strategy.py)
     done = "fp32" if stage >= 2 or asked == "fp32" else config.compute_dtype
     if asked != done:
         notes.append(f"ignored: `data_types.grad_accum_dtype` = {asked!r}: at ZeRO stage {stage} with "

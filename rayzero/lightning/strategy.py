@@ -46,7 +46,7 @@ from lightning.pytorch.utilities.types import LRSchedulerConfig
 from rayzero.config.lightning import LIGHTNING_DEFAULTS, lightning_to_dict
 from rayzero.engine.api import initialize
 from rayzero.engine.distributed import compute_device, init_distributed
-from rayzero.engine.zero_init import Init
+from rayzero.engine.stage3.zero_init import Init
 from rayzero.lightning.callback import RayZeroCallback
 from rayzero.lightning.checkpoints import (
     TAG,

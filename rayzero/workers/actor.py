@@ -221,7 +221,7 @@ class TrainWorker:
         finally:
             self._running = False
             set_step_boundary_hook(None)
-            from rayzero.engine.offload import release_scratch
+            from rayzero.engine.offload.backend import release_scratch
 
             release_scratch()  # NVMe swap files are the run's scratch: gone when the loop ends
             session_module.activate(None)

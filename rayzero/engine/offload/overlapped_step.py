@@ -9,7 +9,7 @@ thread goes on with backward for the earlier layers. `engine.step()` then only w
 buckets and publishes the weights. The math is unchanged, bit for bit: Adam, AdamW and SGD are
 elementwise per parameter with a per-parameter step count, so stepping bucket by bucket gives the
 same result as one step over all of them. Stage 3 does the same per optimizer sub-group
-(`sub_group_size`): a sub-group steps once the last of its gradient shards was added (stage3.py,
+(`sub_group_size`): a sub-group steps once the last of its gradient shards was added (stage3/strategy.py,
 through the reducer's `on_added`); with one sub-group (the default size on most models) that is
 the end of backward, so only smaller sub-groups hide the step.
 
@@ -23,8 +23,8 @@ Where it runs (`RAYZERO_OFFLOAD_OVERLAP_STEP`, `overlap_enabled`): by default (`
 compute runs on an accelerator. On a CPU-only machine backward and the host step share the same
 cores, and measured there (bench/offload.py `overlap`, 2 cores) the thread hid 86% of the CPU step
 but made the whole step 1.08x slower; `1` forces it on (the tests do, to run this path on CPU), `0`
-turns it off. Decided in engine/api.py and offload_host.py; flat_strategy (buckets) and stage3
-(sub-groups) submit; offload_host steps them.
+turns it off. Decided in engine/api.py and host.py; bucketed/strategy.py and stage3/strategy.py
+(sub-groups) submit; host.py steps them.
 """
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ from rayzero.checkpoint.types import ShardedTensor, ShardSpec
 from rayzero.engine.optim_state import elementwise_state_keys, ensure_optimizer_state
 
 if TYPE_CHECKING:
-    from rayzero.engine.flat_strategy import BucketedStrategy
+    from rayzero.engine.bucketed.strategy import BucketedStrategy
 
 
 def _module_tensors(strategy: BucketedStrategy) -> Iterator[tuple[str, torch.Tensor]]:

@@ -5,10 +5,10 @@ Hooks (all torch's own per-module / per-tensor hook APIs; nothing global is patc
   - forward post-hook: release them unless a knob keeps them, and hook the outputs' gradients;
   - a multi-grad hook on those outputs fires before the module's backward: fetch again;
   - each trainable parameter's post-accumulate-grad hook: hand the full gradient to the reducer
-    (stage3_grads.py) and release the parameter — its last use in this backward is over;
+    (gradients.py) and release the parameter — its last use in this backward is over;
   - frozen parameters gathered for backward stay until `end_backward`.
-See [Note: stage-3 prefetch order] (stage3_trace.py) for how the recorded order drives prefetch
-and reuse, and [Note: stage-3 parameter storage] (stage3_params.py) for what gather/release do.
+See [Note: stage-3 prefetch order] (trace.py) for how the recorded order drives prefetch
+and reuse, and [Note: stage-3 parameter storage] (parameters.py) for what gather/release do.
 """
 from __future__ import annotations
 
@@ -22,9 +22,9 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from rayzero.config.errors import RayZeroValueError
-from rayzero.engine.stage3_params import ParamPartitions, ParamState, PartitionedParam
-from rayzero.engine.stage3_stall import StallWatch, different_modules_error
-from rayzero.engine.stage3_trace import FetchEvent, ModuleTrace
+from rayzero.engine.stage3.parameters import ParamPartitions, ParamState, PartitionedParam
+from rayzero.engine.stage3.stall import StallWatch, different_modules_error
+from rayzero.engine.stage3.trace import FetchEvent, ModuleTrace
 
 
 def _count(value: Any, field: str) -> int:
@@ -75,7 +75,7 @@ class Stage3Knobs:
 # difference is found before the gather and raised on every rank with each rank's module named.
 # Replayed micro-steps add nothing. A rank that departs from its recorded trace later, while the
 # others replay theirs, is found when the collectives it leaves unpaired stall: [Note: stalled
-# stage-3 collectives] in stage3_stall.py.
+# stage-3 collectives] in stall.py.
 
 
 class Stage3Coordinator:

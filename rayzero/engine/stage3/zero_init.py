@@ -39,8 +39,8 @@ from torch.nn.modules import module as torch_module
 from rayzero.config.errors import RayZeroValueError
 from rayzero.engine.comm import Communicator
 from rayzero.engine.distributed import compute_device, init_distributed
-from rayzero.engine.stage3_params import ParamPartitions, lookup
-from rayzero.engine.zero_init_hf import is_pretrained, materialize_hf
+from rayzero.engine.stage3.parameters import ParamPartitions, lookup
+from rayzero.engine.stage3.zero_init_hf import is_pretrained, materialize_hf
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ What lives where, per mode (DeepSpeed's keys; the stage classes only ever call `
   cpu                host memory (pinned with pin_memory+GPU)   on the host, fused CPU kernel
   nvme               MASTER/MASTER_GRAD in host memory; every   on the host, tile by tile,
                      per-element optimizer state (Adam's two    state read from / written to
-                     moments, SGD's momentum) in swap files     swap files (offload_nvme.py)
+                     moments, SGD's momentum) in swap files     swap files (nvme.py)
 
   offload_param      PARAM_SHARD (stage 3)
   none               compute device
@@ -26,7 +26,7 @@ holds both kinds: its fused kernels group tensors by device. With one sub-group 
 sub_group_size of 1e9 on most models) everything is offloaded, exactly as in DeepSpeed.
 
 Reduced gradients reach MASTER_GRAD with `.copy_()` as each bucket's reduction finishes (stages 0-2:
-flat_strategy's finish callbacks; stage 3: stage3_grads), so device-to-host copies happen during
+bucketed/strategy.py's finish callbacks; stage 3: stage3/gradients.py), so device-to-host copies happen during
 backward, not after it. Updated masters go back in the strategy's `_publish` (a host-to-device copy,
 then the usual all-gather). Offloading backends never alias masters with compute parameters even on
 a CPU-only machine, so the tested path is the accelerator path.
@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from rayzero.engine.offload import _SCRATCH_OWNERS, OffloadBackend, StateKind
+from rayzero.engine.offload.backend import _SCRATCH_OWNERS, OffloadBackend, StateKind
 
 
 class HostOffload(OffloadBackend):
@@ -119,11 +119,11 @@ class HostOffload(OffloadBackend):
         self._timings = {"cpu_step": time.perf_counter() - start}
 
     def background_stepper(self):
-        from rayzero.engine.offload_overlap import BackgroundStepper, overlap_enabled
+        from rayzero.engine.offload.overlapped_step import BackgroundStepper, overlap_enabled
 
         if self.optimizer_home == "device" or not overlap_enabled(self.compute_device):
             return None
-        # NVMe steps tile by tile after backward (offload_nvme.py): its thread only copies
+        # NVMe steps tile by tile after backward (nvme.py): its thread only copies
         return BackgroundStepper(self.step_subset if self.optimizer_home == "host" else None, self.step_threads)
 
     def step_subset(self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> float:
@@ -214,9 +214,8 @@ def cpu_threads(count: int) -> Iterator[None]:
 
 def _param_store(param_cfg: Any, aio: Any):
     """The swap file and staging buffers of stage-3 parameter shards ([Note: NVMe parameter shards])."""
-    from rayzero.engine.offload_nvme import scratch_directory
-    from rayzero.engine.offload_params import NvmeParamStore
-    from rayzero.engine.swap_io import IOKnobs
+    from rayzero.engine.offload.nvme_param_store import NvmeParamStore
+    from rayzero.engine.offload.swap_io import IOKnobs, scratch_directory
 
     directory = scratch_directory(param_cfg.nvme_path, "zero_optimization.offload_param.nvme_path", "params")
     return NvmeParamStore(directory, IOKnobs.from_config(aio), int(param_cfg.buffer_count),

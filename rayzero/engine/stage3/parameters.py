@@ -78,7 +78,7 @@ class PartitionedParam:
     """Gathered during backward for a parameter without gradient hook: released at backward end."""
     swap: Any = None
     """The shard's place in the NVMe swap file when it lives there (`shard` is then a 0-element
-    placeholder): [Note: NVMe parameter shards] in offload_params.py."""
+    placeholder): [Note: NVMe parameter shards] in offload/nvme_param_store.py."""
     wire_dtype: torch.dtype | None = None
     """dtype the all-gather carries it in when not the shard's: torch_autocast's lower precision for
     a lower-precision-safe module's weight ([Note: torch_autocast] in autocast.py)."""
@@ -156,7 +156,7 @@ def _placeholder(like: torch.Tensor) -> torch.Tensor:
 class ParamPartitions:
     """The partitioned parameters of one model and the gather/release mechanics.
 
-    Policy (when to gather, what to keep) lives in stage3_hooks.py; this class only moves data
+    Policy (when to gather, what to keep) lives in hooks.py; this class only moves data
     and keeps the live-element counters that make the policy measurable.
     """
 

@@ -2,15 +2,15 @@
 
 Each rank holds 1/N of every parameter (compute dtype), of its fp32 master and optimizer state and
 of its gradient. Modules gather their parameters just before they run and release them after
-(stage3_hooks.py); gradients are reduce-scattered in buckets as backward produces them
-(stage3_grads.py). Traffic per step at gas 1: Ψ all-gather in forward + Ψ in backward + Ψ
+(hooks.py); gradients are reduce-scattered in buckets as backward produces them
+(gradients.py). Traffic per step at gas 1: Ψ all-gather in forward + Ψ in backward + Ψ
 reduce-scatter = 3Ψ, less what `param_persistence_threshold` and `max_reuse_distance` save.
 
 Masters: flat fp32 tensors per optimizer param group, each the concatenation of a *sub-group* of
 the group's parameter shards (padded): `sub_group_size` elements at most, cut at parameter
 boundaries as DeepSpeed cuts them (one parameter larger than that is a sub-group alone). Few large
 tensors keep the fused kernels efficient; sub-groups are the tiles an offloaded step swaps
-([Note: NVMe tiles] in offload_nvme.py).
+([Note: NVMe tiles] in offload/nvme.py).
 """
 from __future__ import annotations
 
@@ -21,13 +21,13 @@ import torch
 
 from rayzero.checkpoint.types import ShardedTensor, ShardSpec
 from rayzero.config.errors import RayZeroValueError
-from rayzero.engine.offload import StateKind
-from rayzero.engine.offload_overlap import run_step
+from rayzero.engine.offload.backend import StateKind
+from rayzero.engine.offload.overlapped_step import run_step
 from rayzero.engine.optim_state import elementwise_state_keys, ensure_optimizer_state
 from rayzero.engine.partition import split_evenly
-from rayzero.engine.stage3_grads import GradientReducer
-from rayzero.engine.stage3_hooks import Stage3Coordinator, Stage3Knobs
-from rayzero.engine.stage3_params import ParamPartitions, PartitionedParam, external_parameters, lookup
+from rayzero.engine.stage3.gradients import GradientReducer
+from rayzero.engine.stage3.hooks import Stage3Coordinator, Stage3Knobs
+from rayzero.engine.stage3.parameters import ParamPartitions, PartitionedParam, external_parameters, lookup
 from rayzero.engine.strategy import StrategyContext, ZeroStrategy
 
 
@@ -68,7 +68,7 @@ class Stage3Strategy(ZeroStrategy):
             optimizer_groups = []
             split = [_sub_groups(group["params"], pieces, int(ctx.zero_config.sub_group_size))
                      for group in ctx.param_groups]
-            # [Note: partial offload] in offload_host.py: which sub-groups leave the device
+            # [Note: partial offload] in offload/host.py: which sub-groups leave the device
             offloaded = iter(self.offload.sub_groups_offloaded(sum(len(s) for s in split)))
             for group, sub_groups in zip(ctx.param_groups, split):
                 group_masters = []
@@ -235,10 +235,14 @@ class Stage3Strategy(ZeroStrategy):
         return split_evenly(entry.numel, self.comm.world_size, self.comm.rank)
 
     def _optimizer_windows(self):
+        """(entry, its sub-group's master, start, end, window) for each entry this rank owns a part of:
+        [start, end) of the full parameter, `window` the same elements in the master."""
         for entries, master, _ in self.groups:
             offset = 0
             for entry in entries:
-                yield entry, master, offset
+                start, end = self._owned(entry)
+                if end > start:
+                    yield entry, master, start, end, slice(offset, offset + end - start)
                 offset += entry.shard_numel
 
     def state_shards(self) -> list[ShardedTensor]:
@@ -252,11 +256,7 @@ class Stage3Strategy(ZeroStrategy):
             out.append(ShardedTensor(ShardSpec(f"module/{name}", tuple(buf.shape), buf.dtype, 0, buf.numel()),
                                      buf.detach().reshape(-1)))
         keys = elementwise_state_keys(self.optimizer)
-        for entry, master, offset in self._optimizer_windows():
-            start, end = self._owned(entry)
-            if end <= start:
-                continue
-            window = slice(offset, offset + end - start)
+        for entry, master, start, end, window in self._optimizer_windows():
             out.append(ShardedTensor(ShardSpec(f"master/{entry.name}", tuple(entry.shape), torch.float32,
                                                start, end), master.detach()[window]))
             state = self.optimizer.state.get(master, {})
@@ -279,11 +279,7 @@ class Stage3Strategy(ZeroStrategy):
                 buf.copy_(read(spec).reshape(buf.shape))
             ensure_optimizer_state(self.optimizer)
             keys = elementwise_state_keys(self.optimizer)
-            for entry, master, offset in self._optimizer_windows():
-                start, end = self._owned(entry)
-                if end <= start:
-                    continue
-                window = slice(offset, offset + end - start)
+            for entry, master, start, end, window in self._optimizer_windows():
                 spec = ShardSpec(f"master/{entry.name}", tuple(entry.shape), torch.float32, start, end)
                 try:
                     value = read(spec)

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 import torch
 
 from rayzero.config.errors import RayZeroValueError
-from rayzero.engine.stage3_params import (
+from rayzero.engine.stage3.parameters import (
     ParamPartitions,
     PartitionedParam,
     lookup,

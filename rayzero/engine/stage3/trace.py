@@ -4,7 +4,7 @@
 Stage 3 cannot know which module runs next until it runs, so the first micro-step *records* the
 sequence of fetch events — one per module forward, one per module backward, each naming the
 parameters it needs (`ModuleTrace.observe` while recording). From the next micro-step on, the
-trace is *replayed*: each fetch advances a cursor, and the coordinator (stage3_hooks.py) uses
+trace is *replayed*: each fetch advances a cursor, and the coordinator (hooks.py) uses
   - `upcoming()` to issue all-gathers for the next events' parameters ahead of time, up to
     `prefetch_bucket_size` elements (and never beyond `max_live_parameters` gathered at once);
   - `reuse_distance()` to keep a parameter gathered when its next use is fewer than

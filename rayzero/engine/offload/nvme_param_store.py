@@ -12,7 +12,7 @@ DeepSpeed's design (AsyncPartitionedParameterSwapper), with the same keys:
     in a collective, as without offload). A shard larger than `buffer_size` is refused when the
     engine is built, as DeepSpeed refuses it.
   - Prefetch reads ahead (`read_ahead`): while the hooks gather the next modules, the shards after
-    them along the recorded order (stage3_trace.py) are already being read into the free buffers,
+    them along the recorded order (stage3/trace.py) are already being read into the free buffers,
     one buffer always left for a read the trace did not foresee, so the gather finds them in memory.
   - Shards change only when the step publishes new values (and on load / GatheredParameters): each
     write drops what was read ahead (now stale), casts the values into a buffer and writes it back
@@ -32,7 +32,7 @@ import torch
 
 from rayzero.checkpoint.types import LazyPiece
 from rayzero.config.errors import RayZeroValueError
-from rayzero.engine.swap_io import AlignedBuffer, IOKnobs, SwapFile, align_up
+from rayzero.engine.offload.swap_io import AlignedBuffer, IOKnobs, SwapFile, align_up
 
 
 @dataclass(eq=False)

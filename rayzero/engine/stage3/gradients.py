@@ -33,11 +33,11 @@ import torch.distributed as dist
 
 from rayzero.engine.comm import Communicator
 from rayzero.engine.distributed import DEFAULT_TIMEOUT_S
-from rayzero.engine.stage3_params import PartitionedParam
+from rayzero.engine.stage3.parameters import PartitionedParam
 
 
 class _SeenThisBackward(set):
-    """Entries that received a gradient in this backward. `stage3.py` clears it before every
+    """Entries that received a gradient in this backward. `strategy.py` clears it before every
     backward, which is also where a new round of planned buckets starts."""
 
     def __init__(self, on_clear) -> None:

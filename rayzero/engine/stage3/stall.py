@@ -1,7 +1,7 @@
 """Stage 3: a collective that stalls is checked for ranks running different modules.
 
 [Note: stalled stage-3 collectives]
-[Note: modules every rank runs] (stage3_hooks.py) checks, while the fetch trace records, that every
+[Note: modules every rank runs] (hooks.py) checks, while the fetch trace records, that every
 rank fetches the same module before each gather. After that the trace replays with no check (a
 collective per gather would cost more than the gathers on small modules), so a rank whose forward
 departs later (a module run on one rank from some step on) leaves its peers in collectives that

@@ -36,9 +36,9 @@ import torch
 
 from rayzero.checkpoint.types import ShardedTensor, ShardSpec
 from rayzero.config.errors import RayZeroRuntimeError, RayZeroValueError
-from rayzero.engine import flat_checkpoint
-from rayzero.engine.offload import StateKind
-from rayzero.engine.offload_overlap import run_step
+from rayzero.engine.bucketed import state_shards
+from rayzero.engine.offload.backend import StateKind
+from rayzero.engine.offload.overlapped_step import run_step
 from rayzero.engine.partition import BucketLayout, plan_buckets
 from rayzero.engine.strategy import StrategyContext, ZeroStrategy
 
@@ -372,10 +372,10 @@ class BucketedStrategy(ZeroStrategy):
 
     # ---- checkpoint and instrumentation ------------------------------------------------------
     def state_shards(self) -> list[ShardedTensor]:
-        return flat_checkpoint.state_shards(self)
+        return state_shards.state_shards(self)
 
     def load_state_shards(self, read: Callable[[ShardSpec], torch.Tensor]) -> None:
-        flat_checkpoint.load_state_shards(self, read)
+        state_shards.load_state_shards(self, read)
         self.comm.discard_current()
 
     def memory_stats(self) -> dict[str, int]:

@@ -1,5 +1,5 @@
-"""Swap files for NVMe offload: page-aligned host buffers and a thread pool of positional reads and
-writes on files opened with O_DIRECT.
+"""Swap files for NVMe offload: the scratch directory of this process under `nvme_path`, page-aligned
+host buffers and a thread pool of positional reads and writes on files opened with O_DIRECT.
 
 [Note: swap I/O layer]
 Choice by measurement (bench/offload.py, `swap` section): on this kind of machine a pool of
@@ -19,12 +19,63 @@ from __future__ import annotations
 
 import mmap
 import os
+import shutil
+import socket
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
+from rayzero.config.errors import RayZeroValueError
+
 ALIGN = 4096
+
+
+def _remove_stale(root: str) -> None:
+    """Swap directories of processes of this host that no longer run (a killed run's scratch)."""
+    prefix = socket.gethostname() + "-"
+    for name in os.listdir(root) if os.path.isdir(root) else []:
+        if not name.startswith(prefix):
+            continue
+        try:
+            pid = int(name[len(prefix):].split("-")[0])
+        except ValueError:
+            continue
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        except PermissionError:
+            pass
+
+
+def scratch_directory(nvme_path: str | None, key: str, suffix: str) -> str:
+    """A fresh directory of this process under `<nvme_path>/rayzero-swap/` (checked, created; dead
+    processes' directories removed first)."""
+    root = os.path.join(_checked_directory(nvme_path, key), "rayzero-swap")
+    os.makedirs(root, exist_ok=True)
+    _remove_stale(root)
+    directory = os.path.join(root, f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}-{suffix}")
+    os.makedirs(directory)
+    return directory
+
+
+def _checked_directory(nvme_path: str | None, key: str) -> str:
+    if not nvme_path:
+        raise RayZeroValueError(f"{key} is missing: NVMe offload needs a directory on a fast local disk, e.g. "
+                                f"\"nvme_path\": \"/local_nvme\" (or set device to \"cpu\")")
+    if not os.path.isdir(nvme_path):
+        # Not created: a typo (/local_nvmee) would put the swap files on another disk, often the root
+        # filesystem. DeepSpeed 0.19.8 creates it (swap_tensor: os.makedirs); rayzero asks for it.
+        raise RayZeroValueError(
+            f"{key}={nvme_path!r} does not exist on node {socket.gethostname()}: rayzero does not create it, "
+            "so a mistyped path cannot put swap files on another disk. Create it on every node (the fast "
+            f"local disk's mount point, e.g. `mkdir -p {nvme_path}`), or fix the path")
+    if not os.access(nvme_path, os.W_OK | os.X_OK):
+        raise RayZeroValueError(f"{key}={nvme_path!r} is not writable by this process: point it at a writable "
+                                "directory on a local disk")
+    return nvme_path
 
 
 def align_up(nbytes: int) -> int:

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from rayzero.engine.flat_strategy import Bucket, BucketedStrategy, Finish
-from rayzero.engine.offload import StateKind
+from rayzero.engine.bucketed.strategy import Bucket, BucketedStrategy, Finish
+from rayzero.engine.offload.backend import StateKind
 
 
 class Stage1Strategy(BucketedStrategy):

@@ -5,8 +5,8 @@ Strategies never allocate those tensors themselves and never assume they sit on 
 device: they ask the backend for storage, copy gradients into it with `.copy_()` (which crosses
 devices), and call `backend.step(optimizer)`. Three backends, chosen by
 `zero_optimization.offload_optimizer.device` / `offload_param.device` exactly as DeepSpeed's keys:
-`none` (NoOffload, here), `cpu` (offload_host.HostOffload) and `nvme` (offload_nvme.NvmeOffload).
-See [Note: offload placement] in offload_host.py for what lives where in each mode.
+`none` (NoOffload, here), `cpu` (host.HostOffload) and `nvme` (nvme.NvmeOffload).
+See [Note: offload placement] in host.py for what lives where in each mode.
 """
 from __future__ import annotations
 
@@ -106,7 +106,7 @@ class OffloadBackend(abc.ABC):
         return None
 
     def param_store(self):
-        """Stage 3: where parameter shards swapped to NVMe live (offload_params.NvmeParamStore),
+        """Stage 3: where parameter shards swapped to NVMe live (nvme_param_store.NvmeParamStore),
         or None when shards are tensors ([Note: NVMe parameter shards])."""
         return None
 
@@ -166,7 +166,7 @@ def build_offload_backend(cfg: Any, compute_device: torch.device, rank: int = 0)
     if zero.offload_optimizer_device == "none" and zero.offload_param_device == "none":
         return NoOffload(compute_device)
     if zero.offload_optimizer_device == "nvme":
-        from rayzero.engine.offload_nvme import NvmeOffload
+        from rayzero.engine.offload.nvme import NvmeOffload
         return NvmeOffload(cfg, compute_device, rank)
-    from rayzero.engine.offload_host import HostOffload
+    from rayzero.engine.offload.host import HostOffload
     return HostOffload(cfg, compute_device)

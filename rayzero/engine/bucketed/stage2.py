@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from rayzero.engine.flat_strategy import Bucket, BucketedStrategy, Finish
-from rayzero.engine.offload import StateKind
-from rayzero.engine.stage1 import publish_partitioned
+from rayzero.engine.bucketed.stage1 import publish_partitioned
+from rayzero.engine.bucketed.strategy import Bucket, BucketedStrategy, Finish
+from rayzero.engine.offload.backend import StateKind
 
 
 class Stage2Strategy(BucketedStrategy):

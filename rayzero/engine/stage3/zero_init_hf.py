@@ -44,7 +44,7 @@ Held = tuple[torch.nn.Module, str, dict, str, torch.Tensor, torch.Tensor]
 its full temporary in that module)."""
 
 if TYPE_CHECKING:
-    from rayzero.engine.zero_init import Init
+    from rayzero.engine.stage3.zero_init import Init
 
 
 def is_pretrained(module: torch.nn.Module) -> bool:
