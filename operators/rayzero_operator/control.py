@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rayzero.config.k8s_job import GROUP, RayZeroJobSpec
-from rayzero.control import ControlClient, ControlError, ControlValueError
+from rayzero.control_api import ControlClient, ControlError, ControlValueError
 from rayzero_operator import manifests
 
 logger = logging.getLogger(__name__)

@@ -42,7 +42,7 @@ ENV_RESUME_FROM = "RAYZERO_RESUME_FROM"
 # per job, and the control service's credentials, made again for every attempt (RayJob):
 # `control_token` (the bearer token the operator sends to read status and ask for checkpoints, stops
 # and scaling) and the service's TLS material, `ca.crt`, `tls.crt`, `tls.key` ([Note: control-plane
-# TLS] in rayzero/control/tls.py). The annotation `rayzero.io/control-attempt` says which attempt
+# TLS] in rayzero/control_api/tls.py). The annotation `rayzero.io/control-attempt` says which attempt
 # they belong to, so a restarted operator never rotates them twice. None of it is ever in a RayJob or
 # a status: pods read the tokens through secretKeyRef and the TLS files from a Secret volume (the
 # key on the head only), and control.json never holds the token.
@@ -84,7 +84,7 @@ def _encoded(text: str) -> str:
 def control_credentials(job: dict[str, Any]) -> dict[str, str]:
     """Fresh control-service credentials for one attempt, as Secret `data` (base64): a token, and a CA
     made for this attempt with the certificate it signed for the job's control name."""
-    from rayzero.control.tls import make_service_certificates
+    from rayzero.control_api.tls import make_service_certificates
 
     meta = job["metadata"]
     made = make_service_certificates(control_server_name(meta["name"], meta["namespace"]))

@@ -9,12 +9,12 @@ calls the target, maps the answer out. What it adds is access and discovery:
   compared in constant time); anything else is refused with UNAUTHENTICATED before the target sees it;
 - TLS when `RAYZERO_CONTROL_TLS_CERT` and `RAYZERO_CONTROL_TLS_KEY` name a PEM certificate and key
   (`RAYZERO_CONTROL_TLS_CA`: the CA clients should trust; [Note: control-plane TLS] in
-  rayzero/control/tls.py). The Kubernetes operator always sets them. A bind beyond loopback without
+  rayzero/control_api/tls.py). The Kubernetes operator always sets them. A bind beyond loopback without
   TLS logs a warning that says how to turn it on;
 - `<run directory>/control.json` (address, TLS name, CA fingerprint; never the token) is written once
   the port is bound and removed at `close()`, so `rayzero status NAME` finds a live run and nothing
   else. A token the service made itself goes to a 0600 file on this node ([Note: the control token
-  never goes to run storage] in rayzero/control/tokens.py).
+  never goes to run storage] in rayzero/control_api/tokens.py).
 """
 from __future__ import annotations
 
@@ -34,10 +34,10 @@ from typing import Any
 import grpc
 
 from rayzero.config.errors import RayZeroRuntimeError, RayZeroValueError
-from rayzero.control import tls as control_tls
-from rayzero.control.discovery import ControlInfo, remove_control_file, write_control_file
-from rayzero.control.tokens import TOKEN_ENV, remove_token_file, token_path, write_token_file
-from rayzero.control.v1 import control_pb2, control_pb2_grpc
+from rayzero.control_api import tls as control_tls
+from rayzero.control_api.discovery import ControlInfo, remove_control_file, write_control_file
+from rayzero.control_api.tokens import TOKEN_ENV, remove_token_file, token_path, write_token_file
+from rayzero.control_api.v1 import control_pb2, control_pb2_grpc
 from rayzero.controller.request_guard import MalformedRequestInterceptor
 from rayzero.controller.status import CheckpointRecord, ControlTarget, RunStatus
 
@@ -233,7 +233,7 @@ def is_loopback(host: str) -> bool:
 def plaintext_warning(address: str, run_name: str) -> str:
     return (f"the control service of run {run_name!r} listens on {address} without TLS: its bearer token, which "
             "can stop or kill the run, crosses the network in plain text. Turn TLS on: `python -m "
-            "rayzero.control.tls --out DIR`, then start the run with RAYZERO_CONTROL_TLS_CERT=DIR/tls.crt "
+            "rayzero.control_api.tls --out DIR`, then start the run with RAYZERO_CONTROL_TLS_CERT=DIR/tls.crt "
             "RAYZERO_CONTROL_TLS_KEY=DIR/tls.key RAYZERO_CONTROL_TLS_CA=DIR/ca.crt and give clients "
             f"RAYZERO_CONTROL_TLS_CA=DIR/ca.crt (or --ca-file); or keep it on this machine with {HOST_ENV}=127.0.0.1")
 

@@ -38,8 +38,8 @@ def _target_arguments(parser: argparse.ArgumentParser, name_optional: bool = Tru
 def _client(args: argparse.Namespace, prog: str):
     import os
 
-    from rayzero.control.client import connect
-    from rayzero.control.tokens import TOKEN_ENV
+    from rayzero.control_api.client import connect
+    from rayzero.control_api.tokens import TOKEN_ENV
 
     if args.address:
         if args.name:
@@ -122,7 +122,7 @@ def _status(argv: list[str]) -> int:
     parser.add_argument("--interval", type=float, default=0.0,
                         help="with --watch: most seconds between updates (default 0.5, at most 1)")
     args = parser.parse_args(argv)
-    from rayzero.control.client import status_dict
+    from rayzero.control_api.client import status_dict
 
     if not args.name and not args.address:
         return _list_live_runs(args)
@@ -138,8 +138,8 @@ def _status(argv: list[str]) -> int:
 
 def _list_live_runs(args: argparse.Namespace) -> int:
     """`rayzero status` with no NAME: one line per live run under the storage root."""
-    from rayzero.control.client import connect, status_dict
-    from rayzero.control.discovery import live_runs, storage_root
+    from rayzero.control_api.client import connect, status_dict
+    from rayzero.control_api.discovery import live_runs, storage_root
 
     names = live_runs(args.storage)  # each found by name: its token comes from this node or the environment
     if not names:

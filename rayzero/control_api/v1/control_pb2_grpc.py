@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from rayzero.control.v1 import control_pb2 as rayzero_dot_control_dot_v1_dot_control__pb2
+from rayzero.control_api.v1 import control_pb2 as rayzero_dot_control__api_dot_v1_dot_control__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in rayzero/control/v1/control_pb2_grpc.py depends on'
+        + ' but the generated code in rayzero/control_api/v1/control_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,33 +36,33 @@ class ControlStub:
         """
         self.GetStatus = channel.unary_unary(
                 '/rayzero.v1.Control/GetStatus',
-                request_serializer=rayzero_dot_control_dot_v1_dot_control__pb2.GetStatusRequest.SerializeToString,
-                response_deserializer=rayzero_dot_control_dot_v1_dot_control__pb2.Status.FromString,
+                request_serializer=rayzero_dot_control__api_dot_v1_dot_control__pb2.GetStatusRequest.SerializeToString,
+                response_deserializer=rayzero_dot_control__api_dot_v1_dot_control__pb2.Status.FromString,
                 _registered_method=True)
         self.WatchStatus = channel.unary_stream(
                 '/rayzero.v1.Control/WatchStatus',
-                request_serializer=rayzero_dot_control_dot_v1_dot_control__pb2.WatchStatusRequest.SerializeToString,
-                response_deserializer=rayzero_dot_control_dot_v1_dot_control__pb2.Status.FromString,
+                request_serializer=rayzero_dot_control__api_dot_v1_dot_control__pb2.WatchStatusRequest.SerializeToString,
+                response_deserializer=rayzero_dot_control__api_dot_v1_dot_control__pb2.Status.FromString,
                 _registered_method=True)
         self.CheckpointNow = channel.unary_unary(
                 '/rayzero.v1.Control/CheckpointNow',
-                request_serializer=rayzero_dot_control_dot_v1_dot_control__pb2.CheckpointNowRequest.SerializeToString,
-                response_deserializer=rayzero_dot_control_dot_v1_dot_control__pb2.Checkpoint.FromString,
+                request_serializer=rayzero_dot_control__api_dot_v1_dot_control__pb2.CheckpointNowRequest.SerializeToString,
+                response_deserializer=rayzero_dot_control__api_dot_v1_dot_control__pb2.Checkpoint.FromString,
                 _registered_method=True)
         self.Stop = channel.unary_unary(
                 '/rayzero.v1.Control/Stop',
-                request_serializer=rayzero_dot_control_dot_v1_dot_control__pb2.StopRequest.SerializeToString,
-                response_deserializer=rayzero_dot_control_dot_v1_dot_control__pb2.StopResponse.FromString,
+                request_serializer=rayzero_dot_control__api_dot_v1_dot_control__pb2.StopRequest.SerializeToString,
+                response_deserializer=rayzero_dot_control__api_dot_v1_dot_control__pb2.StopResponse.FromString,
                 _registered_method=True)
         self.Scale = channel.unary_unary(
                 '/rayzero.v1.Control/Scale',
-                request_serializer=rayzero_dot_control_dot_v1_dot_control__pb2.ScaleRequest.SerializeToString,
-                response_deserializer=rayzero_dot_control_dot_v1_dot_control__pb2.ScaleResponse.FromString,
+                request_serializer=rayzero_dot_control__api_dot_v1_dot_control__pb2.ScaleRequest.SerializeToString,
+                response_deserializer=rayzero_dot_control__api_dot_v1_dot_control__pb2.ScaleResponse.FromString,
                 _registered_method=True)
         self.Kill = channel.unary_unary(
                 '/rayzero.v1.Control/Kill',
-                request_serializer=rayzero_dot_control_dot_v1_dot_control__pb2.KillRequest.SerializeToString,
-                response_deserializer=rayzero_dot_control_dot_v1_dot_control__pb2.KillResponse.FromString,
+                request_serializer=rayzero_dot_control__api_dot_v1_dot_control__pb2.KillRequest.SerializeToString,
+                response_deserializer=rayzero_dot_control__api_dot_v1_dot_control__pb2.KillResponse.FromString,
                 _registered_method=True)
 
 
@@ -117,33 +117,33 @@ def add_ControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'GetStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStatus,
-                    request_deserializer=rayzero_dot_control_dot_v1_dot_control__pb2.GetStatusRequest.FromString,
-                    response_serializer=rayzero_dot_control_dot_v1_dot_control__pb2.Status.SerializeToString,
+                    request_deserializer=rayzero_dot_control__api_dot_v1_dot_control__pb2.GetStatusRequest.FromString,
+                    response_serializer=rayzero_dot_control__api_dot_v1_dot_control__pb2.Status.SerializeToString,
             ),
             'WatchStatus': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchStatus,
-                    request_deserializer=rayzero_dot_control_dot_v1_dot_control__pb2.WatchStatusRequest.FromString,
-                    response_serializer=rayzero_dot_control_dot_v1_dot_control__pb2.Status.SerializeToString,
+                    request_deserializer=rayzero_dot_control__api_dot_v1_dot_control__pb2.WatchStatusRequest.FromString,
+                    response_serializer=rayzero_dot_control__api_dot_v1_dot_control__pb2.Status.SerializeToString,
             ),
             'CheckpointNow': grpc.unary_unary_rpc_method_handler(
                     servicer.CheckpointNow,
-                    request_deserializer=rayzero_dot_control_dot_v1_dot_control__pb2.CheckpointNowRequest.FromString,
-                    response_serializer=rayzero_dot_control_dot_v1_dot_control__pb2.Checkpoint.SerializeToString,
+                    request_deserializer=rayzero_dot_control__api_dot_v1_dot_control__pb2.CheckpointNowRequest.FromString,
+                    response_serializer=rayzero_dot_control__api_dot_v1_dot_control__pb2.Checkpoint.SerializeToString,
             ),
             'Stop': grpc.unary_unary_rpc_method_handler(
                     servicer.Stop,
-                    request_deserializer=rayzero_dot_control_dot_v1_dot_control__pb2.StopRequest.FromString,
-                    response_serializer=rayzero_dot_control_dot_v1_dot_control__pb2.StopResponse.SerializeToString,
+                    request_deserializer=rayzero_dot_control__api_dot_v1_dot_control__pb2.StopRequest.FromString,
+                    response_serializer=rayzero_dot_control__api_dot_v1_dot_control__pb2.StopResponse.SerializeToString,
             ),
             'Scale': grpc.unary_unary_rpc_method_handler(
                     servicer.Scale,
-                    request_deserializer=rayzero_dot_control_dot_v1_dot_control__pb2.ScaleRequest.FromString,
-                    response_serializer=rayzero_dot_control_dot_v1_dot_control__pb2.ScaleResponse.SerializeToString,
+                    request_deserializer=rayzero_dot_control__api_dot_v1_dot_control__pb2.ScaleRequest.FromString,
+                    response_serializer=rayzero_dot_control__api_dot_v1_dot_control__pb2.ScaleResponse.SerializeToString,
             ),
             'Kill': grpc.unary_unary_rpc_method_handler(
                     servicer.Kill,
-                    request_deserializer=rayzero_dot_control_dot_v1_dot_control__pb2.KillRequest.FromString,
-                    response_serializer=rayzero_dot_control_dot_v1_dot_control__pb2.KillResponse.SerializeToString,
+                    request_deserializer=rayzero_dot_control__api_dot_v1_dot_control__pb2.KillRequest.FromString,
+                    response_serializer=rayzero_dot_control__api_dot_v1_dot_control__pb2.KillResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -171,8 +171,8 @@ class Control:
             request,
             target,
             '/rayzero.v1.Control/GetStatus',
-            rayzero_dot_control_dot_v1_dot_control__pb2.GetStatusRequest.SerializeToString,
-            rayzero_dot_control_dot_v1_dot_control__pb2.Status.FromString,
+            rayzero_dot_control__api_dot_v1_dot_control__pb2.GetStatusRequest.SerializeToString,
+            rayzero_dot_control__api_dot_v1_dot_control__pb2.Status.FromString,
             options,
             channel_credentials,
             insecure,
@@ -198,8 +198,8 @@ class Control:
             request,
             target,
             '/rayzero.v1.Control/WatchStatus',
-            rayzero_dot_control_dot_v1_dot_control__pb2.WatchStatusRequest.SerializeToString,
-            rayzero_dot_control_dot_v1_dot_control__pb2.Status.FromString,
+            rayzero_dot_control__api_dot_v1_dot_control__pb2.WatchStatusRequest.SerializeToString,
+            rayzero_dot_control__api_dot_v1_dot_control__pb2.Status.FromString,
             options,
             channel_credentials,
             insecure,
@@ -225,8 +225,8 @@ class Control:
             request,
             target,
             '/rayzero.v1.Control/CheckpointNow',
-            rayzero_dot_control_dot_v1_dot_control__pb2.CheckpointNowRequest.SerializeToString,
-            rayzero_dot_control_dot_v1_dot_control__pb2.Checkpoint.FromString,
+            rayzero_dot_control__api_dot_v1_dot_control__pb2.CheckpointNowRequest.SerializeToString,
+            rayzero_dot_control__api_dot_v1_dot_control__pb2.Checkpoint.FromString,
             options,
             channel_credentials,
             insecure,
@@ -252,8 +252,8 @@ class Control:
             request,
             target,
             '/rayzero.v1.Control/Stop',
-            rayzero_dot_control_dot_v1_dot_control__pb2.StopRequest.SerializeToString,
-            rayzero_dot_control_dot_v1_dot_control__pb2.StopResponse.FromString,
+            rayzero_dot_control__api_dot_v1_dot_control__pb2.StopRequest.SerializeToString,
+            rayzero_dot_control__api_dot_v1_dot_control__pb2.StopResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -279,8 +279,8 @@ class Control:
             request,
             target,
             '/rayzero.v1.Control/Scale',
-            rayzero_dot_control_dot_v1_dot_control__pb2.ScaleRequest.SerializeToString,
-            rayzero_dot_control_dot_v1_dot_control__pb2.ScaleResponse.FromString,
+            rayzero_dot_control__api_dot_v1_dot_control__pb2.ScaleRequest.SerializeToString,
+            rayzero_dot_control__api_dot_v1_dot_control__pb2.ScaleResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -306,8 +306,8 @@ class Control:
             request,
             target,
             '/rayzero.v1.Control/Kill',
-            rayzero_dot_control_dot_v1_dot_control__pb2.KillRequest.SerializeToString,
-            rayzero_dot_control_dot_v1_dot_control__pb2.KillResponse.FromString,
+            rayzero_dot_control__api_dot_v1_dot_control__pb2.KillRequest.SerializeToString,
+            rayzero_dot_control__api_dot_v1_dot_control__pb2.KillResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,7 +1,7 @@
-"""Generate the Python stubs of `rayzero/control/v1/control.proto` (checked in, like docs/config.md).
+"""Generate the Python stubs of `rayzero/control_api/v1/control.proto` (checked in, like docs/config.md).
 
-    python -m rayzero.control.generate --write   # after editing the proto
-    python -m rayzero.control.generate --check   # exit 1 when the checked-in stubs are stale
+    python -m rayzero.control_api.generate --write   # after editing the proto
+    python -m rayzero.control_api.generate --check   # exit 1 when the checked-in stubs are stale
 
 Needs grpcio-tools (the `dev` extra pins the version the checked-in stubs were made with: the
 generated code embeds it, so another version shows as stale).
@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the directory holding `rayzero/`
-PROTO = Path("rayzero/control/v1/control.proto")
+PROTO = Path("rayzero/control_api/v1/control.proto")
 GENERATED = ("control_pb2.py", "control_pb2.pyi", "control_pb2_grpc.py")
 
 
@@ -44,7 +44,7 @@ def stale(root: Path = PACKAGE_ROOT) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m rayzero.control.generate", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m rayzero.control_api.generate", description=__doc__.splitlines()[0])
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--write", action="store_true", help="regenerate the checked-in stubs")
     mode.add_argument("--check", action="store_true", help="exit 1 when the checked-in stubs are stale")
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     different = stale()
     if different:
-        print(f"stale: {', '.join(different)} differ from {PROTO}; run `python -m rayzero.control.generate --write`",
+        print(f"stale: {', '.join(different)} differ from {PROTO}; run `python -m rayzero.control_api.generate --write`",
               file=sys.stderr)
         return 1
     print(f"{PROTO} stubs are up to date")

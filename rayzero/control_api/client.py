@@ -1,6 +1,6 @@
-"""The Python client of a run's control service (`rayzero.control.connect`).
+"""The Python client of a run's control service (`rayzero.control_api.connect`).
 
-    with rayzero.control.connect("exp1", storage="file:///shared/runs") as run:
+    with rayzero.control_api.connect("exp1", storage="file:///shared/runs") as run:
         print(run.status().step)
         checkpoint = run.checkpoint_now()
         run.stop()
@@ -19,11 +19,11 @@ from typing import Any
 import grpc
 
 from rayzero.config.errors import RayZeroValueError
-from rayzero.control import tls as control_tls
-from rayzero.control.discovery import ControlInfo, read_control_file, run_uri
-from rayzero.control.errors import ControlError, ControlValueError
-from rayzero.control.tokens import TOKEN_ENV, find_token, read_token_file
-from rayzero.control.v1 import control_pb2, control_pb2_grpc
+from rayzero.control_api import tls as control_tls
+from rayzero.control_api.discovery import ControlInfo, read_control_file, run_uri
+from rayzero.control_api.errors import ControlError, ControlValueError
+from rayzero.control_api.tokens import TOKEN_ENV, find_token, read_token_file
+from rayzero.control_api.v1 import control_pb2, control_pb2_grpc
 
 DEFAULT_CALL_TIMEOUT_S = 10.0
 """Deadline of the quick calls (status, scale, kill)."""
