@@ -29,7 +29,7 @@ from rayzero.config.sections import (
     SchedulerConfig,
     TorchAutocastConfig,
 )
-from rayzero.config.zero import ZeroConfig
+from rayzero.config.zero_optimization import ZeroConfig
 
 
 def _lower(value: Any) -> Any:
