@@ -13,10 +13,10 @@ from pydantic.fields import FieldInfo
 from rayzero.config.base import NOT_STAGE3, REMOVED, STAGE3_ONLY, UNIMPLEMENTED
 from rayzero.config.convert import to_problem
 from rayzero.config.errors import Problem, as_json, nearest
-from rayzero.config.extras import tensor_parallel_degree
 from rayzero.config.model import RayZeroConfig
 from rayzero.config.params import OPTIMIZER_PARAMS, RECOGNISED_OPTIMIZERS, SCHEDULER_PARAMS
 from rayzero.config.sections import AUTOCAST_DTYPES
+from rayzero.config.unimplemented import tensor_parallel_degree
 
 _ZERO = "zero_optimization"
 

@@ -1,10 +1,10 @@
-"""Top-level DeepSpeed keys rayzero recognises but does not implement, and the training features
-DeepSpeed 0.19 removed.
+"""Top-level DeepSpeed keys rayzero recognises but does not implement (the features DeepSpeed 0.19
+removed are in removed.py).
 
 Recognised keys are accepted (so a DeepSpeed file loads unchanged) and each one present produces a
-warning naming it; none of them changes what rayzero does. Removed features (`REMOVED`) change the
-math when enabled, so an enabled one is refused, as DeepSpeed refuses it; a disabled leftover is
-accepted with a note (DeepSpeed 0.19 refuses even that: a deliberate, harmless difference).
+warning naming it, unless its value asks DeepSpeed for nothing (rules.py); none of them changes what
+rayzero does. Those whose absence would train something else (tensor and sequence parallelism of
+degree > 1) are refused before training instead ([Note: valid vs runnable] in runnable.py).
 """
 from __future__ import annotations
 
@@ -12,17 +12,13 @@ from typing import Any, Optional
 
 from pydantic import Field
 
-from rayzero.config.base import REMOVED, UNIMPLEMENTED, Bool, ConfigModel, Int
+from rayzero.config.base import UNIMPLEMENTED, Bool, ConfigModel, Int
 
 _TODO = {UNIMPLEMENTED: True}
 
 
 def _todo() -> Any:
     return Field(None, json_schema_extra=_TODO)
-
-
-def _removed(what: str) -> Any:
-    return Field(None, json_schema_extra={REMOVED: what})
 
 
 class CompileConfig(ConfigModel):
@@ -74,8 +70,6 @@ class UnimplementedSections(ConfigModel):
     """Scale gradients before all-reduce instead of after; recognised, not implemented."""
     gradient_predivide_factor: Optional[Any] = _todo()
     """Divide gradients by this before all-reduce; recognised, not implemented."""
-    sparse_gradients: Optional[Any] = _removed("Sparse compression of dense embedding gradients")
-    """Sparse compression of dense embedding gradients: removed in DeepSpeed 0.19; refused when enabled."""
     zero_force_ds_cpu_optimizer: Optional[Any] = _todo()
     """Insist on DeepSpeed's CPU Adam with offload; recognised, not implemented."""
     memory_breakdown: Optional[Any] = _todo()
@@ -94,26 +88,12 @@ class UnimplementedSections(ConfigModel):
     """DeepSpeed autotuner; recognised, not implemented."""
     pipeline: Optional[Any] = _todo()
     """Pipeline parallelism; recognised, not implemented."""
-    sparse_attention: Optional[Any] = _removed("DeepSpeed Sparse Attention")
-    """DeepSpeed Sparse Attention: removed in DeepSpeed 0.19; refused when enabled."""
-    compression_training: Optional[Any] = _removed("The DeepSpeed compression library")
-    """The DeepSpeed compression library: removed in DeepSpeed 0.19; refused when enabled."""
     data_efficiency: Optional[Any] = _todo()
     """Data sampling/routing library; recognised, not implemented."""
-    curriculum_learning: Optional[Any] = _removed("Legacy top-level curriculum learning")
-    """Legacy top-level curriculum learning: removed in DeepSpeed 0.19; refused when enabled."""
-    eigenvalue: Optional[Any] = _removed("Eigenvalue-based Mixture-of-Quantization")
-    """Eigenvalue-based Mixture-of-Quantization: removed in DeepSpeed 0.19; refused when enabled."""
-    progressive_layer_drop: Optional[Any] = _removed("Progressive Layer Dropping")
-    """Progressive Layer Dropping: removed in DeepSpeed 0.19; refused when enabled."""
-    quantize_training: Optional[Any] = _removed("Mixture-of-Quantization (quantize_training)")
-    """Mixture-of-Quantization (quantize_training): removed in DeepSpeed 0.19; refused when enabled."""
     weight_quantization: Optional[Any] = _todo()
     """Post-training weight quantisation; recognised, not implemented."""
     hybrid_engine: Optional[Any] = _todo()
     """RLHF hybrid engine; recognised, not implemented."""
-    nebula: Optional[Any] = _removed("Nebula checkpointing")
-    """Nebula checkpointing: removed in DeepSpeed 0.19; refused when enabled."""
     dataloader_drop_last: Optional[Any] = _todo()
     """Drop the last incomplete batch of DeepSpeed's loader; recognised, not implemented."""
     disable_allgather: Optional[Any] = _todo()
@@ -122,8 +102,6 @@ class UnimplementedSections(ConfigModel):
     """DeepSpeed's DeepCompile options (not torch.compile's); recognised, not implemented."""
     timers: Optional[Any] = _todo()
     """Throughput timers; recognised, not implemented."""
-    graph_harvesting: Optional[Any] = _removed("Graph harvesting")
-    """Graph harvesting: removed in DeepSpeed 0.19; refused when enabled."""
     use_data_before_expert_parallelism: Optional[Any] = _todo()
     """MoE data/expert parallel group order; recognised, not implemented."""
     tensor_parallel: Optional[dict[str, Any]] = _todo()
