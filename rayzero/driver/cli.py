@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from rayzero.config.cli import _trainer_arg
 from rayzero.config.errors import RayZeroValueError
-from rayzero.controller.configs import FailureConfig, RunConfig, ScalingConfig
+from rayzero.config.run_settings import FailureConfig, RunConfig, ScalingConfig
 from rayzero.controller.errors import TrainingFailedError
 from rayzero.workers.script import ScriptTarget
 

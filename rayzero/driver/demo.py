@@ -11,7 +11,7 @@ import sys
 from typing import Any
 
 from rayzero.config.cli import _trainer_arg
-from rayzero.controller.configs import RunConfig, ScalingConfig
+from rayzero.config.run_settings import RunConfig, ScalingConfig
 from rayzero.controller.errors import TrainingFailedError
 
 

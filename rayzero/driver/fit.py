@@ -20,8 +20,8 @@ from rayzero.checkpoint.storage import filesystem_from_uri
 from rayzero.config.errors import RayZeroValueError
 from rayzero.config.loader import NOTES_SHOWN_ENV, logged_notes
 from rayzero.config.names import check_name
+from rayzero.config.run_settings import FailureConfig, RunConfig, ScalingConfig
 from rayzero.controller import registry
-from rayzero.controller.configs import FailureConfig, RunConfig, ScalingConfig
 from rayzero.controller.controller import Controller, ControllerActor, ControllerSettings, ControllerUpdate
 from rayzero.controller.elastic import BatchPlan, plan_batches
 from rayzero.controller.errors import TrainingFailedError

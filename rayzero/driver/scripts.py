@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from rayzero.config.errors import RayZeroValueError
-from rayzero.controller.configs import FailureConfig
+from rayzero.config.run_settings import FailureConfig
 from rayzero.driver.shipping import TargetImportError, relative_to_cwd
 from rayzero.workers.script import SCRIPT_ENV, ScriptLaunch, ScriptTarget
 

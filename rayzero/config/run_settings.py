@@ -1,7 +1,8 @@
-"""The run's runtime settings, Ray Train's shapes: scaling, run (name/storage), failure handling.
+"""A run's runtime settings, in Ray Train's shapes: scaling, run (name/storage), failure handling.
 
-They live in the controller layer because the controller is built from them; `rayzero.driver`
-re-exports them as `rayzero.ScalingConfig`, `rayzero.RunConfig`, `rayzero.FailureConfig`.
+Plain pydantic models like the rest of rayzero.config, so every layer reads them (the driver
+validates them, the controller is built from them); `rayzero.driver` re-exports them as
+`rayzero.ScalingConfig`, `rayzero.RunConfig`, `rayzero.FailureConfig`.
 """
 from __future__ import annotations
 
