@@ -30,7 +30,7 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None,
                training_data: Any = None, lr_scheduler: Any = None, distributed_port: int | None = None,
                mpu: Any = None, dist_init_required: bool | None = None, collate_fn: Any = None,
                config: Any = None, mesh_param: Any = None, config_params: Any = None,
-               process_group: dist.ProcessGroup | None = None,
+               process_group: dist.ProcessGroup | None = None, engine_class: type[ZeroEngine] = ZeroEngine,
                ) -> tuple[ZeroEngine, torch.optim.Optimizer, Any, Any]:
     """Wrap `model` for ZeRO training: returns `(engine, optimizer, dataloader, lr_scheduler)`.
 
@@ -42,7 +42,8 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None,
     `dist_init_required=False`; with none of them, trains as a world of one. `optimizer` (a torch
     optimizer over the model's parameters) and `lr_scheduler` (a scheduler or a callable taking the
     optimizer) replace the config's `optimizer` / `scheduler` sections. `mpu` and `mesh_param`
-    (model or sequence parallelism) are refused: rayzero is data parallel.
+    (model or sequence parallelism) are refused: rayzero is data parallel. `engine_class` is the
+    class built, a `ZeroEngine` subclass (rayzero.compat passes DeepSpeed's `DeepSpeedEngine`).
     """
     if model is None and isinstance(args, torch.nn.Module):  # initialize(model, ...): rayzero's older order
         args, model = None, args
@@ -89,7 +90,7 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None,
                        TESTED_OPTIMIZERS):
         strategy.enable_step_overlap()
     loss_scaler = build_loss_scaler(cfg.fp16, autocast_fp16=autocast is not None and autocast.scales_loss)
-    engine = ZeroEngine(model, strategy, comm, precision, step_policy, loss_scaler, scheduler, cfg)
+    engine = engine_class(model, strategy, comm, precision, step_policy, loss_scaler, scheduler, cfg)
     loader = build_dataloader(training_data, step_policy.micro_batch_size,
                                        cfg.train_batch_size or engine.train_batch_size(), comm, collate_fn)
     engine.training_dataloader = loader

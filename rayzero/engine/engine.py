@@ -116,6 +116,7 @@ class ZeroEngine(DeepSpeedAccessors):
         self.skipped_steps = 0  # fp16 overflows
         self.last_step_overflowed = False
         self.step_applied = False  # the last step() updated the weights (DeepSpeed's was_step_applied)
+        self.boundary_override: bool | None = None  # set_gradient_accumulation_boundary's, once called
         self.last_grad_norm: float | None = None  # unscaled, before clipping; None when not computed
         self.phase = Phase.IDLE
         self.checkpointer = None  # built by rayzero.engine.checkpoint_io on the first save/load

@@ -3,6 +3,7 @@
 out of engine.py so the step itself reads on one screen. Each reads state `ZeroEngine` owns."""
 from __future__ import annotations
 
+import collections
 import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -24,6 +25,8 @@ class DeepSpeedAccessors:
     micro_steps: int
     last_grad_norm: float | None
     step_applied: bool
+    boundary_override: bool | None
+    phase: Any
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -62,7 +65,18 @@ class DeepSpeedAccessors:
         return None if micro is None else micro * self.gradient_accumulation_steps() * self.world_size
 
     def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether the next backward ends an accumulation window: counted from the micro steps, or
+        what the caller last told `set_gradient_accumulation_boundary`."""
+        if self.boundary_override is not None:
+            return self.boundary_override
         return (self.micro_steps + 1) % self.step_policy.gradient_accumulation_steps == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """DeepSpeed's: the caller says whether the next backward ends an accumulation window, instead
+        of the engine counting micro steps. Accelerate (and so HF's Trainer) calls it before every
+        backward and calls `step()` only when it passed True; as in DeepSpeed, once called it stays
+        in charge for the engine's life."""
+        self.boundary_override = bool(is_boundary)
 
     def get_lr(self) -> list[float]:
         return [group["lr"] for group in self.optimizer.param_groups]
@@ -92,6 +106,48 @@ class DeepSpeedAccessors:
 
     def gradient_clipping(self) -> float:
         return float(self.step_policy.gradient_clipping)
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """`zero_optimization.stage3_gather_16bit_weights_on_model_save` (Accelerate reads it)."""
+        return bool(self.config.zero_optimization.gather_16bit_weights_on_model_save)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the gradients of an unfinished accumulation window; after `step()` there are none
+        (the step clears them), so the call trainers make after every step costs nothing."""
+        if self.phase.name != "IDLE":
+            self.strategy.zero_grad()
+            self.phase = type(self.phase).IDLE
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False
+                                             ) -> dict[str, torch.Tensor] | None:
+        """DeepSpeed's: the whole module state dict in the compute dtype, on CPU, on rank 0 (None on
+        the others); every rank must call it. Gathered one module's parameters at a time; a tied
+        weight appears under each of its names as one tensor; non-persistent buffers are left out."""
+        if self.zero_optimization_stage() != 3:
+            raise ValueError("this function requires ZeRO-3 mode")  # DeepSpeed's error, which callers catch
+        from rayzero.engine.stage3.gathered import GatheredParameters
+
+        rank0 = self.comm.rank == 0
+        state: dict[str, torch.Tensor] | None = collections.OrderedDict() if rank0 else None
+        first_name: dict[int, str] = {}
+        for prefix, module in self.module.named_modules():
+            prefix = f"{prefix}." if prefix else ""
+            own = list(module.parameters(recurse=False))
+            with GatheredParameters(own):
+                if state is None:
+                    continue
+                for name, param in module.named_parameters(recurse=False):
+                    if exclude_frozen_parameters and not param.requires_grad:
+                        continue
+                    if id(param) in first_name:
+                        state[prefix + name] = state[first_name[id(param)]]
+                    else:
+                        state[prefix + name] = param.detach().cpu().clone()
+                        first_name[id(param)] = prefix + name
+                for name, buffer in module.named_buffers(recurse=False):
+                    if buffer is not None and name not in module._non_persistent_buffers_set:
+                        state[prefix + name] = buffer.detach().cpu().clone()
+        return state
 
     def parameters(self, recurse: bool = True) -> Iterator[torch.nn.Parameter]:
         return self.module.parameters(recurse)

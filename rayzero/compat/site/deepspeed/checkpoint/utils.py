@@ -1,0 +1,2 @@
+"""`deepspeed.checkpoint.utils` (rayzero)."""
+from rayzero.compat.engine import clone_tensors_for_torch_save  # noqa: F401

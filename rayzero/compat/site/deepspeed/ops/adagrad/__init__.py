@@ -1,0 +1,2 @@
+"""`deepspeed.ops.adagrad` (rayzero)."""
+from rayzero.compat.optimizers import DeepSpeedCPUAdagrad  # noqa: F401

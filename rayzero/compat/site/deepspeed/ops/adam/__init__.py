@@ -1,0 +1,2 @@
+"""`deepspeed.ops.adam` (rayzero)."""
+from rayzero.compat.optimizers import DeepSpeedCPUAdam, FusedAdam  # noqa: F401

@@ -1,0 +1,2 @@
+"""`deepspeed.runtime` (rayzero)."""
+from . import lr_schedules, zero  # noqa: F401

@@ -1,0 +1,2 @@
+"""`deepspeed.runtime.activation_checkpointing` (rayzero)."""
+from . import checkpointing  # noqa: F401

@@ -1,0 +1,2 @@
+"""`deepspeed.checkpointing` (rayzero): rayzero.checkpointing, DeepSpeed's activation checkpointing API."""
+from rayzero.checkpointing import *
