@@ -18,9 +18,11 @@ from typing import Any
 from rayzero.config.errors import RayZeroError
 
 
-def _target_arguments(parser: argparse.ArgumentParser, name_optional: bool = True) -> None:
-    parser.add_argument("name", nargs="?" if name_optional else None,
-                        help="run name (as given to rayzero run --name / RunConfig.name)")
+def _command_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    """A control command's parser with the run it acts on, defined once for every command: NAME (or
+    --address) and how to reach and trust its control service."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument("name", nargs="?", help="run name (as given to rayzero run --name / RunConfig.name)")
     parser.add_argument("--storage", default=None,
                         help="root URI of the runs, as given to the run (default $RAYZERO_STORAGE_ROOT, else ./runs)")
     parser.add_argument("--address", default=None, help="HOST:PORT of the run's control service, instead of NAME")
@@ -33,6 +35,7 @@ def _target_arguments(parser: argparse.ArgumentParser, name_optional: bool = Tru
     parser.add_argument("--server-name", default=None,
                         help="with --address: the name the service's certificate carries (control.json's "
                              "server_name)")
+    return parser
 
 
 def _client(args: argparse.Namespace, prog: str):
@@ -115,8 +118,7 @@ def status_table(status: Any) -> str:
 
 
 def _status(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="rayzero status", description="Show a live run's status.")
-    _target_arguments(parser)
+    parser = _command_parser("rayzero status", "Show a live run's status.")
     parser.add_argument("--json", action="store_true", help="print JSON (one object per line with --watch)")
     parser.add_argument("--watch", action="store_true", help="keep printing updates until the run ends")
     parser.add_argument("--interval", type=float, default=0.0,
@@ -167,10 +169,8 @@ def _checkpoint_text(checkpoint: Any) -> str:
 
 
 def _checkpoint_now(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
-        prog="rayzero checkpoint now",
-        description="Checkpoint a live run at the next step every rank reaches; returns once it is committed.")
-    _target_arguments(parser)
+    parser = _command_parser("rayzero checkpoint now", "Checkpoint a live run at the next step every rank "
+                             "reaches; returns once it is committed.")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the commit (default 600)")
     parser.add_argument("--json", action="store_true", help="print the checkpoint as JSON")
     args = parser.parse_args(argv)
@@ -186,9 +186,8 @@ def _checkpoint_now(argv: list[str]) -> int:
 
 
 def _stop(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
-        prog="rayzero stop", description="Planned stop: checkpoint at the next common step, then end the run.")
-    _target_arguments(parser)
+    parser = _command_parser(
+        "rayzero stop", "Planned stop: checkpoint at the next common step, then end the run.")
     parser.add_argument("--timeout", type=float, default=600.0,
                         help="seconds to wait for the final checkpoint (default 600)")
     args = parser.parse_args(argv)
@@ -202,15 +201,9 @@ def _stop(argv: list[str]) -> int:
 
 
 def _scale(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
-        prog="rayzero scale", description="Resize a live run (checkpoint, regroup, resume) within its elastic range.")
-    parser.add_argument("name", nargs="?", help="run name")
+    parser = _command_parser(
+        "rayzero scale", "Resize a live run (checkpoint, regroup, resume) within its elastic range.")
     parser.add_argument("workers", type=int, help="workers (ranks) wanted")
-    for flag, help_text in (("--storage", "root URI of the runs"), ("--address", "HOST:PORT instead of NAME"),
-                            ("--token-file", "file holding the run's token"), ("--ca-file", "the run's PEM CA, pinned"),
-                            ("--server-name", "with --address: the name in the service's certificate")):
-        parser.add_argument(flag, default=None, help=help_text)
-    parser.add_argument("--tls", action="store_true", help="the service at --address speaks TLS")
     args = parser.parse_args(argv)
     if args.workers < 1:
         raise _Usage(f"rayzero scale: workers must be >= 1, got {args.workers}")
@@ -221,8 +214,7 @@ def _scale(argv: list[str]) -> int:
 
 
 def _kill(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="rayzero kill", description="End a live run now, without a checkpoint.")
-    _target_arguments(parser)
+    parser = _command_parser("rayzero kill", "End a live run now, without a checkpoint.")
     parser.add_argument("--reason", default="killed with `rayzero kill`", help="why, for the run's log")
     args = parser.parse_args(argv)
     with _client(args, parser.prog) as client:
