@@ -39,6 +39,7 @@ lint: $(STAMP)
 
 docs-check: $(STAMP)
 	$(BIN)/python -m rayzero.config.docs --check docs/config.md
+	$(BIN)/python -m rayzero.config.environment_docs --check docs/environment.md
 	$(BIN)/python scripts/doc_tables.py --check
 
 # The RayZeroJob CRD is generated from rayzero/config/k8s_job.py, deploy/rbac.yaml from the chart.

@@ -39,16 +39,15 @@ def _command_parser(prog: str, description: str) -> argparse.ArgumentParser:
 
 
 def _client(args: argparse.Namespace, prog: str):
-    import os
 
+    from rayzero.config.environment import CONTROL_TOKEN
     from rayzero.control_api.client import connect
-    from rayzero.control_api.tokens import TOKEN_ENV
 
     if args.address:
         if args.name:
             raise _Usage(f"{prog}: give NAME or --address, not both")
-        if not args.token_file and not os.environ.get(TOKEN_ENV):
-            raise _Usage(f"{prog}: --address needs --token-file FILE (the run's token) or {TOKEN_ENV}")
+        if not args.token_file and not CONTROL_TOKEN.get():
+            raise _Usage(f"{prog}: --address needs --token-file FILE (the run's token) or {CONTROL_TOKEN.name}")
         return connect(address=args.address, token_file=args.token_file, ca_file=args.ca_file, tls=args.tls,
                        server_name=args.server_name)
     if not args.name:

@@ -13,24 +13,22 @@ present a certificate it signed, and a run without TLS is refused rather than se
 from __future__ import annotations
 
 from collections.abc import Iterator
-import os
 from typing import Any
 
 import grpc
 
+from rayzero.config.environment import CONTROL_TLS_CA, CONTROL_TOKEN
 from rayzero.config.errors import RayZeroValueError
 from rayzero.control_api import tls as control_tls
 from rayzero.control_api.discovery import ControlInfo, read_control_file, run_uri
 from rayzero.control_api.errors import ControlError, ControlValueError
-from rayzero.control_api.tokens import TOKEN_ENV, find_token, read_token_file
+from rayzero.control_api.tokens import find_token, read_token_file
 from rayzero.control_api.v1 import control_pb2, control_pb2_grpc
 
 DEFAULT_CALL_TIMEOUT_S = 10.0
 """Deadline of the quick calls (status, scale, kill)."""
 DEFAULT_CHECKPOINT_TIMEOUT_S = 600.0
 """How long checkpoint-now and stop wait for the commit (a large model's save takes minutes)."""
-TLS_CA_ENV = "RAYZERO_CONTROL_TLS_CA"
-"""A PEM CA file clients pin (the Ray pods of a RayZeroJob have the job's)."""
 
 
 class ControlClient:
@@ -60,12 +58,12 @@ class ControlClient:
         if pinned_ca is not None:
             if not info.tls:
                 raise ControlError(f"the run at {info.address} serves its control service without TLS, but this "
-                                   f"client pins a CA ({TLS_CA_ENV} / --ca-file): the token is not sent in plain "
+                                   f"client pins a CA ({CONTROL_TLS_CA.name} / --ca-file): the token is not sent in plain "
                                    "text. Start the run with TLS, or drop the CA", "FAILED_PRECONDITION")
             pinned = control_tls.fingerprint(pinned_ca)
             if info.ca_fingerprint and info.ca_fingerprint != pinned:
                 raise ControlError(f"the run at {info.address} uses the CA {info.ca_fingerprint}, not the pinned CA "
-                                   f"{pinned} ({TLS_CA_ENV} / --ca-file): give this run's CA (in Kubernetes: "
+                                   f"{pinned} ({CONTROL_TLS_CA.name} / --ca-file): give this run's CA (in Kubernetes: "
                                    "`ca.crt` of the job's Secret <job>-rayzero-auth)", "FAILED_PRECONDITION")
         return cls(info.address, token, tls=info.tls, root_certificates=pinned_ca or info.root_certificates,
                    server_name=info.server_name, **kwargs)
@@ -135,7 +133,7 @@ def _translate(error: grpc.RpcError, address: str) -> Exception:
     if code == grpc.StatusCode.UNAVAILABLE and any(word in detail.lower() for word in _TLS_FAILURE_WORDS):
         return ControlError(f"TLS with {address} failed ({detail}): the service's certificate is not one the CA this "
                             "client trusts signed for the expected name. Use the run's CA (--ca-file, "
-                            f"{TLS_CA_ENV}; in Kubernetes `ca.crt` of the job's Secret)", code.name)
+                            f"{CONTROL_TLS_CA.name}; in Kubernetes `ca.crt` of the job's Secret)", code.name)
     if code == grpc.StatusCode.UNAVAILABLE:
         return ControlError(f"no control service answers at {address} ({detail}): the run has ended or "
                             "its control.json is stale", code.name)
@@ -165,14 +163,14 @@ def status_dict(status: control_pb2.Status) -> dict[str, Any]:
 
 def pinned_ca(ca_file: str | None = None) -> str | None:
     """The PEM CA to pin: `ca_file`, else the file $RAYZERO_CONTROL_TLS_CA names, else None."""
-    path = ca_file or os.environ.get(TLS_CA_ENV)
+    path = ca_file or CONTROL_TLS_CA.get()
     if not path:
         return None
     try:
         with open(path) as handle:
             return control_tls.first_certificate(handle.read())
     except OSError as error:
-        source = "--ca-file" if ca_file else TLS_CA_ENV
+        source = "--ca-file" if ca_file else CONTROL_TLS_CA.name
         raise RayZeroValueError(f"{source}={path!r} cannot be read ({error.strerror}); give the run's PEM CA "
                                 "certificate") from None
 
@@ -194,9 +192,9 @@ def connect(name: str | None = None, storage: str | None = None, *, address: str
         info = read_control_file(uri, name)
         return ControlClient.from_info(info, token or find_token(uri, name, token_file), pinned_ca=ca, **kwargs)
     if token is None:
-        token = read_token_file(token_file) if token_file else os.environ.get(TOKEN_ENV)
+        token = read_token_file(token_file) if token_file else CONTROL_TOKEN.get()
     if not token:
         raise RayZeroValueError(f"connect(address={address!r}) needs token= or token_file= (the run's token: its "
-                                f"local token file, {TOKEN_ENV}, or the job's Secret)")
+                                f"local token file, {CONTROL_TOKEN.name}, or the job's Secret)")
     return ControlClient(address, token, tls=tls or ca is not None, root_certificates=ca, server_name=server_name,
                          **kwargs)

@@ -15,6 +15,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from rayzero.config.environment import STORAGE_ROOT
 from rayzero.config.errors import RayZeroRuntimeError
 from rayzero.config.names import check_name
 
@@ -45,7 +46,7 @@ class ControlInfo:
 def storage_root(storage: str | None) -> str:
     """The runs' root URI, with the same default as `rayzero run` / `rayzero.fit`: `storage`, else
     `$RAYZERO_STORAGE_ROOT`, else ./runs; a plain path becomes a file:// URI."""
-    root = storage or os.environ.get("RAYZERO_STORAGE_ROOT") or Path.cwd().joinpath("runs").as_uri()
+    root = storage or STORAGE_ROOT.get() or Path.cwd().joinpath("runs").as_uri()
     if "://" not in root:
         root = Path(root).resolve().as_uri()
     return root.rstrip("/")

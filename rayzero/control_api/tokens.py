@@ -24,15 +24,14 @@ import os
 import stat
 from pathlib import Path
 
+from rayzero.config.environment import CONTROL_TOKEN, CONTROL_TOKEN_DIR
 from rayzero.config.errors import RayZeroRuntimeError, RayZeroValueError
 
-TOKEN_ENV = "RAYZERO_CONTROL_TOKEN"
-TOKEN_DIR_ENV = "RAYZERO_CONTROL_TOKEN_DIR"
 logger = logging.getLogger(__name__)
 
 
 def token_directory() -> Path:
-    return Path(os.environ.get(TOKEN_DIR_ENV) or Path.home() / ".rayzero" / "control")
+    return Path(CONTROL_TOKEN_DIR.get() or Path.home() / ".rayzero" / "control")
 
 
 def token_path(run_uri: str, run_name: str) -> Path:
@@ -50,15 +49,15 @@ def _private_directory(directory: Path) -> int:
         descriptor = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as error:  # read-only or foreign home; ELOOP/ENOTDIR: a symlink or a file in its place
         raise RayZeroRuntimeError(
-            f"cannot use {directory} for the run's control token ({error.strerror}): set {TOKEN_DIR_ENV} to a "
-            f"private directory this user can write, or give the run a token in {TOKEN_ENV}") from None
+            f"cannot use {directory} for the run's control token ({error.strerror}): set {CONTROL_TOKEN_DIR.name} to a "
+            f"private directory this user can write, or give the run a token in {CONTROL_TOKEN.name}") from None
     info = os.fstat(descriptor)
     if info.st_uid != os.geteuid() or info.st_mode & 0o077:
         os.close(descriptor)
         raise RayZeroRuntimeError(
             f"token directory {directory} must belong to uid {os.geteuid()} with mode 0700 (it is uid "
             f"{info.st_uid}, mode {stat.S_IMODE(info.st_mode):04o}): `chmod 700 {directory}`, or set "
-            f"{TOKEN_DIR_ENV} to a private directory")
+            f"{CONTROL_TOKEN_DIR.name} to a private directory")
     return descriptor
 
 
@@ -89,7 +88,7 @@ def write_token_file(path: Path, token: str) -> Path:
             handle.write(token + "\n")
     except OSError as error:
         raise RayZeroRuntimeError(f"cannot write the run's control token to {path} ({error.strerror}): set "
-                                  f"{TOKEN_DIR_ENV} to a private directory this user can write") from None
+                                  f"{CONTROL_TOKEN_DIR.name} to a private directory this user can write") from None
     finally:
         os.close(directory)
     return path
@@ -125,12 +124,12 @@ def find_token(run_uri: str, run_name: str, token_file: str | None = None) -> st
     local token file when this is its node ([Note: the control token never goes to run storage])."""
     if token_file:
         return read_token_file(token_file)
-    if os.environ.get(TOKEN_ENV):
-        return os.environ[TOKEN_ENV]
+    if CONTROL_TOKEN.get():
+        return CONTROL_TOKEN.get()
     local = token_path(run_uri, run_name)
     if os.path.lexists(local):
         return read_token_file(local)
     raise RayZeroValueError(
         f"no token for run {run_name!r}: the run's control.json does not carry it. On the controller's node "
-        f"it is in {local}; elsewhere pass --token-file FILE (a copy of it) or set {TOKEN_ENV}. In Kubernetes "
+        f"it is in {local}; elsewhere pass --token-file FILE (a copy of it) or set {CONTROL_TOKEN.name}. In Kubernetes "
         "it is `control_token` in the Secret <job>-rayzero-auth")

@@ -12,9 +12,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rayzero.checkpoint.retention import RUN_LINEAGE_ENV, claim_run_lineage
+from rayzero.checkpoint.retention import claim_run_lineage
+from rayzero.config.environment import (
+    ATTEMPT,
+    CHECKPOINT_DIR,
+    COLLECTIVE_TIMEOUT_S,
+    CONFIG,
+    CONTROL_HOST,
+    CONTROL_SERVICE_VARIABLES,
+    RESUME_FROM,
+    RUN,
+    RUN_LINEAGE,
+    RunHandoff,
+)
 from rayzero.config.errors import RayZeroValueError
-from rayzero.config.loader import NOTES_SHOWN_ENV, logged_notes
+from rayzero.config.loader import logged_notes
 from rayzero.config.run_settings import FailureConfig, RunConfig, ScalingConfig
 from rayzero.controller import registry
 from rayzero.controller.controller import Controller, ControllerActor, ControllerSettings, ControllerUpdate
@@ -31,7 +43,6 @@ from rayzero.driver.run_location import RunLocation, locate_run
 from rayzero.driver.scripts import prepare_script, script_environment
 from rayzero.driver.shipping import ship
 from rayzero.driver.signals import StopSignals
-from rayzero.workers.boundary import CHECKPOINT_TIER_ENV
 from rayzero.workers.script import ScriptTarget
 
 
@@ -152,25 +163,25 @@ def _locate_cluster(train_loop: Any, scaling: ScalingConfig) -> tuple[Any, Conne
 def _worker_environment(job: _ValidatedJob, where: RunLocation, failure: FailureConfig) -> dict[str, str]:
     """What every worker of every attempt finds in its environment (the controller adds the attempt,
     the config for its size and the resume point)."""
+    handoff = RunHandoff(
+        name=where.name,
+        storage=where.uri,
+        resuming=where.rerun,  # get_context().resuming: a rerun under the same name
+        node_local_checkpoints=job.node_local,  # [Note: node-local runs]
+        trainer=dict(job.trainer) if job.trainer else None,  # HF trainer arguments for "auto"s
+        notes_shown=tuple(logged_notes()),  # [Note: config notes once]
+    )
     run_env = {
-        "RAYZERO_RUN_NAME": where.name,
-        "RAYZERO_STORAGE": where.uri,
-        "RAYZERO_CHECKPOINT_DIR": where.checkpoint_dir,
+        RUN.name: handoff.to_text(),  # [Note: environment variables]
+        CHECKPOINT_DIR.name: where.checkpoint_dir,
         # the engine's own bound for groups it creates (e.g. the checkpoint writer's)
-        "RAYZERO_COLLECTIVE_TIMEOUT_S": str(failure.process_group_timeout_s),
+        COLLECTIVE_TIMEOUT_S.name: str(failure.process_group_timeout_s),
         # one per run name, every invocation and attempt: retention rotates this run's checkpoints
         # and never another run's ([Note: retention owns only its own] in checkpoint/retention.py)
-        RUN_LINEAGE_ENV: claim_run_lineage(where.uri),
+        RUN_LINEAGE.name: claim_run_lineage(where.uri),
     }
-    if job.trainer:
-        run_env["RAYZERO_TRAINER"] = json.dumps(dict(job.trainer))  # HF trainer arguments for "auto"s
     if job.script:
         run_env.update(script_environment(failure))
-    if where.rerun:
-        run_env["RAYZERO_RESUMING"] = "1"  # get_context().resuming: a rerun under the same name
-    run_env[NOTES_SHOWN_ENV] = json.dumps(logged_notes())  # [Note: config notes once]
-    if job.node_local:
-        run_env[CHECKPOINT_TIER_ENV] = "node_local"  # [Note: node-local runs]
     return run_env
 
 
@@ -196,12 +207,12 @@ def _start_controller(job: _ValidatedJob, where: RunLocation, scaling: ScalingCo
 
     def make_controller() -> Controller:  # runs inside the controller actor
         def make_group(attempt: int, resume: str | None, workers: int) -> RayWorkerGroup:
-            env = dict(run_env, RAYZERO_ATTEMPT=str(attempt))
+            env = dict(run_env, **{ATTEMPT.name: str(attempt)})
             worker_config = plan.config_for(ds_config, workers)
             if worker_config is not None:
-                env["RAYZERO_CONFIG"] = json.dumps(worker_config)
+                env[CONFIG.name] = json.dumps(worker_config)
             if resume:
-                env["RAYZERO_RESUME_FROM"] = resume
+                env[RESUME_FROM.name] = resume
             group = RayWorkerGroup(scaling, workers, env, failure.process_group_timeout_s, datasets)
             if workers > plan.min_workers:
                 # Above the minimum the size came from the free resources: if it does not place
@@ -219,13 +230,13 @@ def _start_controller(job: _ValidatedJob, where: RunLocation, scaling: ScalingCo
 
     # num_cpus=0: the controller only waits; it must not take a CPU a worker bundle needs. Pinned to
     # the driver's node: a lost worker node must not take the controller with it.
-    # RAYZERO_CONTROL_* (host, port, TLS files) reach the control service in the controller actor;
-    # not the token: a runtime env is readable through Ray's state API (the operator's pods have it
-    # in the environment of every process on the head already).
-    control_env = {key: value for key, value in os.environ.items()
-                   if key.startswith("RAYZERO_CONTROL_") and key != "RAYZERO_CONTROL_TOKEN"}
+    # The control service's settings (host, port, TLS files) reach it in the controller actor; not
+    # the token: a runtime env is readable through Ray's state API (the operator's pods have it in
+    # the environment of every process on the head already).
+    control_env = {variable.name: os.environ[variable.name] for variable in CONTROL_SERVICE_VARIABLES
+                   if variable.name in os.environ}
     if connection.started:  # a Ray of one machine, started here: its control service stays on loopback
-        control_env.setdefault("RAYZERO_CONTROL_HOST", "127.0.0.1")
+        control_env.setdefault(CONTROL_HOST.name, "127.0.0.1")
     return _create_controller_actor(ray.remote(ControllerActor).options(
         num_cpus=0, max_concurrency=8, name=controller_actor_name(where.name),
         scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),

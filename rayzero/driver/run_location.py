@@ -3,7 +3,6 @@ the checkpoint it resumes from (`fit`'s "locate the run" step)."""
 from __future__ import annotations
 
 import datetime
-import os
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,6 +11,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from rayzero.checkpoint.storage import filesystem_from_uri
+from rayzero.config.environment import RESUME_FROM, STORAGE_ROOT
 from rayzero.config.errors import RayZeroValueError
 from rayzero.config.names import check_name
 from rayzero.config.run_settings import RunConfig
@@ -38,7 +38,7 @@ def locate_run(run: RunConfig, node_local: bool) -> RunLocation:
     """Step 2 of `fit` (fit.py): name the run, create and probe its directory, and find what it resumes
     from: the resume point asked for, else (a rerun under the same name) its newest committed checkpoint."""
     name, run_uri, checkpoint_dir, rerun = _run_locations(run)
-    requested = run.resume_from or os.environ.get("RAYZERO_RESUME_FROM") or None
+    requested = run.resume_from or RESUME_FROM.get()
     resume_from = resolve_resume_from(requested, explicit=bool(run.resume_from))
     if resume_from is None and requested is None:
         resume_from = _resume_same_name(name, run_uri, checkpoint_dir, node_local)
@@ -50,7 +50,7 @@ def _run_locations(run: RunConfig) -> tuple[str, str, str, bool]:
     directory existed already: a rerun under the same name)."""
     name = check_name(run.name or f"rayzero-{datetime.datetime.now():%Y%m%d-%H%M%S}-{secrets.token_hex(2)}",
                       "RunConfig.name")  # [Note: names that become paths]; a RunConfig may be built unvalidated
-    root = run.storage or os.environ.get("RAYZERO_STORAGE_ROOT") or Path.cwd().joinpath("runs").as_uri()
+    root = run.storage or STORAGE_ROOT.get() or Path.cwd().joinpath("runs").as_uri()
     if "://" not in root:  # a plain path is a local directory
         root = Path(root).resolve().as_uri()
     run_uri = f"{root.rstrip('/')}/{name}"
@@ -88,7 +88,7 @@ def resolve_resume_from(location: str | None, explicit: bool) -> str | None:
     operator passes on a retried attempt: its `checkpoints/` is used) or a single checkpoint (holds
     `manifest.json`). A location with no committed checkpoint yet (an attempt that failed before its
     first save) means a fresh start, said on the driver. file:// becomes a local path, like
-    RAYZERO_CHECKPOINT_DIR; other URIs stay URIs.
+    $RAYZERO_CHECKPOINT_DIR; other URIs stay URIs.
     """
     if not location:
         return None

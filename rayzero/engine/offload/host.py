@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from rayzero.config.environment import CPU_STEP_THREADS
 from rayzero.engine.offload.backend import _SCRATCH_OWNERS, OffloadBackend, StateKind
 
 
@@ -190,9 +191,9 @@ def step_thread_budget() -> int:
     """Threads for one rank's CPU optimizer step: the cores this process may run on, shared by the
     ranks of this host (LOCAL_WORLD_SIZE) — so several ranks on one host do not oversubscribe it.
     `RAYZERO_CPU_STEP_THREADS` overrides."""
-    override = os.environ.get("RAYZERO_CPU_STEP_THREADS")
-    if override:
-        return max(1, int(override))
+    override = CPU_STEP_THREADS.get()
+    if override is not None:
+        return max(1, override)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
 

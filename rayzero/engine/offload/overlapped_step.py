@@ -28,23 +28,19 @@ turns it off. Decided in engine/api.py and host.py; bucketed/strategy.py and sta
 """
 from __future__ import annotations
 
-import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from rayzero.config.environment import OFFLOAD_OVERLAP_STEP
 from rayzero.config.errors import RayZeroRuntimeError
-
-OVERLAP_ENV = "RAYZERO_OFFLOAD_OVERLAP_STEP"
 
 
 def overlap_enabled(compute_device: torch.device) -> bool:
     """Whether an offloading backend runs the background thread at all ([Note: step overlapped
     with backward]): `auto` (default) on an accelerator only, `1` always, `0` never."""
-    mode = os.environ.get(OVERLAP_ENV, "auto").strip().lower()
-    if mode not in ("auto", "0", "1"):
-        raise RayZeroRuntimeError(f"{OVERLAP_ENV}={mode!r}: use auto (the default), 1 or 0")
+    mode = OFFLOAD_OVERLAP_STEP.get()
     return mode == "1" or (mode == "auto" and compute_device.type != "cpu")
 
 

@@ -26,13 +26,12 @@ among themselves. Their traffic is still counted by the engine's communicator.
 from __future__ import annotations
 
 import datetime
-import os
 
 import torch
 import torch.distributed as dist
 
+from rayzero.config.environment import COLLECTIVE_TIMEOUT_S
 from rayzero.engine.comm import Communicator
-from rayzero.engine.distributed import DEFAULT_TIMEOUT_S
 from rayzero.engine.stage3.parameters import PartitionedParam
 
 
@@ -55,7 +54,7 @@ def _reduction_group(comm: Communicator) -> dist.ProcessGroup | None:
     every rank of the world, which a subgroup's outsiders would not do)."""
     if not comm.distributed or comm.group is not dist.group.WORLD:
         return None
-    timeout = float(os.environ.get("RAYZERO_COLLECTIVE_TIMEOUT_S", DEFAULT_TIMEOUT_S))
+    timeout = COLLECTIVE_TIMEOUT_S.get()
     return dist.new_group(backend=dist.get_backend(comm.group), timeout=datetime.timedelta(seconds=timeout))
 
 

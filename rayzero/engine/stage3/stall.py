@@ -23,7 +23,6 @@ check per micro-step. A wait that is already complete, the common case, costs on
 from __future__ import annotations
 
 import datetime
-import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -31,13 +30,8 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch.distributed as dist
 
+from rayzero.config.environment import STAGE3_STALL_CHECK_S
 from rayzero.config.errors import RayZeroRuntimeError
-
-DEFAULT_STALL_CHECK_S = 10.0
-
-
-def stall_check_seconds() -> float:
-    return float(os.environ.get("RAYZERO_STAGE3_STALL_CHECK_S", DEFAULT_STALL_CHECK_S))
 
 
 def different_modules_error(names: list[str]) -> RayZeroRuntimeError:
@@ -54,7 +48,7 @@ class StallWatch:
 
     def __init__(self, group: dist.ProcessGroup | None, rank: int, world_size: int,
                  where: Callable[[], tuple[int, str, bool]]) -> None:
-        self.seconds = stall_check_seconds()
+        self.seconds = STAGE3_STALL_CHECK_S.get()
         self._group, self._rank, self._world = group, rank, world_size
         # (micro-step number, "module (pass)", whether this rank left its recorded order in it)
         self._where = where
