@@ -39,6 +39,7 @@ lint: $(STAMP)
 
 docs-check: $(STAMP)
 	$(BIN)/python -m rayzero.config.docs --check docs/config.md
+	$(BIN)/python -m rayzero.config.environment_docs --check docs/environment.md
 	$(BIN)/python scripts/doc_tables.py --check
 	$(BIN)/python bench/scale.py --doc docs/scale.md --check
 

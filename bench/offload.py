@@ -54,7 +54,7 @@ def _adamw_step_timer(kind: str, numel: int):
     if kind == "rayzero":
         from types import SimpleNamespace
 
-        from rayzero.engine.offload_host import HostOffload
+        from rayzero.engine.offload.host import HostOffload
 
         zero = SimpleNamespace(offload_optimizer=SimpleNamespace(pin_memory=False, ratio=1.0), offload_param=None,
                                offload_optimizer_device="cpu", offload_param_device="none")
@@ -111,7 +111,7 @@ def _dd(args: list[str]) -> float:
 def bench_swap(directory: str, mib: int, rounds: int) -> dict[str, Any]:
     from concurrent.futures import ThreadPoolExecutor
 
-    from rayzero.engine.swap_io import AlignedBuffer, IOKnobs, SwapFile, io_layer_name
+    from rayzero.engine.offload.swap_io import AlignedBuffer, IOKnobs, SwapFile, io_layer_name
 
     nbytes = mib << 20
     os.makedirs(directory, exist_ok=True)

@@ -36,8 +36,10 @@ _LAZY = {
     "report": "rayzero.workers",
     "get_dataset_shard": "rayzero.workers",
 }
-# sub-modules reachable as attributes, e.g. rayzero.zero.GatheredParameters, rayzero.checkpointing.checkpoint
-_SUBMODULES = {"zero": "rayzero.zero", "checkpointing": "rayzero.checkpointing"}
+# sub-modules reachable as attributes, e.g. rayzero.zero.GatheredParameters,
+# rayzero.activation_checkpointing.checkpoint (DeepSpeed's name for it: rayzero.checkpointing)
+_SUBMODULES = {"zero": "rayzero.zero", "activation_checkpointing": "rayzero.activation_checkpointing",
+               "checkpointing": "rayzero.checkpointing"}
 
 
 def __getattr__(name: str) -> Any:

@@ -15,15 +15,15 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "run": ("rayzero.cli:run_main", "run a training script or loop on Ray: rayzero run train.py --workers 2 -- ARGS"),
     "demo": ("rayzero.driver.demo", "train the built-in character language model (the main job)"),
     "checkpoint": ("rayzero.checkpoint.cli", "list, verify, consolidate or import checkpoints; `now` on a live run"),
-    "status": ("rayzero.control.cli:status_main", "live runs' status: rayzero status [NAME] [--json] [--watch]"),
-    "stop": ("rayzero.control.cli:stop_main", "planned stop of a live run: checkpoint, then end it"),
-    "scale": ("rayzero.control.cli:scale_main", "resize a live run: rayzero scale NAME WORKERS"),
-    "kill": ("rayzero.control.cli:kill_main", "end a live run now, without a checkpoint"),
+    "status": ("rayzero.control_api.cli:status_main", "live runs' status: rayzero status [NAME] [--json] [--watch]"),
+    "stop": ("rayzero.control_api.cli:stop_main", "planned stop of a live run: checkpoint, then end it"),
+    "scale": ("rayzero.control_api.cli:scale_main", "resize a live run: rayzero scale NAME WORKERS"),
+    "kill": ("rayzero.control_api.cli:kill_main", "end a live run now, without a checkpoint"),
     "estimate": ("rayzero.engine.estimate", "memory per device / host / NVMe for every stage and offload option"),
     "plot": ("rayzero.plot", "draw a run's loss, throughput, lr and memory: rayzero plot RUN -o run.png"),
 }
 # `rayzero checkpoint now NAME` talks to a live run; the other `checkpoint` commands read files.
-CHECKPOINT_NOW = "rayzero.control.cli:checkpoint_now_main"
+CHECKPOINT_NOW = "rayzero.control_api.cli:checkpoint_now_main"
 
 
 def run_main(argv: list[str]) -> int:

@@ -8,8 +8,8 @@
 """
 from __future__ import annotations
 
-from rayzero.engine.gathered import GatheredParameters
-from rayzero.engine.stage3_params import register_external_parameter
-from rayzero.engine.zero_init import Init
+from rayzero.engine.stage3.gathered import GatheredParameters
+from rayzero.engine.stage3.parameters import register_external_parameter
+from rayzero.engine.stage3.zero_init import Init
 
 __all__ = ["GatheredParameters", "Init", "register_external_parameter"]

@@ -24,7 +24,7 @@ JSON
 # written to --storage: it is in ~/.rayzero/control/demo-run-<hash>.token of the user Ray runs as on
 # the head, so from elsewhere copy it and pass `rayzero status demo-run --storage ... --token-file F`.
 # To serve TLS (otherwise the controller warns that the token crosses the network in plain text),
-# make certificates once with `python -m rayzero.control.tls --out /etc/rayzero-control` on the head
+# make certificates once with `python -m rayzero.control_api.tls --out /etc/rayzero-control` on the head
 # and add to the runtime env:
 #   "env_vars": {"RAYZERO_CONTROL_TLS_CERT": "/etc/rayzero-control/tls.crt",
 #                "RAYZERO_CONTROL_TLS_KEY": "/etc/rayzero-control/tls.key",

@@ -20,12 +20,17 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from rayzero.config.environment import (
+    CONTROL_TLS_CERT,
+    OPERATOR_CHECKPOINT_TIMEOUT_S,
+    OPERATOR_CONTROL_REFRESH_S,
+    OPERATOR_CONTROL_TIMEOUT_S,
+)
 from rayzero.config.k8s_job import GROUP, RayZeroJobSpec
-from rayzero.control import ControlClient, ControlError, ControlValueError
+from rayzero.control_api import ControlClient, ControlError, ControlValueError
 from rayzero_operator import manifests
 
 logger = logging.getLogger(__name__)
@@ -34,11 +39,11 @@ CHECKPOINT_NOW_ANNOTATION = f"{GROUP}/checkpoint-now"
 STATUS_KEYS = ("runState", "step", "loss", "worldSize", "failures", "goodput", "badputSeconds", "lastCheckpoint",
                "lastCheckpointStep", "controlTime", "checkpointRequest", "scaleRequest")
 """The status fields this module owns; every reconcile carries them over unless it refreshes them."""
-CALL_TIMEOUT_S = float(os.environ.get("RAYZERO_OPERATOR_CONTROL_TIMEOUT_SECONDS", "5"))
-REFRESH_S = float(os.environ.get("RAYZERO_OPERATOR_CONTROL_REFRESH_SECONDS", "5"))
+CALL_TIMEOUT_S = OPERATOR_CONTROL_TIMEOUT_S.get()
+REFRESH_S = OPERATOR_CONTROL_REFRESH_S.get()
 """Most seconds between two status refreshes of a running job. Also the least: a refresh writes the
 status, which is itself an event of the job; refreshing on every event would loop."""
-CHECKPOINT_TIMEOUT_S = float(os.environ.get("RAYZERO_OPERATOR_CHECKPOINT_TIMEOUT_SECONDS", "600"))
+CHECKPOINT_TIMEOUT_S = OPERATOR_CHECKPOINT_TIMEOUT_S.get()
 
 
 @dataclass
@@ -96,7 +101,7 @@ def serves_tls(ray_job: dict[str, Any]) -> bool:
     """Whether the attempt's head was given TLS files (every RayJob this operator version makes is;
     one made before it is not, and is still spoken to in plain text until its attempt ends)."""
     head = ray_job["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
-    return any(item.get("name") == "RAYZERO_CONTROL_TLS_CERT" for item in head.get("env") or [])
+    return any(item.get("name") == CONTROL_TLS_CERT.name for item in head.get("env") or [])
 
 
 def converse(job: dict[str, Any], spec: RayZeroJobSpec, ray_job: dict[str, Any], token: str | None,

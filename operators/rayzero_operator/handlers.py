@@ -15,16 +15,16 @@ from typing import Any
 import kopf
 from kubernetes.client.exceptions import ApiException
 
+from rayzero.config.environment import OPERATOR_ALLOWED_HOST_PATHS, OPERATOR_CRASH_AFTER, OPERATOR_RESYNC_S
 from rayzero.config.k8s_job import CONFIG_FILE_NAME, GROUP, PLURAL, VERSION
 from rayzero_operator import control, manifests
 from rayzero_operator.kube import KubeApi, load_client
 from rayzero_operator.plan import Observed, Plan, attempt_of, attempt_state, plan
-from rayzero_operator.spec import ALLOWED_HOST_PATHS_ENV, parse_allowed_host_paths, parse_spec
+from rayzero_operator.spec import parse_allowed_host_paths, parse_spec
 
-RESYNC_SECONDS = float(os.environ.get("RAYZERO_OPERATOR_RESYNC_SECONDS", "30"))
+RESYNC_SECONDS = OPERATOR_RESYNC_S.get()
 # Fault-injection seam for the k8s tests: exit hard right after the named step of a reconcile
 # ("ConfigMap", "RayJob", "status") to prove a restarted operator never makes a second RayJob.
-CRASH_AFTER_ENV = "RAYZERO_OPERATOR_CRASH_AFTER"
 CRASH_EXIT_CODE = 86
 
 
@@ -43,10 +43,10 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     memo.api = KubeApi(load_client())
     memo.locks = {}
     memo.requeued = set()
-    memo.crash_after = os.environ.get(CRASH_AFTER_ENV, "")
+    memo.crash_after = OPERATOR_CRASH_AFTER.get() or ""
     # A wrong value stops the operator at start-up, naming the variable: better than guessing.
     try:
-        memo.allowed_host_paths = parse_allowed_host_paths(os.environ.get(ALLOWED_HOST_PATHS_ENV))
+        memo.allowed_host_paths = parse_allowed_host_paths(OPERATOR_ALLOWED_HOST_PATHS.text())
     except ValueError as error:
         raise kopf.PermanentError(str(error)) from None
 
@@ -59,7 +59,7 @@ def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
 
 def _crash_point(memo: kopf.Memo, step: str) -> None:
     if memo.crash_after == step:
-        logging.getLogger(__name__).error("%s=%s: exiting now", CRASH_AFTER_ENV, step)
+        logging.getLogger(__name__).error("%s=%s: exiting now", OPERATOR_CRASH_AFTER.name, step)
         os._exit(CRASH_EXIT_CODE)
 
 

@@ -17,6 +17,15 @@ from typing import Any
 
 import yaml
 
+from rayzero.config.environment import (
+    CONTROL_PORT,
+    CONTROL_TLS_CA,
+    CONTROL_TLS_CERT,
+    CONTROL_TLS_KEY,
+    CONTROL_TOKEN,
+    NODE_LOCAL_DIR,
+    RESUME_FROM,
+)
 from rayzero.config.k8s_job import (
     CONFIG_FILE_NAME,
     CONFIG_MOUNT_DIR,
@@ -35,14 +44,13 @@ WORKER_GROUP = "workers"
 CONFIG_VOLUME = "rayzero-config"
 NODE_LOCAL_VOLUME = "rayzero-node-local"
 DEFAULT_NODE_LOCAL_MOUNT = "/mnt/rayzero-local"
-ENV_RESUME_FROM = "RAYZERO_RESUME_FROM"
 # [Note: the job's tokens] One Secret per RayZeroJob, created by the operator and owned by the job,
 # holds `auth_token` for Ray's own token authentication (KubeRay's key name, so
 # `authOptions.secretName` can point at it and KubeRay's job submitter authenticates too), made once
 # per job, and the control service's credentials, made again for every attempt (RayJob):
 # `control_token` (the bearer token the operator sends to read status and ask for checkpoints, stops
 # and scaling) and the service's TLS material, `ca.crt`, `tls.crt`, `tls.key` ([Note: control-plane
-# TLS] in rayzero/control/tls.py). The annotation `rayzero.io/control-attempt` says which attempt
+# TLS] in rayzero/control_api/tls.py). The annotation `rayzero.io/control-attempt` says which attempt
 # they belong to, so a restarted operator never rotates them twice. None of it is ever in a RayJob or
 # a status: pods read the tokens through secretKeyRef and the TLS files from a Secret volume (the
 # key on the head only), and control.json never holds the token.
@@ -55,7 +63,6 @@ SCRATCH_VOLUME, SCRATCH_DIR = "rayzero-tmp", "/tmp"
 SERVICE_ACCOUNT_TOKEN_VOLUME = "kube-api-access-autoscaler"
 CONTROL_PORT_NAME = "rayzero-control"
 RAY_USER_ID, RAY_GROUP_ID = 1000, 100  # the `ray` user of Ray's images and of workers/Dockerfile
-ENV_NODE_LOCAL_DIR = "RAYZERO_NODE_LOCAL_DIR"
 # KubeRay copies the RayJob name into label values (at most 63 characters): leave room for
 # "-attempt-" and a 4-digit attempt number.
 MAX_JOB_NAME_LENGTH = 63 - len("-attempt-") - 4
@@ -84,7 +91,7 @@ def _encoded(text: str) -> str:
 def control_credentials(job: dict[str, Any]) -> dict[str, str]:
     """Fresh control-service credentials for one attempt, as Secret `data` (base64): a token, and a CA
     made for this attempt with the certificate it signed for the job's control name."""
-    from rayzero.control.tls import make_service_certificates
+    from rayzero.control_api.tls import make_service_certificates
 
     meta = job["metadata"]
     made = make_service_certificates(control_server_name(meta["name"], meta["namespace"]))
@@ -187,7 +194,7 @@ def runtime_env_yaml(resume_from: str | None) -> str | None:
     """Ray runtime env of the driver: how RAYZERO_RESUME_FROM reaches `rayzero run`."""
     if resume_from is None:
         return None
-    return yaml.safe_dump({"env_vars": {ENV_RESUME_FROM: resume_from}}, sort_keys=True)
+    return yaml.safe_dump({"env_vars": {RESUME_FROM.name: resume_from}}, sort_keys=True)
 
 
 def _resources(resources: Resources) -> dict[str, Any]:
@@ -233,14 +240,12 @@ def _control_tls_volume(job_name: str, head: bool) -> dict[str, Any]:
                                                    "items": [{"key": key, "path": key} for key in keys]}}
 
 
-def _container(spec: RayZeroJobSpec, job_name: str, attempt: int, name: str, resources: Resources, *,
+def _container(spec: RayZeroJobSpec, job_name: str, name: str, resources: Resources, *,
                head: bool) -> dict[str, Any]:
     mount_path = spec.storage.node_local.mount_path if spec.storage.node_local else DEFAULT_NODE_LOCAL_MOUNT
     # The head gets the variable too: the rayzero controller runs there and tells workers where to write.
-    env = [{"name": "RAYZERO_JOB_NAME", "value": job_name},
-           {"name": "RAYZERO_ATTEMPT", "value": str(attempt)},
-           {"name": ENV_NODE_LOCAL_DIR, "value": mount_path},
-           {"name": "RAYZERO_CONTROL_TLS_CA", "value": f"{CONTROL_TLS_DIR}/{CA_KEY}"}]
+    env = [{"name": NODE_LOCAL_DIR.name, "value": mount_path},
+           {"name": CONTROL_TLS_CA.name, "value": f"{CONTROL_TLS_DIR}/{CA_KEY}"}]
     # The root filesystem is read-only; Ray writes its sessions, logs and sockets under /tmp/ray
     # (its default temp dir), Python's tempfile and torch's caches under /tmp: an emptyDir there.
     mounts = [{"name": CONFIG_VOLUME, "mountPath": CONFIG_MOUNT_DIR, "readOnly": True},
@@ -255,11 +260,11 @@ def _container(spec: RayZeroJobSpec, job_name: str, attempt: int, name: str, res
     if head:
         # The controller's control service: a fixed port the head Service exposes, the attempt's
         # token, and TLS with the attempt's certificate ([Note: the job's tokens]).
-        env += [{"name": "RAYZERO_CONTROL_PORT", "value": str(spec.head.control_port)},
-                {"name": "RAYZERO_CONTROL_TOKEN", "valueFrom": {"secretKeyRef": {
+        env += [{"name": CONTROL_PORT.name, "value": str(spec.head.control_port)},
+                {"name": CONTROL_TOKEN.name, "valueFrom": {"secretKeyRef": {
                     "name": secret, "key": CONTROL_TOKEN_KEY}}},
-                {"name": "RAYZERO_CONTROL_TLS_CERT", "value": f"{CONTROL_TLS_DIR}/{CERT_KEY}"},
-                {"name": "RAYZERO_CONTROL_TLS_KEY", "value": f"{CONTROL_TLS_DIR}/{PRIVATE_KEY_KEY}"}]
+                {"name": CONTROL_TLS_CERT.name, "value": f"{CONTROL_TLS_DIR}/{CERT_KEY}"},
+                {"name": CONTROL_TLS_KEY.name, "value": f"{CONTROL_TLS_DIR}/{PRIVATE_KEY_KEY}"}]
     container: dict[str, Any] = {
         "name": name,
         "image": spec.image,
@@ -309,13 +314,13 @@ def ray_job(job: dict[str, Any], spec: RayZeroJobSpec, attempt: int,
     meta = job["metadata"]
     name = meta["name"]
     low, high = spec.world_bounds()
-    head = _container(spec, name, attempt, "ray-head", spec.head.resources, head=True)
+    head = _container(spec, name, "ray-head", spec.head.resources, head=True)
     head["ports"] = [{"containerPort": 6379, "name": "gcs-server"},
                      {"containerPort": 8265, "name": "dashboard"},
                      {"containerPort": 10001, "name": "client"},
                      {"containerPort": spec.head.control_port, "name": CONTROL_PORT_NAME}]
     head_pod = _pod_spec(spec, name, head, head=True)
-    worker_pod = _pod_spec(spec, name, _container(spec, name, attempt, "ray-worker", spec.workers.resources,
+    worker_pod = _pod_spec(spec, name, _container(spec, name, "ray-worker", spec.workers.resources,
                                                   head=False), head=False)
     # time for the planned stop to commit the current step on SIGTERM
     worker_pod["terminationGracePeriodSeconds"] = spec.workers.termination_grace_period_seconds

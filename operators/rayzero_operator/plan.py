@@ -24,6 +24,7 @@ from typing import Any
 
 import yaml
 
+from rayzero.config.environment import RESUME_FROM
 from rayzero.config.k8s_job import RayZeroJobSpec
 from rayzero_operator import manifests
 from rayzero_operator.spec import (
@@ -220,7 +221,7 @@ def _status(observed: Observed, phase: str, reason: str, message: str, problems:
     workers = 0
     if current is not None:
         env = yaml.safe_load(current["spec"].get("runtimeEnvYAML") or "{}") or {}
-        resume_from = (env.get("env_vars") or {}).get(manifests.ENV_RESUME_FROM)
+        resume_from = (env.get("env_vars") or {}).get(RESUME_FROM.name)
         workers = current["spec"]["rayClusterSpec"]["workerGroupSpecs"][0].get("replicas", 0)
     conditions = {
         "Ready": ("True", "Running", message) if phase == "Running" else ("False", reason or phase, message),

@@ -17,6 +17,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from rayzero.config import ConfigError, load_config
+from rayzero.config.environment import OPERATOR_ALLOWED_HOST_PATHS
 from rayzero.config.errors import nearest
 from rayzero.config.k8s_job import CONFIG_MOUNT_DIR, GROUP, RayZeroJobSpec
 from rayzero.config.runnable import check_runnable
@@ -31,7 +32,6 @@ from rayzero_operator import manifests
 # `rayzero.io/credentials=true` or that is not an Opaque Secret (never a ServiceAccount token, never
 # the operator's own per-job Secrets). Nothing else in a spec names a host path or a Secret; the
 # pods run without the namespace's ServiceAccount token (manifests.py).
-ALLOWED_HOST_PATHS_ENV = "RAYZERO_OPERATOR_ALLOWED_HOST_PATHS"
 DEFAULT_ALLOWED_HOST_PATHS = ("/mnt/nvme/rayzero",)
 CREDENTIALS_LABEL = f"{GROUP}/credentials"
 RESERVED_MOUNT_PATHS = (CONFIG_MOUNT_DIR, manifests.CONTROL_TLS_DIR, manifests.SCRATCH_DIR)
@@ -133,12 +133,12 @@ def parse_allowed_host_paths(text: str | None) -> tuple[str, ...]:
     try:
         roots = json.loads(text)
     except json.JSONDecodeError as error:
-        raise ValueError(f"{ALLOWED_HOST_PATHS_ENV}={text!r} is not JSON ({error}); set a JSON list of "
+        raise ValueError(f"{OPERATOR_ALLOWED_HOST_PATHS.name}={text!r} is not JSON ({error}); set a JSON list of "
                          "absolute directories, e.g. [\"/mnt/nvme/rayzero\"] (Helm value allowedHostPaths)") from None
     bad = [root for root in roots if not isinstance(root, str) or not root.startswith("/")
            or posixpath.normpath(root) != root or root == "/"] if isinstance(roots, list) else [roots]
     if bad:
-        raise ValueError(f"{ALLOWED_HOST_PATHS_ENV}: {bad!r} are not normalized absolute directories other than "
+        raise ValueError(f"{OPERATOR_ALLOWED_HOST_PATHS.name}: {bad!r} are not normalized absolute directories other than "
                          "/; set a JSON list such as [\"/mnt/nvme/rayzero\"] (Helm value allowedHostPaths)")
     return tuple(roots)
 

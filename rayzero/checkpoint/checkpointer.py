@@ -18,10 +18,11 @@ from rayzero.checkpoint.comm import CheckpointComm, Topology
 from rayzero.checkpoint.durable import DurableStore
 from rayzero.checkpoint.loader import LoadedCheckpoint, load
 from rayzero.checkpoint.manifest import LATEST
-from rayzero.checkpoint.options import NODE_LOCAL_DIR_ENV, CheckpointOptions, default_save_dir
+from rayzero.checkpoint.options import CheckpointOptions, default_save_dir
 from rayzero.checkpoint.save_failure import CheckpointSaveError
 from rayzero.checkpoint.saver import CheckpointSaver, SaveTimings
 from rayzero.checkpoint.types import ShardedTensor, ShardSpec
+from rayzero.config.environment import NODE_LOCAL_DIR
 from rayzero.config.errors import RayZeroValueError
 from rayzero.config.names import check_name
 
@@ -70,7 +71,7 @@ class Checkpointer:
         if location not in self._durable_stores:
             self._durable_stores[location] = DurableStore(location, self.options.upload_threads)
         digest = hashlib.blake2b(location.encode(), digest_size=6).hexdigest()
-        staging_root = os.environ.get(NODE_LOCAL_DIR_ENV) or tempfile.gettempdir()
+        staging_root = NODE_LOCAL_DIR.get() or tempfile.gettempdir()
         return os.path.join(staging_root, "checkpoints", f"staged-{digest}"), self._durable_stores[location]
 
     def save(self, save_dir: str | os.PathLike | None, tag: str, step: int, stage: int, shards: list[ShardedTensor],

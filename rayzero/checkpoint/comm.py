@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 import xxhash
 
-from rayzero.checkpoint.options import TIMEOUT_ENV
 from rayzero.checkpoint.shard_file import CorruptShardError
+from rayzero.config.environment import CHECKPOINT_TIMEOUT_S, NODE_ID
 
 _CHUNK = 32 << 20  # bytes per message: bounds the memory a transfer holds at once
 
@@ -59,7 +59,6 @@ def _let_gloo_settle() -> None:
 
 
 atexit.register(_let_gloo_settle)
-NODE_ID_ENV = "RAYZERO_NODE_ID"
 DEFAULT_TIMEOUT_S = 1800.0
 
 
@@ -77,11 +76,11 @@ class CheckpointComm:
         # Generous by default: a barrier here waits for the slowest rank's whole shard write.
         # `checkpoint.timeout_s` (the Checkpointer passes it, env override included); bare use reads the env.
         if timeout_s is None:
-            timeout_s = float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
+            timeout_s = CHECKPOINT_TIMEOUT_S.get() or DEFAULT_TIMEOUT_S
         timeout = datetime.timedelta(seconds=timeout_s)
         self.group = (dist.new_group(backend="gloo", timeout=timeout)
                       if self.distributed and self.world_size > 1 else None)
-        self.node_ids: list[str] = self.all_gather_object(os.environ.get(NODE_ID_ENV, "node0"))
+        self.node_ids: list[str] = self.all_gather_object(NODE_ID.get() or "node0")
 
     def all_gather_object(self, value: Any) -> list[Any]:
         if self.group is None:

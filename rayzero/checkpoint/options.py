@@ -16,28 +16,18 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from rayzero.config import environment
+from rayzero.config.environment import Variable
 from rayzero.config.errors import RayZeroValueError
 
-CHECKPOINT_DIR_ENV = "RAYZERO_CHECKPOINT_DIR"
-"""Default save directory when `save_checkpoint(save_dir=None)`; set by the Ray worker."""
-NODE_LOCAL_DIR_ENV = "RAYZERO_NODE_LOCAL_DIR"
-"""This node's local disk root (distinct per node, even for fake nodes on one machine)."""
-DURABLE_URI_ENV = "RAYZERO_DURABLE_URI"
-"""Durable copy target (pyarrow.fs URI); overrides `checkpoint.durable_uri` ("" = none)."""
-REPLICAS_ENV = "RAYZERO_CHECKPOINT_REPLICAS"
-KEEP_LAST_ENV = "RAYZERO_CHECKPOINT_KEEP_LAST"
-ASYNC_SAVE_ENV = "RAYZERO_CHECKPOINT_ASYNC_SAVE"
-UPLOAD_THREADS_ENV = "RAYZERO_CHECKPOINT_UPLOAD_THREADS"
-TIMEOUT_ENV = "RAYZERO_CHECKPOINT_TIMEOUT_S"
-
-# option name -> (environment variable, parser); see [Note: checkpoint settings precedence]
-_ENV_OVERRIDES: dict[str, tuple[str, Any]] = {
-    "replicas": (REPLICAS_ENV, int),
-    "durable_uri": (DURABLE_URI_ENV, lambda text: text or None),
-    "keep_last": (KEEP_LAST_ENV, int),
-    "async_save": (ASYNC_SAVE_ENV, lambda text: {"true": True, "1": True, "false": False, "0": False}[text.lower()]),
-    "upload_threads": (UPLOAD_THREADS_ENV, int),
-    "timeout_s": (TIMEOUT_ENV, float),
+# option name -> the environment variable overriding it; see [Note: checkpoint settings precedence]
+_ENV_OVERRIDES: dict[str, Variable[Any]] = {
+    "replicas": environment.CHECKPOINT_REPLICAS,
+    "durable_uri": environment.DURABLE_URI,
+    "keep_last": environment.CHECKPOINT_KEEP_LAST,
+    "async_save": environment.CHECKPOINT_ASYNC_SAVE,
+    "upload_threads": environment.CHECKPOINT_UPLOAD_THREADS,
+    "timeout_s": environment.CHECKPOINT_TIMEOUT_S,
 }
 
 
@@ -91,23 +81,22 @@ class CheckpointOptions:
         except ValueError as error:
             for name in from_environment:
                 if name not in overrides and str(error).startswith(f"checkpoint.{name} "):
-                    raise RayZeroValueError(f"{error} (set by the environment variable {_ENV_OVERRIDES[name][0]})") from None
+                    raise RayZeroValueError(f"{error} (set by the environment variable {_ENV_OVERRIDES[name].name})") from None
             raise
 
 
 def environment_overrides(environ: Any = None) -> dict[str, Any]:
     """The checkpoint settings set through environment variables (unset or blank ones skipped,
     except RAYZERO_DURABLE_URI="" which turns the configured durable copy off)."""
-    environ = os.environ if environ is None else environ
     found: dict[str, Any] = {}
-    for name, (variable, parse) in _ENV_OVERRIDES.items():
-        text = environ.get(variable)
-        if text is None or (not text.strip() and name != "durable_uri"):
+    for name, variable in _ENV_OVERRIDES.items():
+        text = variable.text(environ)
+        if text is None:
             continue
         try:
-            found[name] = parse(text.strip())
+            found[name] = variable.parse(text.strip())
         except (ValueError, KeyError):
-            raise RayZeroValueError(f"environment variable {variable} = {text!r} is not a valid checkpoint.{name}: "
+            raise RayZeroValueError(f"environment variable {variable.name} = {text!r} is not a valid checkpoint.{name}: "
                              f"expected {_EXPECTED[name]}; fix or unset it") from None
     return found
 
@@ -119,13 +108,14 @@ _EXPECTED = {"replicas": "an integer >= 0", "durable_uri": "a pyarrow.fs URI", "
 def default_save_dir(options: CheckpointOptions) -> str:
     """Where `save_checkpoint(save_dir=None)` writes: RAYZERO_CHECKPOINT_DIR, else (node-local
     storage) RAYZERO_NODE_LOCAL_DIR/checkpoints."""
-    if os.environ.get(CHECKPOINT_DIR_ENV):
-        return os.environ[CHECKPOINT_DIR_ENV]
-    if options.node_local and os.environ.get(NODE_LOCAL_DIR_ENV):
-        return os.path.join(os.environ[NODE_LOCAL_DIR_ENV], "checkpoints")
+    checkpoint_dir, node_local_dir = environment.CHECKPOINT_DIR.get(), environment.NODE_LOCAL_DIR.get()
+    if checkpoint_dir:
+        return checkpoint_dir
+    if options.node_local and node_local_dir:
+        return os.path.join(node_local_dir, "checkpoints")
     raise RayZeroValueError(
         "save_checkpoint/load_checkpoint got save_dir=None and no default is set: pass a directory, "
-        f"or set {CHECKPOINT_DIR_ENV} (rayzero.fit sets it for you)")
+        f"or set {environment.CHECKPOINT_DIR.name} (rayzero.fit sets it for you)")
 
 
 def config_digest(config: Any) -> str:

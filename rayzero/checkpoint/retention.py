@@ -44,8 +44,6 @@ OWNER_FORMAT = "rayzero-owner/1"
 LINEAGE_FILE = "lineage.json"
 """In a run directory: the run's lineage, shared by every invocation of that run name."""
 LINEAGE_FORMAT = "rayzero-lineage/1"
-RUN_LINEAGE_ENV = "RAYZERO_RUN_LINEAGE"
-"""Set by `rayzero.fit` on every worker: the lineage that owns what the run saves."""
 
 # Every file rayzero writes inside a tag directory (shards and their temporaries, the manifest and
 # its temporary, the owner marker and its temporary); nothing else is deleted from one.

@@ -55,7 +55,6 @@ from rayzero.checkpoint.manifest import (
 from rayzero.checkpoint.options import CheckpointOptions
 from rayzero.checkpoint.reshard import build_tensor_entries, choose_writers
 from rayzero.checkpoint.retention import (
-    RUN_LINEAGE_ENV,
     apply_retention,
     claim_tag_dir,
     new_lineage,
@@ -65,6 +64,7 @@ from rayzero.checkpoint.retention import (
 from rayzero.checkpoint.save_failure import CheckpointSaveError, StorageProblem, noting
 from rayzero.checkpoint.shard_file import write_shard_file
 from rayzero.checkpoint.types import LazyPiece, ShardedTensor
+from rayzero.config.environment import RUN_LINEAGE
 from rayzero.config.errors import RayZeroRuntimeError
 
 log = logging.getLogger(__name__)
@@ -241,7 +241,7 @@ class CheckpointSaver:
         """The run lineage owning what this saver writes: RAYZERO_RUN_LINEAGE (set by `rayzero.fit`),
         else rank 0's fresh id. Collective on first use ([Note: retention owns only its own])."""
         if self._lineage is None:
-            self._lineage = self.comm.broadcast_object(os.environ.get(RUN_LINEAGE_ENV) or new_lineage())
+            self._lineage = self.comm.broadcast_object(RUN_LINEAGE.get() or new_lineage())
         return self._lineage
 
     def settle(self) -> None:

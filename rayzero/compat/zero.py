@@ -18,9 +18,9 @@ from typing import Any
 import torch
 
 from rayzero.compat.refused import PARALLELISM, refuse
-from rayzero.engine.gathered import GatheredParameters as _RayZeroGatheredParameters
-from rayzero.engine.stage3_params import register_external_parameter
-from rayzero.engine.zero_init import Init as _RayZeroInit
+from rayzero.engine.stage3.gathered import GatheredParameters as _RayZeroGatheredParameters
+from rayzero.engine.stage3.parameters import register_external_parameter
+from rayzero.engine.stage3.zero_init import Init as _RayZeroInit
 
 
 def _transformers_is_building() -> bool:

@@ -21,7 +21,7 @@ from rayzero.config.sections import (
     OptimizerConfig,
     SchedulerConfig,
 )
-from rayzero.config.zero import ZeroConfig
+from rayzero.config.zero_optimization import ZeroConfig
 
 __all__ = [
     "ActivationCheckpointingConfig",

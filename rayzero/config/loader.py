@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
 from typing import Any, Mapping, Union
 
@@ -17,6 +16,7 @@ from pydantic import ValidationError
 
 from rayzero.config.auto import resolve
 from rayzero.config.convert import to_problem
+from rayzero.config.environment import RUN
 from rayzero.config.errors import ConfigError, Problem
 from rayzero.config.migrate import migrate
 from rayzero.config.model import RayZeroConfig
@@ -58,12 +58,12 @@ def load_config(
     if problems:
         raise ConfigError(problems, name)
     notes[:] = list(dict.fromkeys(notes))  # each note once, in order
-    shown = _shown_by_driver()
+    shown, under_fit = _shown_by_driver()
     for note in notes:
         if note in shown:  # [Note: config notes once]
             continue
         _LOGGED.add(note)
-        if NOTES_SHOWN_ENV in os.environ:
+        if under_fit:
             shown.add(note)
         # resolutions are information; everything else (ignored, deprecated, unimplemented) warns
         level = logging.INFO if note.startswith(("auto:", "derived:", "filled:", "rounded:")) else logging.WARNING
@@ -75,24 +75,23 @@ def load_config(
 # [Note: config notes once]
 # The driver validates a config and logs its notes; under rayzero.fit every worker loads it again
 # (twice: the loop's checks and rayzero.initialize), which would print each note 1 + 2·N times.
-# The driver hands the notes it logged to the workers ($RAYZERO_CONFIG_NOTES_SHOWN, set by
+# The driver hands the notes it logged to the workers (`notes_shown` of $RAYZERO_RUN, set by
 # driver/fit.py); a worker logs only notes not in that set, each once. Elsewhere (a script,
 # torchrun, tests) every load logs its notes, as before. `config.notes` always lists them all.
-NOTES_SHOWN_ENV = "RAYZERO_CONFIG_NOTES_SHOWN"
 _LOGGED: set[str] = set()
 """Every note this process logged (what the driver hands to its workers)."""
-_SHOWN: dict[str, set[str]] = {}  # the env value -> notes shown (the driver's, then this worker's)
+_SHOWN: dict[tuple[str, ...], set[str]] = {}  # the driver's notes -> notes shown (the driver's, then this worker's)
 
 
-def _shown_by_driver() -> set[str]:
-    """Read when a config loads, not at import: a Ray worker imports rayzero before its run's
-    environment is set."""
-    value = os.environ.get(NOTES_SHOWN_ENV)
-    if value is None:
-        return set()
-    if value not in _SHOWN:
-        _SHOWN[value] = set(json.loads(value))
-    return _SHOWN[value]
+def _shown_by_driver() -> tuple[set[str], bool]:
+    """(notes shown already, whether this process runs under rayzero.fit). Read when a config loads,
+    not at import: a Ray worker imports rayzero before its run's environment is set."""
+    notes = RUN.get().notes_shown
+    if notes is None:
+        return set(), False
+    if notes not in _SHOWN:
+        _SHOWN[notes] = set(notes)
+    return _SHOWN[notes], True
 
 
 def logged_notes() -> list[str]:

@@ -9,7 +9,7 @@ import copy
 from typing import Any
 
 from rayzero.config.errors import Problem
-from rayzero.config.zero import ZeroConfig
+from rayzero.config.zero_optimization import ZeroConfig
 
 _ZERO = "zero_optimization"
 

@@ -14,8 +14,8 @@ from typing import Annotated, Any, Literal, Optional
 from pydantic import BeforeValidator, Field, PrivateAttr
 
 from rayzero.config.base import AUTO, AutoNonNegativeFloat, AutoPositive, Bool, Int
-from rayzero.config.extras import UnimplementedSections
 from rayzero.config.monitor import CSVMonitorConfig, TensorBoardConfig, WandbConfig
+from rayzero.config.removed import RemovedFeatures
 from rayzero.config.sections import (
     ActivationCheckpointingConfig,
     AioConfig,
@@ -29,7 +29,8 @@ from rayzero.config.sections import (
     SchedulerConfig,
     TorchAutocastConfig,
 )
-from rayzero.config.zero import ZeroConfig
+from rayzero.config.unimplemented import UnimplementedSections
+from rayzero.config.zero_optimization import ZeroConfig
 
 
 def _lower(value: Any) -> Any:
@@ -37,7 +38,7 @@ def _lower(value: Any) -> Any:
     return value.lower() if isinstance(value, str) else value
 
 
-class RayZeroConfig(UnimplementedSections):
+class RayZeroConfig(UnimplementedSections, RemovedFeatures):
     """A DeepSpeed-compatible training configuration."""
 
     train_batch_size: Optional[AutoPositive] = None

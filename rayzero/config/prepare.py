@@ -66,7 +66,7 @@ def _model_keys(model: type[BaseModel]) -> dict[str, FieldInfo]:
 
 
 def _top_level(raw: dict[str, Any], notes: list[str], problems: list[Problem]) -> None:
-    from rayzero.config.zero import ZeroConfig
+    from rayzero.config.zero_optimization import ZeroConfig
 
     known = _model_keys(RayZeroConfig)
     zero_keys = _model_keys(ZeroConfig)

@@ -13,10 +13,10 @@ from pydantic.fields import FieldInfo
 from rayzero.config.base import NOT_STAGE3, REMOVED, STAGE3_ONLY, UNIMPLEMENTED
 from rayzero.config.convert import to_problem
 from rayzero.config.errors import Problem, as_json, nearest
-from rayzero.config.extras import tensor_parallel_degree
 from rayzero.config.model import RayZeroConfig
 from rayzero.config.params import OPTIMIZER_PARAMS, RECOGNISED_OPTIMIZERS, SCHEDULER_PARAMS
 from rayzero.config.sections import AUTOCAST_DTYPES
+from rayzero.config.unimplemented import tensor_parallel_degree
 
 _ZERO = "zero_optimization"
 
@@ -59,7 +59,7 @@ def _grad_accum_dtype(config: RayZeroConfig, notes: list[str]) -> None:
         return
     stage = config.zero_optimization.stage
     # stages 2-3 reduce each micro step into fp32 master gradients; stages 0-1 accumulate in the
-    # compute dtype, or in fp32 when asked ([Note: fp32 gradient accumulation] in engine/flat_strategy.py)
+    # compute dtype, or in fp32 when asked ([Note: fp32 gradient accumulation] in rayzero/engine/bucketed/strategy.py)
     done = "fp32" if stage >= 2 or asked == "fp32" else config.compute_dtype
     if asked != done:
         notes.append(f"ignored: `data_types.grad_accum_dtype` = {asked!r}: at ZeRO stage {stage} with "

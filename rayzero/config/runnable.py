@@ -25,10 +25,10 @@ from __future__ import annotations
 from typing import Any
 
 from rayzero.config.errors import ConfigError, Problem
-from rayzero.config.extras import tensor_parallel_degree
 from rayzero.config.model import RayZeroConfig
 from rayzero.config.params import OPTIMIZER_PARAMS, RECOGNISED_OPTIMIZERS, SCHEDULER_PARAMS
 from rayzero.config.sections import AUTOCAST_DTYPES
+from rayzero.config.unimplemented import tensor_parallel_degree
 
 MODEL_AUTOS = ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
                "stage3_param_persistence_threshold")

@@ -167,7 +167,7 @@ def _false_is_none(value: Any) -> Any:
 
 
 class ActivationCheckpointingConfig(ConfigModel):
-    """DeepSpeed's activation-checkpointing options, used by `rayzero.checkpointing.checkpoint`
+    """DeepSpeed's activation-checkpointing options, used by `rayzero.activation_checkpointing.checkpoint`
     (`rayzero.initialize` applies this section when the config has it)."""
 
     partition_activations: Bool = False

@@ -9,12 +9,12 @@ calls the target, maps the answer out. What it adds is access and discovery:
   compared in constant time); anything else is refused with UNAUTHENTICATED before the target sees it;
 - TLS when `RAYZERO_CONTROL_TLS_CERT` and `RAYZERO_CONTROL_TLS_KEY` name a PEM certificate and key
   (`RAYZERO_CONTROL_TLS_CA`: the CA clients should trust; [Note: control-plane TLS] in
-  rayzero/control/tls.py). The Kubernetes operator always sets them. A bind beyond loopback without
+  rayzero/control_api/tls.py). The Kubernetes operator always sets them. A bind beyond loopback without
   TLS logs a warning that says how to turn it on;
 - `<run directory>/control.json` (address, TLS name, CA fingerprint; never the token) is written once
   the port is bound and removed at `close()`, so `rayzero status NAME` finds a live run and nothing
   else. A token the service made itself goes to a 0600 file on this node ([Note: the control token
-  never goes to run storage] in rayzero/control/tokens.py).
+  never goes to run storage] in rayzero/control_api/tokens.py).
 """
 from __future__ import annotations
 
@@ -33,19 +33,25 @@ from typing import Any
 
 import grpc
 
+from rayzero.config.environment import (
+    CONTROL_HOST,
+    CONTROL_PORT,
+    CONTROL_TLS_CA,
+    CONTROL_TLS_CERT,
+    CONTROL_TLS_KEY,
+    CONTROL_TOKEN,
+)
 from rayzero.config.errors import RayZeroRuntimeError, RayZeroValueError
-from rayzero.control import tls as control_tls
-from rayzero.control.discovery import ControlInfo, remove_control_file, write_control_file
-from rayzero.control.tokens import TOKEN_ENV, remove_token_file, token_path, write_token_file
-from rayzero.control.v1 import control_pb2, control_pb2_grpc
+from rayzero.control_api import tls as control_tls
+from rayzero.control_api.discovery import ControlInfo, remove_control_file, write_control_file
+from rayzero.control_api.tokens import remove_token_file, token_path, write_token_file
+from rayzero.control_api.v1 import control_pb2, control_pb2_grpc
 from rayzero.controller.request_guard import MalformedRequestInterceptor
 from rayzero.controller.status import CheckpointRecord, ControlTarget, RunStatus
 
 logger = logging.getLogger(__name__)
 
-HOST_ENV, PORT_ENV = "RAYZERO_CONTROL_HOST", "RAYZERO_CONTROL_PORT"
-TLS_CERT_ENV, TLS_KEY_ENV, TLS_CA_ENV = "RAYZERO_CONTROL_TLS_CERT", "RAYZERO_CONTROL_TLS_KEY", "RAYZERO_CONTROL_TLS_CA"
-# TOKEN_ENV: a token to use instead of a generated one (the Kubernetes operator passes the job Secret's).
+# CONTROL_TOKEN.name: a token to use instead of a generated one (the Kubernetes operator passes the job Secret's).
 WATCH_DEFAULT_INTERVAL_S, WATCH_MAX_INTERVAL_S, WATCH_MIN_INTERVAL_S = 0.5, 1.0, 0.05
 
 
@@ -211,13 +217,13 @@ class TlsFiles:
 
     @classmethod
     def from_env(cls) -> TlsFiles | None:
-        cert, key, ca = os.environ.get(TLS_CERT_ENV), os.environ.get(TLS_KEY_ENV), os.environ.get(TLS_CA_ENV)
+        cert, key, ca = CONTROL_TLS_CERT.get(), CONTROL_TLS_KEY.get(), CONTROL_TLS_CA.get()
         if not cert and not key:
             return None
         if not (cert and key):
-            raise RayZeroValueError(f"TLS for the control service needs both {TLS_CERT_ENV} and {TLS_KEY_ENV}; "
-                                    f"got {TLS_CERT_ENV}={cert!r}, {TLS_KEY_ENV}={key!r}: set both or neither")
-        for variable, path in ((TLS_CERT_ENV, cert), (TLS_KEY_ENV, key), (TLS_CA_ENV, ca)):
+            raise RayZeroValueError(f"TLS for the control service needs both {CONTROL_TLS_CERT.name} and {CONTROL_TLS_KEY.name}; "
+                                    f"got {CONTROL_TLS_CERT.name}={cert!r}, {CONTROL_TLS_KEY.name}={key!r}: set both or neither")
+        for variable, path in ((CONTROL_TLS_CERT.name, cert), (CONTROL_TLS_KEY.name, key), (CONTROL_TLS_CA.name, ca)):
             if path and not os.path.isfile(path):
                 raise RayZeroValueError(f"{variable}={path!r} is not a file; give a PEM file readable on the "
                                         "controller's node")
@@ -232,7 +238,7 @@ class TlsFiles:
                 return chain, key, control_tls.first_certificate(ca_file.read())
         certificates = control_tls.all_certificates(chain.decode())
         if not certificates:
-            raise RayZeroValueError(f"{TLS_CERT_ENV}={self.certificate!r} holds no PEM certificate")
+            raise RayZeroValueError(f"{CONTROL_TLS_CERT.name}={self.certificate!r} holds no PEM certificate")
         return chain, key, certificates[-1]
 
 
@@ -249,9 +255,9 @@ def is_loopback(host: str) -> bool:
 def plaintext_warning(address: str, run_name: str) -> str:
     return (f"the control service of run {run_name!r} listens on {address} without TLS: its bearer token, which "
             "can stop or kill the run, crosses the network in plain text. Turn TLS on: `python -m "
-            "rayzero.control.tls --out DIR`, then start the run with RAYZERO_CONTROL_TLS_CERT=DIR/tls.crt "
+            "rayzero.control_api.tls --out DIR`, then start the run with RAYZERO_CONTROL_TLS_CERT=DIR/tls.crt "
             "RAYZERO_CONTROL_TLS_KEY=DIR/tls.key RAYZERO_CONTROL_TLS_CA=DIR/ca.crt and give clients "
-            f"RAYZERO_CONTROL_TLS_CA=DIR/ca.crt (or --ca-file); or keep it on this machine with {HOST_ENV}=127.0.0.1")
+            f"RAYZERO_CONTROL_TLS_CA=DIR/ca.crt (or --ca-file); or keep it on this machine with {CONTROL_HOST.name}=127.0.0.1")
 
 
 class ControlServer:
@@ -262,9 +268,9 @@ class ControlServer:
                  tls: TlsFiles | None = None) -> None:
         self.run_name = run_name
         self.run_directory = run_directory  # URI of <storage>/<name>; None: do not write control.json
-        self.host = os.environ.get(HOST_ENV) or host or "127.0.0.1"
-        self.requested_port = int(os.environ.get(PORT_ENV) or port or 0)  # 0: a free port
-        given = token or os.environ.get(TOKEN_ENV)
+        self.host = CONTROL_HOST.get() or host or "127.0.0.1"
+        self.requested_port = CONTROL_PORT.get() or port or 0  # 0: a free port
+        given = token or CONTROL_TOKEN.get()
         self.token = given or secrets.token_urlsafe(32)  # made per attempt: one per controller start
         self._made_token = not given  # only a token made here goes to the local token file
         self.tls = tls if tls is not None else TlsFiles.from_env()
@@ -296,7 +302,7 @@ class ControlServer:
             port = self._bind(server.add_insecure_port, bind)
         if port == 0:
             raise RayZeroRuntimeError(f"the control service could not bind {bind}; free the port or set "
-                                      f"{PORT_ENV} / {HOST_ENV} to one this node can bind")
+                                      f"{CONTROL_PORT.name} / {CONTROL_HOST.name} to one this node can bind")
         server.start()
         self._server = server
         self.address = bind.rsplit(":", 1)[0] + f":{port}"

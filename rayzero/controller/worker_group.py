@@ -17,7 +17,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
-from rayzero.controller.configs import ScalingConfig
+from rayzero.config.run_settings import ScalingConfig
 from rayzero.controller.errors import ResourcesUnavailableError
 from rayzero.controller.state import Failure, FailureKind
 from rayzero.workers.actor import NodeInfo, TrainWorker, WorkerOutcome

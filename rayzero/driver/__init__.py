@@ -14,9 +14,9 @@ from typing import Any
 
 # public name -> module that defines it
 _LAZY = {
-    "FailureConfig": "rayzero.controller.configs",
-    "RunConfig": "rayzero.controller.configs",
-    "ScalingConfig": "rayzero.controller.configs",
+    "FailureConfig": "rayzero.config.run_settings",
+    "RunConfig": "rayzero.config.run_settings",
+    "ScalingConfig": "rayzero.config.run_settings",
     "ResourcesUnavailableError": "rayzero.controller.errors",
     "TrainingFailedError": "rayzero.controller.errors",
     "Result": "rayzero.driver.fit",

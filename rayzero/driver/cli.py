@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from rayzero.config.cli import _trainer_arg
 from rayzero.config.errors import RayZeroValueError
-from rayzero.controller.configs import FailureConfig, RunConfig, ScalingConfig
+from rayzero.config.run_settings import FailureConfig, RunConfig, ScalingConfig
 from rayzero.controller.errors import TrainingFailedError
 from rayzero.workers.script import ScriptTarget
 
@@ -53,10 +53,8 @@ def _parser() -> argparse.ArgumentParser:
                              "--deepspeed_config_file` would")
     parser.add_argument("--workers", type=_workers, default=1,
                         help="number of workers (ranks), or an elastic range MIN:MAX (e.g. 2:8); default 1")
-    parser.add_argument("--gpus-per-worker", type=float, default=0, help="GPUs per worker (0: CPU, gloo)")
+    add_run_flags(parser)
     parser.add_argument("--cpus-per-worker", type=float, default=1, help="CPUs per worker; default 1")
-    parser.add_argument("--storage", default=None, help="root URI for runs (default ./runs)")
-    parser.add_argument("--name", default=None, help="run name (default rayzero-<date>-<time>)")
     parser.add_argument("--resume-from", default=None, help="checkpoint URI/path to resume from")
     parser.add_argument("--max-failures", type=int, default=None,
                         help="worker failures the run may restart from in all (default: no total limit; "
@@ -68,12 +66,21 @@ def _parser() -> argparse.ArgumentParser:
                         help="a rank with no progress this long after its first step is hung: its stacks are "
                              "printed and the group restarts (default 55, so a hang is reported within a minute; at least 10x the median step time; "
                              "0: off)")
-    parser.add_argument("--trainer", type=_trainer_arg, action="append", default=[], metavar="KEY=VALUE",
-                        help="an HF trainer argument for the config's \"auto\" values (repeatable), e.g. "
-                             "--trainer per_device_train_batch_size=4 --trainer learning_rate=3e-5")
     parser.add_argument("--placement-timeout", type=float, default=120.0,
                         help="seconds to wait for resources before failing (default 120)")
     return parser
+
+
+def add_run_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags `rayzero run` and `rayzero demo` share, defined once: where the run goes, its name, its
+    workers' GPUs and the trainer arguments for the config's "auto" values."""
+    parser.add_argument("--storage", default=None,
+                        help="root URI for runs (default $RAYZERO_STORAGE_ROOT, else ./runs)")
+    parser.add_argument("--name", default=None, help="run name (default rayzero-<date>-<time>)")
+    parser.add_argument("--gpus-per-worker", type=float, default=0, help="GPUs per worker (default 0: CPU, gloo)")
+    parser.add_argument("--trainer", type=_trainer_arg, action="append", default=[], metavar="KEY=VALUE",
+                        help="an HF trainer argument for the config's \"auto\" values (repeatable), e.g. "
+                             "--trainer per_device_train_batch_size=4 --trainer learning_rate=3e-5")
 
 
 def _workers(text: str) -> int | tuple[int, int]:

@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from rayzero.config.environment import ADDRESS
 from rayzero.config.errors import RayZeroRuntimeError, RayZeroValueError
 
 
@@ -51,11 +52,10 @@ PROBE_TIMEOUT_S = 3.0
 
 def requested_address() -> tuple[str, str] | None:
     """(address, where it came from) when the user asked to join a cluster, else None."""
-    for variable in ("RAYZERO_ADDRESS", "RAY_ADDRESS"):
-        value = os.environ.get(variable, "").strip()
-        if value:
-            return value, variable
-    return None
+    if ADDRESS.is_set():
+        return ADDRESS.get().strip(), ADDRESS.name
+    value = os.environ.get("RAY_ADDRESS", "").strip()  # Ray's own variable (`ray job submit` sets it)
+    return (value, "RAY_ADDRESS") if value else None
 
 
 def _gcs_host_port(address: str, source: str) -> tuple[str, int] | None:

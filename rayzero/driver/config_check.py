@@ -17,7 +17,7 @@ def validated_config(
 
     Validation happens here, before any worker starts. The workers get the config as the user wrote
     it, not the normalised dump: the engine resolves it again knowing the model (hidden size) and the
-    trainer arguments ($RAYZERO_TRAINER), and a dump carries every default as if the user had set
+    trainer arguments (`trainer` of $RAYZERO_RUN), and a dump carries every default as if the user had set
     it, which that resolution then rejects.
     """
     if config is None:

@@ -10,9 +10,9 @@ import json
 import sys
 from typing import Any
 
-from rayzero.config.cli import _trainer_arg
-from rayzero.controller.configs import RunConfig, ScalingConfig
+from rayzero.config.run_settings import RunConfig, ScalingConfig
 from rayzero.controller.errors import TrainingFailedError
+from rayzero.driver.cli import add_run_flags
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -22,12 +22,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", default=None,
                         help="DeepSpeed JSON config (default: ZeRO stage 3, AdamW, micro batch 16)")
     parser.add_argument("--json", dest="json_path", default=None, help="also write the summary here")
-    parser.add_argument("--storage", default=None, help="root URI for runs (default ./runs)")
-    parser.add_argument("--name", default=None, help="run name")
-    parser.add_argument("--gpus-per-worker", type=float, default=0, help="GPUs per worker (default 0)")
-    parser.add_argument("--trainer", type=_trainer_arg, action="append", default=[], metavar="KEY=VALUE",
-                        help="an HF trainer argument for the config's \"auto\" values (repeatable), as in "
-                             "`rayzero run`, e.g. --trainer per_device_train_batch_size=4")
+    add_run_flags(parser)  # --storage, --name, --gpus-per-worker, --trainer, as `rayzero run`
     return parser
 
 

@@ -1,42 +1,49 @@
-"""`rayzero.fit`: validate, connect to Ray, start the controller, stream reports, return a Result."""
+"""`rayzero.fit` in six named steps, each a function below, called in order by `fit`: validate the
+config, locate the run (run_location.py), locate the cluster, start the controller, stream its
+progress, collect the result."""
 from __future__ import annotations
 
-import datetime
 import json
 import logging
 import os
-import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
-import pyarrow.fs as pafs
-
-from rayzero.checkpoint.retention import RUN_LINEAGE_ENV, claim_run_lineage
-from rayzero.checkpoint.storage import filesystem_from_uri
+from rayzero.checkpoint.retention import claim_run_lineage
+from rayzero.config.environment import (
+    ATTEMPT,
+    CHECKPOINT_DIR,
+    COLLECTIVE_TIMEOUT_S,
+    CONFIG,
+    CONTROL_HOST,
+    CONTROL_SERVICE_VARIABLES,
+    RESUME_FROM,
+    RUN,
+    RUN_LINEAGE,
+    RunHandoff,
+)
 from rayzero.config.errors import RayZeroValueError
-from rayzero.config.loader import NOTES_SHOWN_ENV, logged_notes
-from rayzero.config.names import check_name
+from rayzero.config.loader import logged_notes
+from rayzero.config.run_settings import FailureConfig, RunConfig, ScalingConfig
 from rayzero.controller import registry
-from rayzero.controller.configs import FailureConfig, RunConfig, ScalingConfig
 from rayzero.controller.controller import Controller, ControllerActor, ControllerSettings, ControllerUpdate
 from rayzero.controller.elastic import BatchPlan, plan_batches
 from rayzero.controller.errors import TrainingFailedError
 from rayzero.controller.health import HangPolicy, Straggler
 from rayzero.controller.state import FailurePolicy, RunState
 from rayzero.controller.worker_group import RayWorkerGroup, draining_nodes, free_worker_slots
-from rayzero.driver.cluster import check_fits, connect
+from rayzero.driver.cluster import Connection, check_fits, connect
 from rayzero.driver.config_check import validated_config
 from rayzero.driver.metrics_log import MetricsLog
 from rayzero.driver.metrics_store import read_goodput
 from rayzero.driver.progress import Progress, goodput_line
+from rayzero.driver.run_location import RunLocation, locate_run
 from rayzero.driver.scripts import prepare_script, script_environment
 from rayzero.driver.shipping import ship
 from rayzero.driver.signals import StopSignals
-from rayzero.workers.boundary import CHECKPOINT_TIER_ENV, NODE_LOCAL_RESUME
 from rayzero.workers.script import ScriptTarget
 
 
@@ -72,77 +79,6 @@ class Result:
 
 
 
-def _run_locations(run: RunConfig) -> tuple[str, str, str, bool]:
-    """(run name, run URI, checkpoint dir: a local path for file://, else a URI, whether the run's
-    directory existed already: a rerun under the same name)."""
-    name = check_name(run.name or f"rayzero-{datetime.datetime.now():%Y%m%d-%H%M%S}-{secrets.token_hex(2)}",
-                      "RunConfig.name")  # [Note: names that become paths]; a RunConfig may be built unvalidated
-    root = run.storage or os.environ.get("RAYZERO_STORAGE_ROOT") or Path.cwd().joinpath("runs").as_uri()
-    if "://" not in root:  # a plain path is a local directory
-        root = Path(root).resolve().as_uri()
-    run_uri = f"{root.rstrip('/')}/{name}"
-    filesystem, path = filesystem_from_uri(run_uri)
-    try:
-        existed = filesystem.get_file_info(path).type != pafs.FileType.NotFound
-    except OSError:
-        existed = False  # _check_writable names the trouble
-    _check_writable(root, run_uri)
-    checkpoint_dir = f"{path}/checkpoints" if run_uri.startswith("file://") else f"{run_uri}/checkpoints"
-    return name, run_uri, checkpoint_dir, existed
-
-
-def _check_writable(root: str, run_uri: str) -> None:
-    """Create the run's directory and write a probe file there, before any worker starts: an
-    unwritable `--storage` is named with its reason at once, not as a traceback from a worker."""
-    probe = f"{filesystem_from_uri(run_uri)[1]}/.rayzero-write-probe-{secrets.token_hex(4)}"
-    try:
-        filesystem, path = filesystem_from_uri(run_uri)
-        filesystem.create_dir(path, recursive=True)
-        with filesystem.open_output_stream(probe) as stream:
-            stream.write(b"rayzero checks that the run directory is writable\n")
-        filesystem.delete_file(probe)
-    except (OSError, ValueError, pa.ArrowException) as error:
-        raise RayZeroValueError(
-            f"storage {root!r} (RunConfig.storage / --storage): cannot write the run directory {run_uri}: "
-            f"{error}. Give a location this machine and every node can write: a directory (./runs, "
-            "file:///shared/runs) or an object store URI (s3://bucket/prefix) with its credentials set"
-        ) from None
-
-
-def resolve_resume_from(location: str | None, explicit: bool) -> str | None:
-    """The checkpoint directory to hand the loop for a resume point given as any of:
-    a checkpoint directory (holds `latest`), a run directory (`<storage>/<name>`, what the Kubernetes
-    operator passes on a retried attempt: its `checkpoints/` is used) or a single checkpoint (holds
-    `manifest.json`). A location with no committed checkpoint yet (an attempt that failed before its
-    first save) means a fresh start, said on the driver. file:// becomes a local path, like
-    RAYZERO_CHECKPOINT_DIR; other URIs stay URIs.
-    """
-    if not location:
-        return None
-    uri = location if "://" in location else Path(location).resolve().as_uri()
-    filesystem, path = filesystem_from_uri(uri)
-
-    def exists(relative: str) -> bool:
-        target = f"{path.rstrip('/')}/{relative}" if relative else path
-        return filesystem.get_file_info(target).type != pafs.FileType.NotFound
-
-    def as_location(relative: str) -> str:
-        base = path if uri.startswith("file://") else uri
-        return f"{base.rstrip('/')}/{relative}" if relative else base
-
-    for relative, marker in (("", "latest"), ("", "manifest.json"), ("checkpoints", "latest")):
-        if exists(f"{relative}/{marker}" if relative else marker):
-            return as_location(relative)
-    if not exists("") and explicit:
-        raise RayZeroValueError(
-            f"RunConfig.resume_from / --resume-from = {location!r} does not exist; give a checkpoint "
-            "directory (with `latest`), a run directory (<storage>/<name>) or one checkpoint"
-        )
-    print(f"[rayzero] resume point {location} holds no committed checkpoint yet: starting from scratch",
-          flush=True)
-    return None
-
-
 def fit(
     train_loop: Callable[..., Any],
     config: Any = None,
@@ -163,10 +99,44 @@ def fit(
     `trainer` holds HF `TrainingArguments` values the config's "auto"s take (HF's defaults for the rest).
     Raises `TrainingFailedError` (naming the failing rank, with its traceback) if the run fails.
     """
-    import ray
-
     fit_started_wall, fit_started = time.time(), time.monotonic()
     scaling, run, failure = scaling or ScalingConfig(), run or RunConfig(), failure or FailureConfig()
+    job = _validate(train_loop, config, scaling, train_loop_config, trainer)
+    where = locate_run(run, job.node_local)
+    shipped_loop, connection = _locate_cluster(job.train_loop, scaling)
+    timings = {"connect_s": time.monotonic() - fit_started}
+    controller = _start_controller(job, where, scaling, failure, shipped_loop, train_loop_config, datasets,
+                                   connection, fit_started_wall)
+    progress, metrics_log, streamed = _stream_progress(controller, job, where, scaling, run, failure, timings,
+                                                       fit_started_wall)
+    timings["total_s"] = time.monotonic() - fit_started
+    return _collect_result(streamed, progress, metrics_log, where, timings, job)
+
+
+@dataclass(frozen=True)
+class _ValidatedJob:
+    """What `fit` checked before it touches storage or Ray."""
+
+    train_loop: Any
+    """The loop, or a Script's launcher (`prepare_script`); shipped later."""
+    script: bool
+    plan: BatchPlan
+    """The world sizes the run may take and each one's batch keys ([Note: elastic batch])."""
+    ds_config: dict[str, Any] | None
+    """The DeepSpeed config the workers get, per world size through `plan.config_for`."""
+    validated: dict[str, Any]
+    """The validated config as DeepSpeed's dict: what the driver itself reads from it."""
+    trainer: Mapping[str, Any] | None
+    """HF trainer arguments the "auto"s take."""
+
+    @property
+    def node_local(self) -> bool:
+        return bool((self.validated.get("checkpoint") or {}).get("use_node_local_storage"))
+
+
+def _validate(train_loop: Any, config: Any, scaling: ScalingConfig, train_loop_config: dict[str, Any] | None,
+              trainer: Mapping[str, Any] | None) -> _ValidatedJob:
+    """Step 1: the config for every world size the run may take, and a Script's arguments."""
     raw = _raw_config(config)
     plan = _batch_plan(raw, scaling)
     first_size = plan.choose(None) or scaling.max_workers
@@ -180,60 +150,79 @@ def fit(
     to_check = plan.config_for(raw, first_size) if scaling.elastic or elastic_batch else config
     # a script's trainer (HF, Accelerate) fills the "auto"s no fact given here resolves
     ds_config, validated, trainer = validated_config(to_check, first_size, trainer, allow_unresolved=script)
-    name, run_uri, checkpoint_dir, rerun = _run_locations(run)
-    explicit = run.resume_from or os.environ.get("RAYZERO_RESUME_FROM") or None
-    resume_from = resolve_resume_from(explicit, explicit=bool(run.resume_from))
-    node_local = bool((validated.get("checkpoint") or {}).get("use_node_local_storage"))
-    if resume_from is None and explicit is None:
-        resume_from = _resume_same_name(name, run_uri, checkpoint_dir, node_local)
+    return _ValidatedJob(train_loop, script, plan, ds_config, validated, trainer)
 
+
+def _locate_cluster(train_loop: Any, scaling: ScalingConfig) -> tuple[Any, Connection]:
+    """Step 3 (after locating the run, run_location.py): ship the loop ([Note: shipping the loop];
+    before Ray starts, so a failure is quick), join or start Ray ([Note: joining only when asked] in
+    cluster.py) and check that the cluster can ever hold the run."""
     working_dir = getattr(train_loop, "working_dir", None)  # a `rayzero run file.py:fn` target's directory
-    train_loop = ship(train_loop)  # [Note: shipping the loop]; before Ray starts: a failure is quick
+    shipped_loop = ship(train_loop)
     connection = connect(working_dir)
     check_fits(scaling, connection)
-    timings = {"connect_s": time.monotonic() - fit_started}
+    return shipped_loop, connection
+
+
+def _worker_environment(job: _ValidatedJob, where: RunLocation, failure: FailureConfig) -> dict[str, str]:
+    """What every worker of every attempt finds in its environment (the controller adds the attempt,
+    the config for its size and the resume point)."""
+    handoff = RunHandoff(
+        name=where.name,
+        storage=where.uri,
+        resuming=where.rerun,  # get_context().resuming: a rerun under the same name
+        node_local_checkpoints=job.node_local,  # [Note: node-local runs]
+        trainer=dict(job.trainer) if job.trainer else None,  # HF trainer arguments for "auto"s
+        notes_shown=tuple(logged_notes()),  # [Note: config notes once]
+    )
     run_env = {
-        "RAYZERO_RUN_NAME": name,
-        "RAYZERO_STORAGE": run_uri,
-        "RAYZERO_CHECKPOINT_DIR": checkpoint_dir,
+        RUN.name: handoff.to_text(),  # [Note: environment variables]
+        CHECKPOINT_DIR.name: where.checkpoint_dir,
         # the engine's own bound for groups it creates (e.g. the checkpoint writer's)
-        "RAYZERO_COLLECTIVE_TIMEOUT_S": str(failure.process_group_timeout_s),
+        COLLECTIVE_TIMEOUT_S.name: str(failure.process_group_timeout_s),
         # one per run name, every invocation and attempt: retention rotates this run's checkpoints
         # and never another run's ([Note: retention owns only its own] in checkpoint/retention.py)
-        RUN_LINEAGE_ENV: claim_run_lineage(run_uri),
+        RUN_LINEAGE.name: claim_run_lineage(where.uri),
     }
-    if trainer:
-        run_env["RAYZERO_TRAINER"] = json.dumps(dict(trainer))  # HF trainer arguments for "auto"s
-    if script:
+    if job.script:
         run_env.update(script_environment(failure))
-    if rerun:
-        run_env["RAYZERO_RESUMING"] = "1"  # get_context().resuming: a rerun under the same name
-    run_env[NOTES_SHOWN_ENV] = json.dumps(logged_notes())  # [Note: config notes once]
+    return run_env
+
+
+def _start_controller(job: _ValidatedJob, where: RunLocation, scaling: ScalingConfig, failure: FailureConfig,
+                      shipped_loop: Any, train_loop_config: dict[str, Any] | None,
+                      datasets: Mapping[str, Any] | None, connection: Connection, started_wall: float) -> Any:
+    """Step 4: the controller actor, on the driver's node, which builds each attempt's worker group."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    run_env = _worker_environment(job, where, failure)
     datasets = dict(datasets or {})
-    locations = [checkpoint_dir] + ([validated["checkpoint"]["durable_uri"]]
-                                    if (validated.get("checkpoint") or {}).get("durable_uri") else [])
-    if node_local:
-        run_env[CHECKPOINT_TIER_ENV] = "node_local"  # [Note: node-local runs]
+    checkpoint = job.validated.get("checkpoint") or {}
+    durable_uri = checkpoint.get("durable_uri")
     settings = ControllerSettings(
         hang=HangPolicy(failure.hang_timeout_s, failure.startup_grace_s),
         stop_timeout_s=failure.stop_timeout_s,
-        checkpoint_locations=tuple(locations),
-        node_local=node_local,
-        goodput_before=read_goodput(run_uri),  # a rerun goes on counting ([Note: goodput accounting])
-        started_wall=fit_started_wall,
-        checkpoint_interval=(validated.get("checkpoint") or {}).get("interval"),
-        **({"failures_per_node_day": validated["checkpoint"]["failures_per_node_day"]}
-           if (validated.get("checkpoint") or {}).get("failures_per_node_day") else {}),
+        checkpoint_locations=(where.checkpoint_dir, *([durable_uri] if durable_uri else [])),
+        node_local=job.node_local,
+        goodput_before=read_goodput(where.uri),  # a rerun goes on counting ([Note: goodput accounting])
+        started_wall=started_wall,
+        checkpoint_interval=checkpoint.get("interval"),
+        **({"failures_per_node_day": checkpoint["failures_per_node_day"]}
+           if checkpoint.get("failures_per_node_day") else {}),
     )
+    # What the closure below takes into the controller actor: plain values and the shipped loop,
+    # never `job` (its loop is not shipped).
+    plan, ds_config, resume_from = job.plan, job.ds_config, where.resume_from
 
     def make_controller() -> Controller:  # runs inside the controller actor
         def make_group(attempt: int, resume: str | None, workers: int) -> RayWorkerGroup:
-            env = dict(run_env, RAYZERO_ATTEMPT=str(attempt))
+            env = dict(run_env, **{ATTEMPT.name: str(attempt)})
             worker_config = plan.config_for(ds_config, workers)
             if worker_config is not None:
-                env["RAYZERO_CONFIG"] = json.dumps(worker_config)
+                env[CONFIG.name] = json.dumps(worker_config)
             if resume:
-                env["RAYZERO_RESUME_FROM"] = resume
+                env[RESUME_FROM.name] = resume
             group = RayWorkerGroup(scaling, workers, env, failure.process_group_timeout_s, datasets)
             if workers > plan.min_workers:
                 # Above the minimum the size came from the free resources: if it does not place
@@ -242,39 +231,49 @@ def fit(
             return group
 
         return Controller(
-            make_group, train_loop, train_loop_config,
+            make_group, shipped_loop, train_loop_config,
             FailurePolicy(failure.max_failures, failure.backoff_s, failure.max_failures_without_progress),
             resume_from=resume_from, plan=plan, capacity=lambda: free_worker_slots(scaling.bundle()),
             draining=draining_nodes,
             settings=settings,
         )
 
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
     # num_cpus=0: the controller only waits; it must not take a CPU a worker bundle needs. Pinned to
     # the driver's node: a lost worker node must not take the controller with it.
-    # RAYZERO_CONTROL_* (host, port, TLS files) reach the control service in the controller actor;
-    # not the token: a runtime env is readable through Ray's state API (the operator's pods have it
-    # in the environment of every process on the head already).
-    control_env = {key: value for key, value in os.environ.items()
-                   if key.startswith("RAYZERO_CONTROL_") and key != "RAYZERO_CONTROL_TOKEN"}
+    # The control service's settings (host, port, TLS files) reach it in the controller actor; not
+    # the token: a runtime env is readable through Ray's state API (the operator's pods have it in
+    # the environment of every process on the head already).
+    control_env = {variable.name: os.environ[variable.name] for variable in CONTROL_SERVICE_VARIABLES
+                   if variable.name in os.environ}
     if connection.started:  # a Ray of one machine, started here: its control service stays on loopback
-        control_env.setdefault("RAYZERO_CONTROL_HOST", "127.0.0.1")
-    controller = _start_controller(ray.remote(ControllerActor).options(
-        num_cpus=0, max_concurrency=8, name=controller_actor_name(name),
+        control_env.setdefault(CONTROL_HOST.name, "127.0.0.1")
+    return _create_controller_actor(ray.remote(ControllerActor).options(
+        num_cpus=0, max_concurrency=8, name=controller_actor_name(where.name),
         scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
         **({"runtime_env": {"env_vars": control_env}} if control_env else {}),
-    ), make_controller, name, run_uri)
-    wall_clock_breakdown = bool(validated.get("wall_clock_breakdown"))
-    batch = validated.get("train_batch_size")
-    progress = Progress(batch if isinstance(batch, int) else None, run.progress_interval_s, wall_clock_breakdown)
+    ), make_controller, where.name, where.uri)
+
+
+_Streamed = tuple[dict[str, Any] | None, str | None, TrainingFailedError | None, ControllerUpdate | None]
+"""What `_stream` returns: rank 0's newest report, the last checkpoint reported, the error, the final update."""
+
+
+def _stream_progress(controller: Any, job: _ValidatedJob, where: RunLocation, scaling: ScalingConfig,
+                     run: RunConfig, failure: FailureConfig, timings: dict[str, float], started_wall: float,
+                     ) -> tuple[Progress, MetricsLog, _Streamed]:
+    """Step 5: progress lines and the metrics log from the controller's updates until the run ends;
+    then the controller goes, and its workers with it."""
+    import ray
+
+    batch = job.validated.get("train_batch_size")
+    progress = Progress(batch if isinstance(batch, int) else None, run.progress_interval_s,
+                        bool(job.validated.get("wall_clock_breakdown")))
     progress.max_failures = failure.max_failures
-    metrics_log = MetricsLog(run_uri)
+    metrics_log = MetricsLog(where.uri)
     workers = str(scaling.num_workers) if not scaling.elastic else f"{scaling.min_workers}:{scaling.max_workers}"
-    print(f"[rayzero] run {name}: {workers} worker(s), storage {run_uri}", flush=True)
+    print(f"[rayzero] run {where.name}: {workers} worker(s), storage {where.uri}", flush=True)
     try:
-        last_metrics, last_checkpoint, error, final = _stream(controller, progress, metrics_log, timings,
-                                                              fit_started_wall, failure.stop_timeout_s)
+        streamed = _stream(controller, progress, metrics_log, timings, started_wall, failure.stop_timeout_s)
     finally:
         try:  # let a control call that ended the run (stop, kill) get its reply first
             ray.get(controller.quiesce.remote(2.0), timeout=5)
@@ -286,9 +285,16 @@ def fit(
         metrics_log.close()
         if progress.goodput:
             print(f"[rayzero] {goodput_line(progress.goodput)}", flush=True)
-    timings["total_s"] = time.monotonic() - fit_started
+    return progress, metrics_log, streamed
+
+
+def _collect_result(streamed: _Streamed, progress: Progress, metrics_log: MetricsLog, where: RunLocation,
+                    timings: dict[str, float], job: _ValidatedJob) -> Result:
+    """Step 6: the run's error raised, or its Result: the newest committed checkpoint (what the
+    controller found, else what the loop reported, else a listing), metrics and timings."""
+    last_metrics, last_checkpoint, error, final = streamed
     timings.update(progress.rates())
-    if wall_clock_breakdown:
+    if job.validated.get("wall_clock_breakdown"):
         print("[rayzero] wall clock breakdown: "
               + ", ".join(f"{key} {value:.2f}" for key, value in timings.items()), flush=True)
     if error is not None:
@@ -296,6 +302,7 @@ def fit(
     final_line = progress.final_line() if last_metrics is not None else None
     if final_line is not None:
         print(final_line, flush=True)
+    checkpoint_dir = where.checkpoint_dir
     record = final.checkpoint if final is not None else None
     if record is not None:
         last_checkpoint = checkpoint_dir if record.location.startswith(checkpoint_dir) else record.location
@@ -305,14 +312,14 @@ def fit(
         record = found.record if found is not None else None
     stopped = bool(final and final.stopped)
     if stopped:
-        where = f"checkpoint {record.location} (step {record.step})" if record else "no checkpoint was taken"
-        print(f"[rayzero] run {name} stopped: {where}. Rerun with the same name ({name}) and storage to resume.",
-              flush=True)
+        where_saved = f"checkpoint {record.location} (step {record.step})" if record else "no checkpoint was taken"
+        print(f"[rayzero] run {where.name} stopped: {where_saved}. Rerun with the same name ({where.name}) "
+              "and storage to resume.", flush=True)
     return Result(
         metrics_history=metrics_log.history(),
         metrics=last_metrics,
         checkpoint=last_checkpoint,
-        path=run_uri,
+        path=where.uri,
         timings=timings,
         metrics_path=metrics_log.uri,
         stopped=stopped,
@@ -329,8 +336,8 @@ def controller_actor_name(run_name: str) -> str:
     return f"rayzero-controller:{run_name}"
 
 
-def _start_controller(actor_options: Any, make_controller: Callable[[], Controller], name: str,
-                      run_uri: str | None = None) -> Any:
+def _create_controller_actor(actor_options: Any, make_controller: Callable[[], Controller], name: str,
+                             run_uri: str | None = None) -> Any:
     # A rerun of the same name right after the previous one ended: Ray frees the actor name only
     # once the old controller is marked dead (ray.kill is asynchronous), so wait a little for it.
     deadline = time.monotonic() + 15.0
@@ -371,27 +378,10 @@ def _batch_plan(ds_config: dict[str, Any] | None, scaling: ScalingConfig) -> Bat
     return plan
 
 
-def _resume_same_name(name: str, run_uri: str, checkpoint_dir: str, node_local: bool) -> str | None:
-    """A rerun with the same name and storage goes on from the run's newest committed checkpoint
-    (Ray Train v2's contract), found through the checkpoint layer's manifests."""
-    if node_local:  # the checkpoints are on the nodes' disks: each rank looks at its own
-        filesystem, path = filesystem_from_uri(run_uri)
-        if filesystem.get_file_info(f"{path}/metrics.parquet").type == pafs.FileType.NotFound:
-            return None
-        print(f"[rayzero] run {name} exists: resuming from the newest checkpoint on the nodes' disks", flush=True)
-        return NODE_LOCAL_RESUME
-    found = registry.newest([checkpoint_dir])
-    if found is None:
-        return None
-    print(f"[rayzero] run {name} exists: resuming from its checkpoint {found.record.location} "
-          f"(step {found.record.step})", flush=True)
-    return found.root
-
-
 def _stream(
     controller: Any, progress: Progress, metrics_log: MetricsLog, timings: dict[str, float], started_wall: float,
     stop_timeout_s: float,
-) -> tuple[dict[str, Any] | None, str | None, TrainingFailedError | None, ControllerUpdate | None]:
+) -> _Streamed:
     """Long-poll the controller until the run ends: (rank 0's newest report, last checkpoint, error,
     final update). Each report costs O(1) here ([Note: reporting never waits] in metrics_log.py).
     Ctrl-C / SIGTERM meanwhile are a planned stop ([Note: driver signals])."""

@@ -12,10 +12,11 @@ import os
 import sys
 from pathlib import Path
 
+from rayzero.config.environment import SCRIPT
 from rayzero.config.errors import RayZeroValueError
-from rayzero.controller.configs import FailureConfig
+from rayzero.config.run_settings import FailureConfig
 from rayzero.driver.shipping import TargetImportError, relative_to_cwd
-from rayzero.workers.script import SCRIPT_ENV, ScriptLaunch, ScriptTarget
+from rayzero.workers.script import ScriptLaunch, ScriptTarget
 
 
 def prepare_script(target: ScriptTarget, world_size: int) -> ScriptLaunch:
@@ -39,7 +40,7 @@ def prepare_script(target: ScriptTarget, world_size: int) -> ScriptLaunch:
 
 def script_environment(failure: FailureConfig) -> dict[str, str]:
     """The run-wide variables of a script run (each worker adds its own; see script.py)."""
-    return {SCRIPT_ENV: "1", "TORCHELASTIC_MAX_RESTARTS": str(failure.max_failures)}
+    return {SCRIPT.name: "1", "TORCHELASTIC_MAX_RESTARTS": str(failure.max_failures)}
 
 
 def _check_compiles(path: Path) -> None:

@@ -1,6 +1,6 @@
 """Activation checkpointing with DeepSpeed's API (`deepspeed.checkpointing`), built on
 `torch.utils.checkpoint` (non-reentrant, RNG state preserved so dropout recomputes identically).
-Users import it as `rayzero.checkpointing`.
+Users import it as `rayzero.activation_checkpointing` (or by DeepSpeed's name, `rayzero.checkpointing`).
 
 [Note: activation checkpointing settings]
 DeepSpeed keeps its settings in module globals set by `configure()`; here they are one frozen

@@ -16,8 +16,8 @@ from rayzero.engine.distributed import compute_device, init_distributed
 from rayzero.engine.engine import StepPolicy, ZeroEngine, ensure_not_wrapped
 from rayzero.engine.logs import show_engine_logs
 from rayzero.engine.loss_scaler import build_loss_scaler
-from rayzero.engine.offload import build_offload_backend
-from rayzero.engine.offload_overlap import overlap_allowed
+from rayzero.engine.offload.backend import build_offload_backend
+from rayzero.engine.offload.overlapped_step import overlap_allowed
 from rayzero.engine.optimizers import TESTED_OPTIMIZERS, optimizer_factory
 from rayzero.engine.param_groups import broadcast_module_state, named_parameter_ids, trainable_param_groups
 from rayzero.engine.policies import MixedPrecisionPolicy, ReducePolicy

@@ -4,27 +4,21 @@ from __future__ import annotations
 
 import collections
 import json
-import os
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from rayzero.config import RayZeroConfig, load_config
+from rayzero.config.environment import CONFIG, RUN
 from rayzero.config.errors import RayZeroValueError
 from rayzero.config.runnable import check_runnable
 from rayzero.config.trainer import HF_TRAINER_DEFAULTS, with_trainer_semantics  # noqa: F401 - their old home
 
-CONFIG_ENV = "RAYZERO_CONFIG"
-"""Path to a JSON config, or the JSON text itself; the Ray worker sets it for the user's loop."""
-TRAINER_ENV = "RAYZERO_TRAINER"
-"""JSON of HF-Trainer-style arguments ("auto" facts) from `rayzero.fit(trainer=...)` / `--trainer`."""
-
 
 def trainer_facts() -> dict[str, Any] | None:
-    text = os.environ.get(TRAINER_ENV)
-    return json.loads(text) if text else None
+    """HF-Trainer-style arguments ("auto" facts) from `rayzero.fit(trainer=...)` / `--trainer`."""
+    return RUN.get().trainer
 
 
 def detect_hidden_size(model: torch.nn.Module) -> int | None:
@@ -39,11 +33,11 @@ def detect_hidden_size(model: torch.nn.Module) -> int | None:
 def resolve_config(config: Any, world_size: int, model: torch.nn.Module) -> RayZeroConfig:
     """A validated config with "auto" resolved for this world size and model."""
     if config is None:
-        text = os.environ.get(CONFIG_ENV)
+        text = CONFIG.get()
         if not text:
             raise RayZeroValueError(
-                f"rayzero.initialize got no config and ${CONFIG_ENV} is not set: pass config= (a path to a "
-                f"DeepSpeed JSON file, a dict or a RayZeroConfig) or set {CONFIG_ENV} to a path or JSON text")
+                f"rayzero.initialize got no config and ${CONFIG.name} is not set: pass config= (a path to a "
+                f"DeepSpeed JSON file, a dict or a RayZeroConfig) or set {CONFIG.name} to a path or JSON text")
         stripped = text.strip()
         config = json.loads(stripped) if stripped.startswith("{") else Path(stripped)
     elif isinstance(config, str) and config.strip().startswith("{"):

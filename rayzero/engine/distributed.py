@@ -8,11 +8,12 @@ import os
 import torch
 import torch.distributed as dist
 
+from rayzero.config.environment import COLLECTIVE_TIMEOUT_S
 from rayzero.config.errors import RayZeroValueError
 
-DEFAULT_TIMEOUT_S = 300.0
-"""Collective timeout: a rank that never joins fails the others within this bound instead of
-hanging for torch's default 30 minutes (the controller then restarts the group)."""
+# The collective timeout (RAYZERO_COLLECTIVE_TIMEOUT_S, default 300 s): a rank that never joins fails
+# the others within this bound instead of hanging for torch's default 30 minutes (the controller then
+# restarts the group).
 
 
 def compute_device() -> torch.device:
@@ -38,7 +39,7 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None)
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if timeout_s is None:
-        timeout_s = float(os.environ.get("RAYZERO_COLLECTIVE_TIMEOUT_S", DEFAULT_TIMEOUT_S))
+        timeout_s = COLLECTIVE_TIMEOUT_S.get()
     if backend == "nccl":
         torch.cuda.set_device(compute_device())
     dist.init_process_group(backend=backend, rank=int(os.environ["RANK"]),

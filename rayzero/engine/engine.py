@@ -314,7 +314,7 @@ class ZeroEngine(DeepSpeedAccessors):
 
     def _placement(self, stats: dict[str, int]) -> dict[str, int]:
         """`device_bytes` / `host_bytes` / `nvme_bytes`: where the model state lives
-        ([Note: offload placement] in offload_host.py)."""
+        ([Note: offload placement] in offload/host.py)."""
         offload = self.strategy.offload
         where = {"device": 0, "host": 0, "nvme": 0}
         described = offload.describe()

@@ -125,7 +125,7 @@ class DeepSpeedAccessors:
         weight appears under each of its names as one tensor; non-persistent buffers are left out."""
         if self.zero_optimization_stage() != 3:
             raise ValueError("this function requires ZeRO-3 mode")  # DeepSpeed's error, which callers catch
-        from rayzero.engine.gathered import GatheredParameters
+        from rayzero.engine.stage3.gathered import GatheredParameters
 
         rank0 = self.comm.rank == 0
         state: dict[str, torch.Tensor] | None = collections.OrderedDict() if rank0 else None

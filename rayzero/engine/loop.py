@@ -21,13 +21,12 @@ engine's step.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Iterator
 from typing import Any
 
-logger = logging.getLogger("rayzero.engine")
+from rayzero.config.environment import RESUME_FROM
 
-RESUME_ENV = "RAYZERO_RESUME_FROM"
+logger = logging.getLogger("rayzero.engine")
 
 
 def steps(engine: Any, total: int, stop_requested: Any) -> Iterator[int]:
@@ -36,7 +35,7 @@ def steps(engine: Any, total: int, stop_requested: Any) -> Iterator[int]:
     stop committed."""
     if not isinstance(total, int) or isinstance(total, bool) or total < 0:
         raise ValueError(f"engine.steps(total={total!r}): give the number of optimizer steps to train, an int >= 0")
-    resume = os.environ.get(RESUME_ENV)
+    resume = RESUME_FROM.get()
     if resume and not engine.resumed and engine.global_steps == 0:
         _, client_state = engine.load_checkpoint(resume)
         engine.resumed_client_state = client_state

@@ -28,7 +28,7 @@ import torch
 
 from rayzero.config import RayZeroConfig
 from rayzero.config.errors import RayZeroValueError
-from rayzero.engine.offload import OffloadBackend
+from rayzero.engine.offload.backend import OffloadBackend
 from rayzero.engine.strategy import OptimizerFactory
 
 

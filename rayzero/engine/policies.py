@@ -11,7 +11,7 @@ from rayzero.config.errors import RayZeroValueError
 
 if TYPE_CHECKING:
     from rayzero.config.model import RayZeroConfig
-    from rayzero.config.zero import ZeroConfig
+    from rayzero.config.zero_optimization import ZeroConfig
     from rayzero.engine.autocast import AutocastPolicy
 
 

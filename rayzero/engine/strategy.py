@@ -17,7 +17,7 @@ import torch
 from rayzero.checkpoint.types import ShardedTensor, ShardSpec
 from rayzero.config.errors import RayZeroValueError
 from rayzero.engine.comm import Communicator
-from rayzero.engine.offload import OffloadBackend
+from rayzero.engine.offload.backend import OffloadBackend
 from rayzero.engine.policies import MixedPrecisionPolicy, ReducePolicy
 
 OptimizerFactory = Callable[[list[dict]], torch.optim.Optimizer]
@@ -143,10 +143,10 @@ class ZeroStrategy(abc.ABC):
 
 # stage -> "module:Class"; imported lazily so a stage's module is only loaded when used.
 _STAGES = {
-    0: "rayzero.engine.stage0:Stage0Strategy",
-    1: "rayzero.engine.stage1:Stage1Strategy",
-    2: "rayzero.engine.stage2:Stage2Strategy",
-    3: "rayzero.engine.stage3:Stage3Strategy",
+    0: "rayzero.engine.bucketed.stage0:Stage0Strategy",
+    1: "rayzero.engine.bucketed.stage1:Stage1Strategy",
+    2: "rayzero.engine.bucketed.stage2:Stage2Strategy",
+    3: "rayzero.engine.stage3.strategy:Stage3Strategy",
 }
 
 

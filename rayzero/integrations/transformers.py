@@ -28,9 +28,10 @@ import torch
 
 from rayzero.checkpoint.consolidate import ShardFileIndex
 from rayzero.checkpoint.shard_file import _FROM_CODE
+from rayzero.config.environment import CONFIG
 from rayzero.config.errors import RayZeroValueError
 from rayzero.engine.partition import split_evenly
-from rayzero.engine.stage3_params import lookup
+from rayzero.engine.stage3.parameters import lookup
 
 logger = logging.getLogger(__name__)
 
@@ -170,11 +171,11 @@ def from_pretrained(model_class: Any, path: str | os.PathLike[str], config: Any 
     """
     from transformers import AutoConfig
 
-    from rayzero.engine.zero_init import Init, _zero_stage
+    from rayzero.engine.stage3.zero_init import Init, _zero_stage
 
     hf_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
     if config is None:
-        config = os.environ.get("RAYZERO_CONFIG")
+        config = CONFIG.get()
     build = getattr(model_class, "from_config", None) or model_class
     if _zero_stage(config) == 3:
         with Init(config=config, param_init_fn=_zeros):

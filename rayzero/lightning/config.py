@@ -12,8 +12,8 @@ from typing import Any
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from rayzero.config.environment import CONFIG
 from rayzero.config.lightning import LIGHTNING_DEFAULTS, lightning_to_dict
-from rayzero.engine.config_resolution import CONFIG_ENV
 from rayzero.lightning.precision import LightningSetupError
 
 DEEPSPEED_ENV_VAR = "PL_DEEPSPEED_CONFIG_PATH"
@@ -30,8 +30,8 @@ def engine_config(keywords: Mapping[str, Any], trainer: Any, precision: str | No
     source, from_run = keywords["config"], False
     if source is None and os.environ.get(DEEPSPEED_ENV_VAR):
         source = os.environ[DEEPSPEED_ENV_VAR]
-    if source is None and os.environ.get(CONFIG_ENV):
-        text = os.environ[CONFIG_ENV].strip()
+    if source is None and CONFIG.is_set():
+        text = CONFIG.get().strip()
         source, from_run = (json.loads(text) if text.startswith("{") else text), True
     if source is not None:
         source = dict(source) if isinstance(source, Mapping) else json.loads(Path(source).read_text())

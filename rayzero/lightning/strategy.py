@@ -43,10 +43,11 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.types import LRSchedulerConfig
 
+from rayzero.config.environment import COLLECTIVE_TIMEOUT_S
 from rayzero.config.lightning import LIGHTNING_DEFAULTS, lightning_to_dict
 from rayzero.engine.api import initialize
 from rayzero.engine.distributed import compute_device, init_distributed
-from rayzero.engine.zero_init import Init
+from rayzero.engine.stage3.zero_init import Init
 from rayzero.lightning.callback import RayZeroCallback
 from rayzero.lightning.checkpoints import (
     TAG,
@@ -130,8 +131,8 @@ class RayZeroStrategy(DDPStrategy):
             # torchrun, `rayzero run` and rayzero.fit set these: read them (Lightning's default
             # environment would derive a rank from LOCAL_RANK and the node rank it is told).
             cluster_environment = TorchElasticEnvironment()
-        if timeout == default_pg_timeout and os.environ.get("RAYZERO_COLLECTIVE_TIMEOUT_S"):
-            timeout = timedelta(seconds=float(os.environ["RAYZERO_COLLECTIVE_TIMEOUT_S"]))
+        if timeout == default_pg_timeout and COLLECTIVE_TIMEOUT_S.is_set():
+            timeout = timedelta(seconds=COLLECTIVE_TIMEOUT_S.get())
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, precision_plugin=precision_plugin,
                          process_group_backend=process_group_backend, timeout=timeout)

@@ -19,10 +19,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from rayzero.config.environment import CHECKPOINT_DIR, NODE_ID, NODE_LOCAL_DIR, RESUME_FROM, RUN, SCRIPT
 from rayzero.ports import free_port
 from rayzero.workers import session as session_module
 from rayzero.workers.boundary import (
-    CHECKPOINT_TIER_ENV,
     NODE_LOCAL_RESUME,
     BoundaryRequest,
     Heartbeat,
@@ -31,7 +31,7 @@ from rayzero.workers.boundary import (
     thread_stacks,
 )
 from rayzero.workers.errors import WorkerSetupError
-from rayzero.workers.script import SCRIPT_ENV, ScriptLaunch, run_script, torchelastic_environment
+from rayzero.workers.script import ScriptLaunch, run_script, torchelastic_environment
 from rayzero.workers.session import Report, WorkerSession, peak_memory_bytes
 
 
@@ -90,7 +90,7 @@ class TrainWorker:
         self._polled_at = 0.0  # when poll() last answered (REPORT_BATCH_S)
         # The node's own node-local directory (e.g. the Kubernetes operator mounts a volume and exports
         # RAYZERO_NODE_LOCAL_DIR in the pod), read before setup() overwrites the environment.
-        self._node_local_root = os.environ.get("RAYZERO_NODE_LOCAL_DIR")
+        self._node_local_root = NODE_LOCAL_DIR.get()
         # [Note: preemption] SIGTERM to this process (a pod being deleted, a spot node reclaimed) is a
         # planned stop of the whole group: checkpoint at the next agreed boundary, then regroup on
         # what remains. Ray runs an actor's __init__ on the process's main thread, the only place
@@ -140,25 +140,26 @@ class TrainWorker:
         """Set the environment and join the process group (blocks until every rank joined)."""
         try:
             env = dict(env)
-            if self._node_local_root and env.get("RAYZERO_NODE_ID"):
+            node_id, run = NODE_ID.get(env), RUN.get(env)
+            if self._node_local_root and node_id:
                 # Per node id under the node's root, as for the default root: two Ray nodes sharing one
                 # host path (two pods on one machine) must not share a checkpoint tier.
-                env["RAYZERO_NODE_LOCAL_DIR"] = f"{self._node_local_root}/{env['RAYZERO_NODE_ID']}"
-            node_local_dir = env.get("RAYZERO_NODE_LOCAL_DIR")
+                env[NODE_LOCAL_DIR.name] = f"{self._node_local_root}/{node_id}"
+            node_local_dir = NODE_LOCAL_DIR.get(env)
             if node_local_dir:
                 os.makedirs(node_local_dir, exist_ok=True)
-            if node_local_dir and env.get(CHECKPOINT_TIER_ENV) == "node_local":
+            if node_local_dir and run.node_local_checkpoints:
                 # [Note: node-local runs] checkpoints stay on this node's disk (peers keep replicas);
                 # the same name under every node's root, so a rank resumes from whatever its node holds.
-                env["RAYZERO_CHECKPOINT_DIR"] = f"{node_local_dir}/checkpoints/{env.get('RAYZERO_RUN_NAME', 'run')}"
-                if env.get("RAYZERO_RESUME_FROM") == NODE_LOCAL_RESUME:
-                    env["RAYZERO_RESUME_FROM"] = env["RAYZERO_CHECKPOINT_DIR"]
+                env[CHECKPOINT_DIR.name] = f"{node_local_dir}/checkpoints/{run.name or 'run'}"
+                if RESUME_FROM.get(env) == NODE_LOCAL_RESUME:
+                    env[RESUME_FROM.name] = env[CHECKPOINT_DIR.name]
             os.environ.update(env)
-            if env.get(SCRIPT_ENV) == "1":
+            if SCRIPT.get(env):
                 # A script forms its own group ([Note: scripts on workers]); the boundary's agreement
                 # group comes from it at the first step.
                 os.environ.update(torchelastic_environment(env))
-                boundary = StepBoundary(rank, env.get("RAYZERO_NODE_ID", ""), None, env.get("RAYZERO_CHECKPOINT_DIR"))
+                boundary = StepBoundary(rank, node_id or "", None, CHECKPOINT_DIR.get(env))
                 self._session = WorkerSession(rank=rank, dataset_shards=dict(dataset_shards), boundary=boundary)
                 return
             import torch
@@ -178,8 +179,7 @@ class TrainWorker:
             # The boundary agreement runs on the CPU ([Note: agreed step boundary]): NCCL gets a gloo
             # twin (creating it is collective: every rank does it here, in the same order).
             agreement_group = dist.new_group(backend="gloo") if backend == "nccl" else None
-            boundary = StepBoundary(rank, env.get("RAYZERO_NODE_ID", ""), agreement_group,
-                                    env.get("RAYZERO_CHECKPOINT_DIR"))
+            boundary = StepBoundary(rank, node_id or "", agreement_group, CHECKPOINT_DIR.get(env))
             self._session = WorkerSession(rank=rank, dataset_shards=dict(dataset_shards), boundary=boundary)
         except Exception as error:  # noqa: BLE001 - the controller reports it with this rank and traceback
             raise WorkerSetupError(
@@ -223,7 +223,7 @@ class TrainWorker:
         finally:
             self._running = False
             set_step_boundary_hook(None)
-            from rayzero.engine.offload import release_scratch
+            from rayzero.engine.offload.backend import release_scratch
 
             release_scratch()  # NVMe swap files are the run's scratch: gone when the loop ends
             session_module.activate(None)

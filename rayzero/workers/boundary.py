@@ -27,8 +27,6 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-CHECKPOINT_TIER_ENV = "RAYZERO_CHECKPOINT_TIER"
-"""`node_local` when the run's checkpoints live on each node's disk ([Note: node-local runs])."""
 NODE_LOCAL_RESUME = "node-local:"
 """RAYZERO_RESUME_FROM value meaning: resume from this node's own checkpoint directory.
 

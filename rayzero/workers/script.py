@@ -47,10 +47,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
+from rayzero.config.environment import ATTEMPT, CONFIG, NODE_LOCAL_DIR, RUN
 from rayzero.workers.boundary import RunStopped
 from rayzero.workers.rank_output import RankOutput
 
-SCRIPT_ENV = "RAYZERO_SCRIPT"
 """`1` in every process of a script run (`rayzero run SCRIPT.py`, `rayzero.fit(rayzero.Script(...))`)."""
 
 
@@ -133,8 +133,8 @@ def torchelastic_environment(env: Mapping[str, str]) -> dict[str, str]:
         "ROLE_RANK": env["RANK"],
         "ROLE_NAME": "default",
         "ROLE_WORLD_SIZE": env["WORLD_SIZE"],
-        "TORCHELASTIC_RUN_ID": env.get("RAYZERO_RUN_NAME", "none"),
-        "TORCHELASTIC_RESTART_COUNT": env.get("RAYZERO_ATTEMPT", "0"),
+        "TORCHELASTIC_RUN_ID": RUN.get(env).name or "none",
+        "TORCHELASTIC_RESTART_COUNT": str(ATTEMPT.get(env)),
         "TORCHELASTIC_MAX_RESTARTS": env.get("TORCHELASTIC_MAX_RESTARTS", "-1"),  # -1: no total limit
         # torchrun's agent hosts the store and sets True; here rank 0 hosts it (env:// as by hand)
         "TORCHELASTIC_USE_AGENT_STORE": "False",
@@ -210,11 +210,11 @@ def run_script(launch: ScriptLaunch, rank: int, on_output: Callable[[], None] | 
     if os.path.isdir(launch.cwd):
         os.chdir(launch.cwd)
     use_compat_modules()
-    if os.environ.get("RAYZERO_CONFIG"):
-        where = os.environ.get("RAYZERO_NODE_LOCAL_DIR") or tempfile.gettempdir()
-        os.environ.update(accelerate_environment(
-            os.environ["RAYZERO_CONFIG"], os.path.join(where, "scripts", f"{os.environ.get('RAYZERO_RUN_NAME', 'run')}"
-                                                       f"-attempt{os.environ.get('RAYZERO_ATTEMPT', '0')}-rank{rank}")))
+    config = CONFIG.get()
+    if config:
+        where = NODE_LOCAL_DIR.get() or tempfile.gettempdir()
+        name = f"{RUN.get().name or 'run'}-attempt{ATTEMPT.get()}-rank{rank}"
+        os.environ.update(accelerate_environment(config, os.path.join(where, "scripts", name)))
     saved_argv, saved_path = list(sys.argv), list(sys.path)
     with RankOutput(rank, on_output):
         try:

@@ -21,6 +21,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from rayzero.config.environment import (
+    ATTEMPT,
+    CHECKPOINT_DIR,
+    CONFIG,
+    NODE_ID,
+    NODE_LOCAL_DIR,
+    RESUME_FROM,
+    RUN,
+)
 from rayzero.config.errors import RayZeroRuntimeError
 
 
@@ -66,7 +75,7 @@ class TrainContext:
     @property
     def config(self) -> dict[str, Any] | None:
         """The run's validated DeepSpeed config (what `rayzero.initialize` uses without `config=`)."""
-        text = os.environ.get("RAYZERO_CONFIG")
+        text = CONFIG.get()
         return json.loads(text) if text else None
 
 
@@ -74,20 +83,20 @@ def context_from_environment(environ: Mapping[str, str] | None = None) -> TrainC
     """Read the context from the variables set by the worker actor (or by torchrun)."""
     env = os.environ if environ is None else environ
     world_size = int(env.get("WORLD_SIZE", "1"))
+    run, resume_from, attempt = RUN.get(env), RESUME_FROM.get(env), ATTEMPT.get(env)
     return TrainContext(
         rank=int(env.get("RANK", "0")),
         local_rank=int(env.get("LOCAL_RANK", "0")),
         world_size=world_size,
         local_world_size=int(env.get("LOCAL_WORLD_SIZE", str(world_size))),
-        node_id=env.get("RAYZERO_NODE_ID", ""),
-        run_name=env.get("RAYZERO_RUN_NAME", ""),
-        storage=env.get("RAYZERO_STORAGE", ""),
-        checkpoint_dir=env.get("RAYZERO_CHECKPOINT_DIR", ""),
-        node_local_dir=env.get("RAYZERO_NODE_LOCAL_DIR", ""),
-        resume_from=env.get("RAYZERO_RESUME_FROM") or None,
-        attempt=int(env.get("RAYZERO_ATTEMPT", "0")),
-        resuming=bool(env.get("RAYZERO_RESUME_FROM")) or int(env.get("RAYZERO_ATTEMPT", "0")) > 0
-        or env.get("RAYZERO_RESUMING") == "1",
+        node_id=NODE_ID.get(env) or "",
+        run_name=run.name,
+        storage=run.storage,
+        checkpoint_dir=CHECKPOINT_DIR.get(env) or "",
+        node_local_dir=NODE_LOCAL_DIR.get(env) or "",
+        resume_from=resume_from,
+        attempt=attempt,
+        resuming=bool(resume_from) or attempt > 0 or run.resuming,
     )
 
 
@@ -139,7 +148,7 @@ class WorkerSession:
     """Reports not yet collected by the controller; `None` wakes a waiting poll at the end."""
     boundary: Any = None
     """The engine step-boundary hook of this worker (rayzero.workers.boundary.StepBoundary)."""
-    attempt: int = field(default_factory=lambda: int(os.environ.get("RAYZERO_ATTEMPT", "0")))
+    attempt: int = field(default_factory=ATTEMPT.get)
     """The controller's attempt this worker belongs to (stamped on every report)."""
     _seq: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)

@@ -121,7 +121,7 @@ def worker(rank: int, world: int, payload: dict) -> dict:
 
 
 def param_numel(param: torch.nn.Parameter) -> int:
-    from rayzero.engine.stage3_params import lookup
+    from rayzero.engine.stage3.parameters import lookup
 
     found = lookup(param)
     return found[1].numel if found is not None else param.numel()

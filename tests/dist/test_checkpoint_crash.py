@@ -13,8 +13,8 @@ import torch
 from rayzero.checkpoint.checkpointer import Checkpointer
 from rayzero.checkpoint.manifest import committed_tags, read_latest
 from rayzero.checkpoint.options import CheckpointOptions
-from rayzero.checkpoint.retention import RUN_LINEAGE_ENV
 from rayzero.checkpoint.types import ShardedTensor, ShardSpec
+from rayzero.config.environment import RUN_LINEAGE
 
 BIG = 96 << 20  # elements (384 MiB of fp32): the write takes long enough to be caught in the middle
 
@@ -40,7 +40,7 @@ def test_killed_save_is_invisible_and_previous_loads(tmp_path, monkeypatch):
     root = str(tmp_path / "ckpt")
     # the restarted process is the same run (as `rayzero.fit` makes every attempt of a run): its
     # retention may remove the dead save's files ([Note: retention owns only its own])
-    monkeypatch.setenv(RUN_LINEAGE_ENV, "crash-test-run")
+    monkeypatch.setenv(RUN_LINEAGE.name, "crash-test-run")
     process = subprocess.Popen([sys.executable, "-c", SAVER, root, str(BIG)], stdout=subprocess.PIPE, text=True)
     assert process.stdout.readline().strip() == "committed"
     partial = os.path.join(root, "global_step20", "rank00000.safetensors.tmp")

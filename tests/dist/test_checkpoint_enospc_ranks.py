@@ -13,10 +13,10 @@ from harness import spawn
 from small_disk import SmallDisk
 
 from rayzero.checkpoint.checkpointer import Checkpointer
-from rayzero.checkpoint.comm import NODE_ID_ENV
 from rayzero.checkpoint.manifest import committed_tags, read_latest
-from rayzero.checkpoint.options import NODE_LOCAL_DIR_ENV, CheckpointOptions
+from rayzero.checkpoint.options import CheckpointOptions
 from rayzero.checkpoint.types import ShardedTensor, ShardSpec
+from rayzero.config.environment import NODE_ID, NODE_LOCAL_DIR
 
 SMALL, BIG = 1024, 1 << 20  # elements: 4 KiB and 4 MiB (the disk has 16 MiB, filled to 1 MiB free)
 
@@ -61,10 +61,10 @@ def _cases(rank: int, world: int, payload: dict) -> dict:
                                  1, disk, "shared_")
     # 2. node-local storage: node a (rank 0) on the big disk, node b (rank 1) on the small one;
     #    rank 0's big shard is replicated to node b, where it does not fit
-    os.environ[NODE_ID_ENV] = f"node-{'ab'[rank]}"
-    os.environ[NODE_LOCAL_DIR_ENV] = payload["big"] if rank == 0 else str(disk.path / "node-b")
+    os.environ[NODE_ID.name] = f"node-{'ab'[rank]}"
+    os.environ[NODE_LOCAL_DIR.name] = payload["big"] if rank == 0 else str(disk.path / "node-b")
     local = Checkpointer(CheckpointOptions(node_local=True, replicas=1, keep_last=3, timeout_s=60))
-    results.update(_fill_save_release(local, None, os.path.join(os.environ[NODE_LOCAL_DIR_ENV], "checkpoints"), rank,
+    results.update(_fill_save_release(local, None, os.path.join(os.environ[NODE_LOCAL_DIR.name], "checkpoints"), rank,
                                       0, disk, "local_"))
     return results
 

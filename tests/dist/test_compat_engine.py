@@ -159,7 +159,7 @@ def _transformers_zero3_build(rank: int, directory: str) -> dict:
     from transformers.integrations.deepspeed import HfDeepSpeedConfig, is_deepspeed_zero3_enabled
 
     from rayzero.compat.zero import GatheredParameters
-    from rayzero.engine.stage3_params import lookup
+    from rayzero.engine.stage3.parameters import lookup
     try:
         from transformers.initialization import no_init_weights
     except ImportError:  # transformers 4.x

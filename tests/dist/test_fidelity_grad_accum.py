@@ -1,6 +1,6 @@
 """`data_types.grad_accum_dtype: "fp32"` under bf16 at ZeRO stages 0 and 1 (DeepSpeed's BF16_Optimizer):
 each micro step's bf16 gradients are summed in fp32 across the accumulation window, not in bf16
-([Note: fp32 gradient accumulation] in engine/flat_strategy.py).
+([Note: fp32 gradient accumulation] in rayzero/engine/bucketed/strategy.py).
 
 The oracle is computed by hand in one process: a bf16 copy of the model runs every rank's micro
 batches one by one; each micro step's bf16 gradients (of the loss divided by gas × world, as the

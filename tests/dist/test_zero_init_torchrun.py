@@ -26,7 +26,7 @@ SCRIPT = textwrap.dedent("""
     with rayzero.zero.Init(config_dict_or_path=config):
         model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
     assert dist.is_initialized() and dist.get_world_size() == 2
-    shard = rayzero.engine.stage3_params.lookup(model[0].weight)[1].shard
+    shard = rayzero.engine.stage3.parameters.lookup(model[0].weight)[1].shard
     assert shard.numel() == 16 * 32 // 2, shard.numel()  # partitioned over both ranks
     engine, *_ = rayzero.initialize(model=model, config=config)
     for step in range(3):

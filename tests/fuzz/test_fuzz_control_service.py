@@ -22,7 +22,7 @@ from strategies import examples
 sys.path.insert(0, str(Path(__file__).parents[1] / "unit"))  # the fake run lives with the unit tests
 from control_fake_run import FakeRun
 
-from rayzero.control.v1 import control_pb2
+from rayzero.control_api.v1 import control_pb2
 from rayzero.controller.control_server import ControlServer
 
 DEADLINE_S = 20.0

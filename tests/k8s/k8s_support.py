@@ -55,7 +55,7 @@ class OperatorProcess:
         self.runs += 1
         port = k8s_envtest.free_port()
         env = {**os.environ, "KUBECONFIG": str(self.kubeconfig),
-               "RAYZERO_OPERATOR_RESYNC_SECONDS": str(RESYNC_SECONDS), **extra_env}
+               "RAYZERO_OPERATOR_RESYNC_S": str(RESYNC_SECONDS), **extra_env}
         env.pop("KUBERNETES_SERVICE_HOST", None)
         self.log_path = self.log_dir / f"operator-{self.runs}.log"
         self.process = subprocess.Popen(

@@ -75,9 +75,9 @@ def test_values_reach_the_deployment():
                              "resyncSeconds": 7, "verbose": True, "controlRefreshSeconds": 2})["deployment.yaml"]
     container = deployment["spec"]["template"]["spec"]["containers"][0]
     assert container["image"] == "r.example/op:9.9" and container["imagePullPolicy"] == "Always"
-    assert {"name": "RAYZERO_OPERATOR_RESYNC_SECONDS", "value": "7"} in container["env"]
-    assert {"name": "RAYZERO_OPERATOR_CONTROL_REFRESH_SECONDS", "value": "2"} in container["env"]
-    assert {"name": "RAYZERO_OPERATOR_CHECKPOINT_TIMEOUT_SECONDS", "value": "600"} in container["env"]
+    assert {"name": "RAYZERO_OPERATOR_RESYNC_S", "value": "7"} in container["env"]
+    assert {"name": "RAYZERO_OPERATOR_CONTROL_REFRESH_S", "value": "2"} in container["env"]
+    assert {"name": "RAYZERO_OPERATOR_CHECKPOINT_TIMEOUT_S", "value": "600"} in container["env"]
     assert {"name": "RAYZERO_OPERATOR_ALLOWED_HOST_PATHS", "value": '["/mnt/nvme/rayzero"]'} in container["env"]
     assert "--verbose" in container["args"]
     (other,) = _render({"allowedHostPaths": ["/data/a", "/scratch"]})["deployment.yaml"]

@@ -19,8 +19,8 @@ from rayzero_operator import manifests
 from rayzero_operator.control import control_address
 
 from rayzero.config.k8s_job import RayZeroJobSpec
-from rayzero.control import ControlClient, ControlError
-from rayzero.control.tls import make_service_certificates
+from rayzero.control_api import ControlClient, ControlError
+from rayzero.control_api.tls import make_service_certificates
 from rayzero.controller.control_server import ControlServer
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "unit"))

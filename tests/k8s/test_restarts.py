@@ -6,14 +6,16 @@ import time
 
 import pytest
 from k8s_support import RESYNC_SECONDS, example, wait_for
-from rayzero_operator.handlers import CRASH_AFTER_ENV, CRASH_EXIT_CODE
+from rayzero_operator.handlers import CRASH_EXIT_CODE
+
+from rayzero.config.environment import OPERATOR_CRASH_AFTER
 
 
 @pytest.mark.parametrize("step", ["ConfigMap", "RayJob", "status"])
 def test_a_crash_mid_reconcile_then_a_restart_leaves_one_rayjob(cluster, operator_process, step):
     operator_process.kill()
     # Only this namespace: the crash must come from this job, not from another test's.
-    operator_process.start(cluster.namespace, **{CRASH_AFTER_ENV: step})
+    operator_process.start(cluster.namespace, **{OPERATOR_CRASH_AFTER.name: step})
     cluster.create_job("crash", example("minimal"))
     assert operator_process.process.wait(timeout=30) == CRASH_EXIT_CODE
     before = len(cluster.ray_jobs("crash"))
@@ -37,7 +39,7 @@ def test_a_crash_while_starting_the_next_attempt_leaves_one_new_rayjob(cluster, 
     wait_for(cluster.phase_is("again", "Pending"), what="phase Pending")
     operator_process.kill()
 
-    operator_process.start(cluster.namespace, **{CRASH_AFTER_ENV: "RayJob"})
+    operator_process.start(cluster.namespace, **{OPERATOR_CRASH_AFTER.name: "RayJob"})
     cluster.set_ray_job_status("again-attempt-1", jobDeploymentStatus="Failed", jobStatus="FAILED")
     assert operator_process.process.wait(timeout=30) == CRASH_EXIT_CODE
     assert len(cluster.ray_jobs("again")) == 2

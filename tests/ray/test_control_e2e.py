@@ -78,12 +78,12 @@ def test_status_checkpoint_now_stop_and_resume_from_other_processes(local_ray, t
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     control_file = tmp_path / "runs" / "e2e" / "control.json"
     try:
-        import rayzero.control
+        import rayzero.control_api
 
         deadline = time.monotonic() + 120
         while not control_file.exists() and time.monotonic() < deadline:
             time.sleep(0.2)
-        with rayzero.control.connect("e2e", storage=storage) as client:  # cheap polling, in-process
+        with rayzero.control_api.connect("e2e", storage=storage) as client:  # cheap polling, in-process
             while client.status().step < 3 and time.monotonic() < deadline:
                 time.sleep(0.2)
         answer = _cli("status", "e2e", "--storage", storage, "--json", env=env)
@@ -100,7 +100,7 @@ def test_status_checkpoint_now_stop_and_resume_from_other_processes(local_ray, t
         # a call without the token is refused; control.json does not carry it
         info = json.loads(control_file.read_text())
         assert "token" not in info and len(list((tmp_path / "tokens").iterdir())) == 1
-        from rayzero.control.v1 import control_pb2, control_pb2_grpc
+        from rayzero.control_api.v1 import control_pb2, control_pb2_grpc
 
         with grpc.insecure_channel(info["address"]) as channel:
             with pytest.raises(grpc.RpcError) as refused:
@@ -108,7 +108,7 @@ def test_status_checkpoint_now_stop_and_resume_from_other_processes(local_ray, t
         assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
         # latencies, in-process client
-        with rayzero.control.connect("e2e", storage=storage) as client:
+        with rayzero.control_api.connect("e2e", storage=storage) as client:
             round_trips = []
             for _ in range(20):
                 started = time.perf_counter()

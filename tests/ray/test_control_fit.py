@@ -14,8 +14,8 @@ import grpc
 import pytest
 
 import rayzero
-import rayzero.control
-from rayzero.control.v1 import control_pb2, control_pb2_grpc
+import rayzero.control_api
+from rayzero.control_api.v1 import control_pb2, control_pb2_grpc
 
 
 def waiting_loop(config):
@@ -67,7 +67,7 @@ def test_the_run_serves_control_on_loopback_with_its_token_and_cleans_up(local_r
         assert info["address"].startswith("127.0.0.1:") and info["run_name"] == "ctl" and "token" not in info
         (token_file,) = (tmp_path / "tokens").iterdir()
         assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
-        with rayzero.control.connect("ctl", storage=(tmp_path / "runs").as_uri()) as client:
+        with rayzero.control_api.connect("ctl", storage=(tmp_path / "runs").as_uri()) as client:
             assert client.status().run_name == "ctl"
         with grpc.insecure_channel(info["address"]) as channel:
             stub = control_pb2_grpc.ControlStub(channel)

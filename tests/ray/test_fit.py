@@ -32,9 +32,9 @@ def reporting_loop(config):
         rayzero.report({"step": step, "rank": context.rank, "sum_of_ranks": total.item()})
     env = {key: os.environ.get(key) for key in (
         "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-        "RAYZERO_CONFIG", "RAYZERO_RUN_NAME", "RAYZERO_STORAGE", "RAYZERO_CHECKPOINT_DIR",
-        "RAYZERO_NODE_ID", "RAYZERO_NODE_LOCAL_DIR")}
+        "RAYZERO_CONFIG", "RAYZERO_CHECKPOINT_DIR", "RAYZERO_NODE_ID", "RAYZERO_NODE_LOCAL_DIR")}
     rayzero.report({"env": env, "node_local_exists": os.path.isdir(env["RAYZERO_NODE_LOCAL_DIR"]),
+                    "run_name": context.run_name, "storage": context.storage,
                     "config_micro_batch": context.config["train_micro_batch_size_per_gpu"]})
 
 
@@ -47,7 +47,7 @@ def test_reports_reach_the_driver_in_order_with_the_worker_environment(local_ray
     last = result.metrics
     env = last["env"]
     assert env["RANK"] == "0" and env["WORLD_SIZE"] == "2" and env["LOCAL_WORLD_SIZE"] == "2"
-    assert env["RAYZERO_RUN_NAME"] == "order" and env["RAYZERO_STORAGE"] == f"{tmp_path.as_uri()}/order"
+    assert last["run_name"] == "order" and last["storage"] == f"{tmp_path.as_uri()}/order"  # from $RAYZERO_RUN
     assert env["RAYZERO_CHECKPOINT_DIR"] == f"{tmp_path}/order/checkpoints"
     assert env["RAYZERO_NODE_LOCAL_DIR"].endswith(env["RAYZERO_NODE_ID"]) and last["node_local_exists"]
     assert last["config_micro_batch"] == 4

@@ -20,7 +20,7 @@ def test_a_planned_stop_saves_a_lightning_checkpoint_and_a_same_name_rerun_goes_
     import threading
     import time
 
-    from rayzero.control import connect
+    from rayzero.control_api import connect
 
     out, storage = tmp_path / "out", tmp_path.as_uri()
     run = rayzero.RunConfig(name="stopped", storage=storage, progress_interval_s=0)

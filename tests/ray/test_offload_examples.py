@@ -58,11 +58,10 @@ def _runnable(path: Path, scratch: Path) -> dict:
 def test_offload_example_trains_under_fit(path: Path, local_ray, tmp_path) -> None:
     import warnings
 
-    from rayzero.controller.configs import RunConfig, ScalingConfig
+    from rayzero.config import ConfigError
+    from rayzero.config.run_settings import RunConfig, ScalingConfig
     from rayzero.demo.train import train_loop
     from rayzero.driver.fit import fit
-
-    from rayzero.config import ConfigError
 
     if path.name == "ds_reference_zero3_nvme.json":  # NVMe with ratio 0.3: DeepSpeed 0.19.8 refuses it too
         with pytest.raises(ConfigError, match="offload_optimizer.ratio"):

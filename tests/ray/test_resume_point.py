@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from rayzero.driver.fit import resolve_resume_from
+from rayzero.driver.run_location import resolve_resume_from
 
 
 def _run_dir(tmp_path, committed: bool):

@@ -15,13 +15,13 @@ from rayzero.checkpoint.manifest import Manifest, commit, committed_tags, read_l
 from rayzero.checkpoint.options import CheckpointOptions
 from rayzero.checkpoint.retention import (
     OWNER_FILE,
-    RUN_LINEAGE_ENV,
     ForeignDirectoryError,
     apply_retention,
     claim_run_lineage,
     claim_tag_dir,
 )
 from rayzero.checkpoint.types import ShardedTensor, ShardSpec
+from rayzero.config.environment import RUN_LINEAGE
 
 pytestmark = pytest.mark.unit
 
@@ -61,7 +61,7 @@ def test_foreign_directories_survive_many_saves(tmp_path):
 
 
 def test_an_interrupted_save_of_the_lineage_is_cleaned_up_and_nobody_elses(tmp_path, monkeypatch):
-    monkeypatch.setenv(RUN_LINEAGE_ENV, "run-a")
+    monkeypatch.setenv(RUN_LINEAGE.name, "run-a")
     root = str(tmp_path / "ckpt")
     ours = os.path.join(root, "global_step5")  # a save of run-a that died before its commit
     claim_tag_dir(ours, "run-a")
@@ -85,13 +85,13 @@ def test_keep_last_is_the_newest_n_of_the_run_across_its_invocations(tmp_path, m
     assert other != lineage
     step = 0
     for invocation in range(5):
-        monkeypatch.setenv(RUN_LINEAGE_ENV, lineage)
+        monkeypatch.setenv(RUN_LINEAGE.name, lineage)
         checkpointer = Checkpointer(CheckpointOptions(async_save=False, keep_last=3))
         for _ in range(3):
             step += 1
             _save(checkpointer, root, step)
         if invocation == 1:  # another run saves into the same directory meanwhile
-            monkeypatch.setenv(RUN_LINEAGE_ENV, other)
+            monkeypatch.setenv(RUN_LINEAGE.name, other)
             stranger = Checkpointer(CheckpointOptions(async_save=False, keep_last=1))
             for theirs in (100, 101):
                 _save(stranger, root, theirs)
@@ -158,7 +158,7 @@ def test_a_tampered_durable_manifest_cannot_aim_a_delete_outside(tmp_path):
 
 
 def test_a_file_a_user_dropped_into_an_old_checkpoint_survives_its_deletion(tmp_path, monkeypatch):
-    monkeypatch.setenv(RUN_LINEAGE_ENV, "run-a")
+    monkeypatch.setenv(RUN_LINEAGE.name, "run-a")
     root = str(tmp_path / "ckpt")
     checkpointer = Checkpointer(CheckpointOptions(async_save=False, keep_last=1))
     _save(checkpointer, root, 1)

@@ -128,17 +128,15 @@ def test_optimizer_params_are_normalised():
 
 def test_a_worker_logs_only_config_notes_the_driver_did_not(caplog, monkeypatch):
     """[Note: config notes once]: under rayzero.fit the driver logged the notes already."""
-    import json
-
     from rayzero.config import load_config
-    from rayzero.config.loader import NOTES_SHOWN_ENV
+    from rayzero.config.environment import RUN, RunHandoff
 
     config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2, "aio": {"block_size": 4096},
                                                                          "stage3_max_live_parameters": 10}}
     notes = load_config(config).notes
     moved = [n for n in notes if n.startswith("moved:")]
     assert moved and len(notes) > len(moved), notes
-    monkeypatch.setenv(NOTES_SHOWN_ENV, json.dumps(moved))
+    monkeypatch.setenv(RUN.name, RunHandoff(notes_shown=tuple(moved)).to_text())
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="rayzero.config"):
         assert load_config(config).notes == notes  # the config still lists every note

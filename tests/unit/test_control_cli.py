@@ -101,7 +101,7 @@ def test_wrong_token_and_bad_arguments(served, tmp_path, capsys):
 
 def test_the_client_and_cli_import_neither_torch_nor_ray_nor_pyarrow():
     """The operator image has none of them, and `rayzero status` should start fast."""
-    code = ("import sys, rayzero.control.client, rayzero.control.cli, rayzero_operator.control; "
+    code = ("import sys, rayzero.control_api.client, rayzero.control_api.cli, rayzero_operator.control; "
             "bad = [m for m in ('torch', 'ray', 'pyarrow') if m in sys.modules]; assert not bad, bad")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr

@@ -16,10 +16,10 @@ import pytest
 from control_fake_run import FakeRun, private_token_directory  # noqa: F401 (an autouse fixture)
 
 from rayzero.config.errors import RayZeroRuntimeError
-from rayzero.control import ControlClient, ControlError, connect
-from rayzero.control.discovery import CONTROL_FILE
-from rayzero.control.tls import fingerprint, make_service_certificates
-from rayzero.control.tokens import token_path
+from rayzero.control_api import ControlClient, ControlError, connect
+from rayzero.control_api.discovery import CONTROL_FILE
+from rayzero.control_api.tls import fingerprint, make_service_certificates
+from rayzero.control_api.tokens import token_path
 from rayzero.controller.control_server import ControlServer, TlsFiles, is_loopback, plaintext_warning
 
 
@@ -161,7 +161,7 @@ def test_plaintext_beyond_loopback_is_warned_about_with_the_way_to_turn_tls_on(t
     assert [is_loopback(host) for host in ("127.0.0.1", "127.3.2.1", "::1", "[::1]", "localhost")] == [True] * 5
     assert [is_loopback(host) for host in ("0.0.0.0", "10.1.2.3", "::", "node-7", "192.168.0.5")] == [False] * 5
     text = plaintext_warning("10.1.2.3:50051", "exp1")
-    for part in ("without TLS", "python -m rayzero.control.tls --out DIR", "RAYZERO_CONTROL_TLS_CERT=DIR/tls.crt",
+    for part in ("without TLS", "python -m rayzero.control_api.tls --out DIR", "RAYZERO_CONTROL_TLS_CERT=DIR/tls.crt",
                  "RAYZERO_CONTROL_TLS_KEY=DIR/tls.key", "RAYZERO_CONTROL_TLS_CA=DIR/ca.crt", "RAYZERO_CONTROL_HOST"):
         assert part in text, part
     with caplog.at_level(logging.WARNING, logger="rayzero.controller.control_server"):
@@ -172,7 +172,7 @@ def test_plaintext_beyond_loopback_is_warned_about_with_the_way_to_turn_tls_on(t
 
 def test_the_certificate_tool_writes_a_private_key_and_never_overwrites(tmp_path):
     out = tmp_path / "certs"
-    command = [sys.executable, "-m", "rayzero.control.tls", "--out", str(out), "--name", "trainer-1"]
+    command = [sys.executable, "-m", "rayzero.control_api.tls", "--out", str(out), "--name", "trainer-1"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 0, done.stderr
     assert stat.S_IMODE((out / "tls.key").stat().st_mode) == 0o600

@@ -14,10 +14,10 @@ import pytest
 from control_fake_run import FakeRun, private_token_directory  # noqa: F401 (an autouse fixture)
 
 from rayzero.config.errors import RayZeroRuntimeError
-from rayzero.control import ControlClient, ControlError, ControlValueError, connect, status_dict
-from rayzero.control.discovery import CONTROL_FILE
-from rayzero.control.tokens import token_path
-from rayzero.control.v1 import control_pb2, control_pb2_grpc
+from rayzero.control_api import ControlClient, ControlError, ControlValueError, connect, status_dict
+from rayzero.control_api.discovery import CONTROL_FILE
+from rayzero.control_api.tokens import token_path
+from rayzero.control_api.v1 import control_pb2, control_pb2_grpc
 from rayzero.controller.control_server import ControlServer, watch_interval
 
 
@@ -34,9 +34,9 @@ def served(tmp_path, monkeypatch):
 
 
 def test_stubs_are_up_to_date():
-    from rayzero.control.generate import stale
+    from rayzero.control_api.generate import stale
 
-    assert stale() == [], "run `python -m rayzero.control.generate --write` after editing control.proto"
+    assert stale() == [], "run `python -m rayzero.control_api.generate --write` after editing control.proto"
 
 
 def test_control_json_names_the_address_not_the_token_which_goes_to_a_private_local_file(
@@ -184,7 +184,7 @@ def test_a_stale_control_json_says_the_run_is_gone(served):
     _, server, storage = served
     server.close(grace_s=0.1)
     # put the file back as a crashed controller would leave it
-    from rayzero.control.discovery import ControlInfo, write_control_file
+    from rayzero.control_api.discovery import ControlInfo, write_control_file
 
     write_control_file(f"{storage}/exp1", ControlInfo(address=server.address))
     with connect("exp1", storage=storage, token=server.token, timeout_s=3) as client:

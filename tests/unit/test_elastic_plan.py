@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from rayzero.config.errors import RayZeroValueError
-from rayzero.controller.configs import ScalingConfig
+from rayzero.config.run_settings import ScalingConfig
 from rayzero.controller.elastic import deepspeed_elastic_batch, plan_batches
 
 pytestmark = pytest.mark.unit

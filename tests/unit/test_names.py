@@ -24,8 +24,8 @@ from rayzero.checkpoint.types import ShardedTensor, ShardSpec
 from rayzero.config.errors import RayZeroValueError
 from rayzero.config.k8s_job import DNS_SUBDOMAIN_PATTERN
 from rayzero.config.names import MAX_NAME_BYTES, check_name, name_problem
-from rayzero.control.discovery import run_uri
-from rayzero.controller.configs import RunConfig
+from rayzero.config.run_settings import RunConfig
+from rayzero.control_api.discovery import run_uri
 
 pytestmark = pytest.mark.unit
 

@@ -74,7 +74,7 @@ def test_swap_files_are_scratch_removed_on_close_and_after_a_crash(tmp_path) -> 
 
 
 def test_cpu_step_threads_are_shared_by_the_ranks_of_a_host(monkeypatch) -> None:
-    from rayzero.engine.offload_host import cpu_threads, step_thread_budget
+    from rayzero.engine.offload.host import cpu_threads, step_thread_budget
 
     cores = len(os.sched_getaffinity(0))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
@@ -100,7 +100,7 @@ def test_aio_knobs_set_the_requests_in_flight(aio: dict, in_flight: int) -> None
     """[Note: swap I/O layer]: threads x queue_depth requests at once; single_submit or
     overlap_events=false wait for each request before the next, one per thread."""
     from rayzero.config import load_config
-    from rayzero.engine.swap_io import IOKnobs
+    from rayzero.engine.offload.swap_io import IOKnobs
 
     config = load_config({**BASE, "aio": aio})
     assert IOKnobs.from_config(config.aio).in_flight == in_flight

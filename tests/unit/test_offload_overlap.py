@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import rayzero
-from rayzero.config.errors import RayZeroRuntimeError
+from rayzero.config.errors import RayZeroRuntimeError, RayZeroValueError
 
 pytestmark = pytest.mark.unit
 
@@ -111,5 +111,5 @@ def test_on_a_cpu_only_machine_the_step_stays_after_backward_by_default(monkeypa
     _train(engine, model, steps=1)
     assert set(engine.offload_breakdown()) == {"cpu_step", "d2h", "h2d_publish"}
     monkeypatch.setenv("RAYZERO_OFFLOAD_OVERLAP_STEP", "sometimes")
-    with pytest.raises(RayZeroRuntimeError, match="RAYZERO_OFFLOAD_OVERLAP_STEP='sometimes': use auto"):
+    with pytest.raises(RayZeroValueError, match="RAYZERO_OFFLOAD_OVERLAP_STEP='sometimes': use auto, 1 or 0"):
         _engine(2, "cpu")

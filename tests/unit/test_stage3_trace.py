@@ -1,7 +1,7 @@
 """The stage-3 module trace: record once, replay with a cursor, re-record on divergence."""
 from __future__ import annotations
 
-from rayzero.engine.stage3_trace import FetchEvent, ModuleTrace
+from rayzero.engine.stage3.trace import FetchEvent, ModuleTrace
 
 NUMEL = {0: 10, 1: 20, 2: 30, 3: 40}
 

@@ -1,0 +1,253 @@
+"""Stage 3 gradient reduction: full gradients are reduce-scattered in planned buckets during backward.
+
+As soon as a parameter's gradient is complete (its post-accumulate-grad hook, which fires once per
+backward even for a tied weight used twice), the full gradient joins its bucket and the parameter's
+`.grad` is dropped. Each bucket becomes one `reduce_scatter` whose input is laid out rank-major —
+rank r's slice is the concatenation of the r-th shard of every gradient in the bucket — so the
+output is exactly this rank's gradient shards, which are added (in fp32) into the fp32 master
+gradient views. With `overlap_comm` the collective runs asynchronously and is only waited for when
+the next bucket is sent or at the end of backward, so at most two buckets are alive.
+
+[Note: stage 3 bucket plan]
+Buckets are planned in a fixed order every rank shares, as stages 0-2 plan theirs: first the
+parameters in reverse registration order (about the order backward produces their gradients),
+then, after the first backward, once more in the order rank 0's gradients actually arrived
+(broadcast, so every rank adopts the same plan; a plan that matches arrival keeps at most two
+buckets of full gradients alive). Buckets are sent strictly in plan order: bucket k goes out once all its gradients arrived and
+buckets 0..k-1 went out. At the end of backward the remaining buckets go out in order with zeros
+for the parameters this rank did not use (DeepSpeed's semantics: an unused parameter's gradient is
+zero). So a parameter used on some ranks only is averaged with the others' zeros, and one no rank
+used gets a zero gradient, instead of the ranks sending different buckets and crashing or hanging.
+When usage differs across ranks, a bucket goes out mid-backward on one rank and at the end on
+another; the parameter all-gathers of backward would then interleave with it differently on each
+rank, so reductions run on a process group of their own (same ranks), which orders them only
+among themselves. Their traffic is still counted by the engine's communicator.
+"""
+from __future__ import annotations
+
+import datetime
+
+import torch
+import torch.distributed as dist
+
+from rayzero.config.environment import COLLECTIVE_TIMEOUT_S
+from rayzero.engine.comm import Communicator
+from rayzero.engine.stage3.parameters import PartitionedParam
+
+
+class _SeenThisBackward(set):
+    """Entries that received a gradient in this backward. `strategy.py` clears it before every
+    backward, which is also where a new round of planned buckets starts."""
+
+    def __init__(self, on_clear) -> None:
+        super().__init__()
+        self._on_clear = on_clear
+
+    def clear(self) -> None:
+        super().clear()
+        self._on_clear()
+
+
+def _reduction_group(comm: Communicator) -> dist.ProcessGroup | None:
+    """A process group over the same ranks for gradient reductions only ([Note: stage 3 bucket plan]);
+    None when not distributed or when the engine runs on a subgroup (new_group must be entered by
+    every rank of the world, which a subgroup's outsiders would not do)."""
+    if not comm.distributed or comm.group is not dist.group.WORLD:
+        return None
+    timeout = COLLECTIVE_TIMEOUT_S.get()
+    return dist.new_group(backend=dist.get_backend(comm.group), timeout=datetime.timedelta(seconds=timeout))
+
+
+class GradientReducer:
+    """Buckets full gradients in a fixed plan, reduce-scatters them in plan order, accumulates shards
+    into master gradients ([Note: stage 3 bucket plan])."""
+
+    def __init__(self, comm: Communicator, bucket_size: int, reduce_dtype: torch.dtype,
+                 overlap: bool, master_grads: dict[int, torch.Tensor],
+                 reduce_dtypes: dict[int, torch.dtype] | None = None) -> None:
+        self.comm = comm
+        self.bucket_size = max(1, int(bucket_size))
+        self.reduce_dtype = reduce_dtype
+        # id(entry) -> the dtype its gradient is reduced in, where not `reduce_dtype` (torch_autocast:
+        # [Note: torch_autocast] in autocast.py); a bucket never mixes two.
+        self.reduce_dtypes = reduce_dtypes or {}
+        self.overlap = overlap
+        # id(entry) -> fp32 view of that parameter's master-gradient shard (padded length).
+        self.master_grads = master_grads
+        self._keys = list(master_grads)  # registration order; positions are the same on every rank
+        self._set_plan(self._keys[::-1])
+        self._next = 0  # the next bucket to send, the same sequence on every rank
+        self._open = False  # a backward's buckets are pending (set on the first gradient or clear)
+        self._group = _reduction_group(comm)
+        self._arrival: list[int] | None = []  # first backward's arrival order, then None (re-planned)
+        self._in_flight: tuple[object, torch.Tensor, list[int], torch.Tensor, bool] | None = None
+        # Keys whose master-gradient shard is known to be zero (allocated zeroed; `grads_zeroed`):
+        # a one-parameter bucket reduce-scatters straight into it instead of into a buffer then add.
+        self._zero: set[int] = set(master_grads)
+        # Entries that received a gradient since the last `clear` (unused-parameter check).
+        self.seen: set[int] = _SeenThisBackward(self._open_round)
+        self.bucket_bytes_peak = 0
+        # Called with the keys whose shards were just added ([Note: step overlapped with backward]).
+        self.on_added = None
+        # Waits on a bucket's Work ([Note: stalled stage-3 collectives]; set by the strategy).
+        self.waiter = lambda work: work.wait()
+
+    def _set_plan(self, ordered_keys: list[int]) -> None:
+        self.plan = self._plan(ordered_keys)
+        self._bucket_of = {key: index for index, keys in enumerate(self.plan) for key in keys}
+        self._arrived: list[dict[int, tuple[PartitionedParam, torch.Tensor]]] = [{} for _ in self.plan]
+
+    def _replan_from_arrival(self) -> None:
+        """Adopt rank 0's first-backward arrival order (one broadcast of parameter positions, once)."""
+        position = {key: index for index, key in enumerate(self._keys)}
+        seen = [position[key] for key in self._arrival or []]
+        missing = [index for index in range(len(self._keys) - 1, -1, -1) if index not in set(seen)]
+        order = torch.tensor(seen + missing, dtype=torch.int64)
+        if self.comm.distributed:
+            group = self._group or self.comm.group
+            dist.broadcast(order, src=dist.get_global_rank(group, 0), group=group)
+        self._arrival = None
+        self._set_plan([self._keys[index] for index in order.tolist()])
+
+    def _plan(self, keys: list[int]) -> list[list[int]]:
+        """Buckets of about `bucket_size` full elements, listed in the order they fill up.
+
+        A parameter whose gradient alone reaches `bucket_size` is a bucket of its own, sent as it
+        is (no copy: `_send`); the smaller ones around it fill the next shared bucket. Mixed into
+        one bucket (a bias beside its weight), the large gradient would be copied into the
+        bucket's buffer and exist twice at the peak.
+        """
+        world = self.comm.world_size
+        plan: list[list[int]] = []
+        current: dict[torch.dtype, list[int]] = {}  # the filling bucket of each reduce dtype
+        numel: dict[torch.dtype, int] = {}
+        for key in keys:
+            full = self.master_grads[key].numel() * world
+            if full >= self.bucket_size:
+                plan.append([key])
+                continue
+            dtype = self._dtype(key)
+            current.setdefault(dtype, []).append(key)
+            numel[dtype] = numel.get(dtype, 0) + full
+            if numel[dtype] >= self.bucket_size:
+                plan.append(current.pop(dtype))
+                numel[dtype] = 0
+        plan.extend(current[dtype] for dtype in sorted(current, key=str))
+        return plan
+
+    def _dtype(self, key: int) -> torch.dtype:
+        return self.reduce_dtypes.get(key, self.reduce_dtype)
+
+    def _open_round(self) -> None:
+        self._open = True
+
+    def add(self, entry: PartitionedParam, grad: torch.Tensor) -> None:
+        key = id(entry)
+        self._open = True
+        self.seen.add(key)
+        if self._arrival is not None:
+            self._arrival.append(key)
+        self._arrived[self._bucket_of[key]][key] = (entry, grad)
+        while self._next < len(self.plan) and len(self._arrived[self._next]) == len(self.plan[self._next]):
+            self._send(self._next, grad.device)
+            self._next += 1
+
+    def flush(self) -> None:
+        """Send every remaining bucket of this backward, in plan order, zeros for unused parameters."""
+        if not self._open:
+            return
+        device = next(iter(self.master_grads.values())).device if self.master_grads else torch.device("cpu")
+        for arrived in self._arrived:
+            if arrived:
+                device = next(iter(arrived.values()))[1].device
+                break
+        while self._next < len(self.plan):
+            self._send(self._next, device)
+            self._next += 1
+        self._next = 0
+        self._open = False
+        if self._arrival is not None:
+            self.wait()  # the re-plan changes bucket membership: nothing of the old plan in flight
+            self._replan_from_arrival()
+
+    def _send(self, index: int, device: torch.device) -> None:
+        keys = self.plan[index]
+        arrived = self._arrived[index]
+        self._arrived[index] = {}
+        world = self.comm.world_size
+        dtype = self._dtype(keys[0])
+        widths = [self.master_grads[key].numel() for key in keys]
+        shard_total = sum(widths)
+        only = arrived.get(keys[0]) if len(keys) == 1 else None
+        if only is not None and only[1].numel() == world * shard_total and only[1].dtype == dtype \
+                and only[1].is_contiguous():
+            # One parameter whose gradient is already rank-major (no padding): send it as it is,
+            # instead of a zeroed copy of the same size (one full gradient less at the peak).
+            send = only[1].reshape(-1)
+            del arrived
+            self._issue(send, shard_total, keys, device)
+            return
+        send = torch.zeros(world * shard_total, dtype=dtype, device=device)
+        rows = send.view(world, shard_total)
+        offset = 0
+        for key, width in zip(keys, widths):
+            if key in arrived:
+                flat = arrived[key][1].reshape(-1)
+                if flat.numel() == world * width:
+                    rows[:, offset:offset + width].copy_(flat.view(world, width))
+                else:  # the last rank's shard ends in padding: copy the real elements, zero the rest
+                    padded = torch.zeros(world * width, dtype=dtype, device=device)
+                    padded[: flat.numel()].copy_(flat)
+                    rows[:, offset:offset + width].copy_(padded.view(world, width))
+            # else: not used on this rank in this backward -> its rows stay zero
+            offset += width
+        del arrived
+        self._issue(send, shard_total, keys, device)
+
+    def _issue(self, send: torch.Tensor, shard_total: int, keys: list[int], device: torch.device) -> None:
+        """Reduce-scatter the rank-major `send` into this rank's shards (kept in flight until `wait`)."""
+        self.bucket_bytes_peak = max(self.bucket_bytes_peak, send.numel() * send.element_size())
+        target = self.master_grads[keys[0]] if len(keys) == 1 else None
+        direct = (target is not None and keys[0] in self._zero and target.dtype == send.dtype
+                  and target.device == device and target.numel() == shard_total and target.is_contiguous())
+        received = target if direct else torch.empty(shard_total, dtype=send.dtype, device=device)
+        self._zero.difference_update(keys)
+        self.wait()  # at most one bucket in flight besides the one being filled
+        # `send` is this bucket's own: a zeroed copy, or a gradient autograd handed over (p.grad is None).
+        work = self.comm.reduce_scatter(received, send, async_op=True, scratch=True, group=self._group)
+        self._in_flight = (work, received, keys, send, direct)  # `send` must outlive the collective
+        if not self.overlap:
+            self.wait()
+
+    def wait(self) -> None:
+        """Complete the in-flight bucket: add this rank's summed shards into the fp32 master
+        gradients (the engine divided the loss by the world size: [Note: gradient averaging])."""
+        if self._in_flight is None:
+            return
+        work, received, keys, _send, direct = self._in_flight
+        self._in_flight = None
+        self.waiter(work)
+        if direct:  # reduced straight into the (zero) master gradient
+            if self.on_added is not None:
+                self.on_added(keys)
+            return
+        shards = received.to(torch.float32)
+        offset = 0
+        for key in keys:
+            target = self.master_grads[key]
+            width = target.numel()
+            # Master gradients may live off the compute device (offload backend): move, then add. A
+            # blocking copy: a non-blocking one to the host lands in pinned memory *later*, and
+            # add_ on the host would read it before it arrived.
+            target.add_(shards[offset:offset + width].to(target.device))
+            offset += width
+        if self.on_added is not None:
+            self.on_added(keys)
+
+    def grads_zeroed(self) -> None:
+        """Every master gradient was just set to zero (the strategy's zero_grad)."""
+        self._zero = set(self.master_grads)
+
+    def finish(self) -> None:
+        self.flush()
+        self.wait()

@@ -1,0 +1,352 @@
+"""Stage 3 parameter partitions: each parameter keeps only its shard; gathered on demand.
+
+[Note: stage-3 parameter storage]
+A partitioned parameter stays the *same* `nn.Parameter` object the user (and tied modules, and
+the optimizer's bookkeeping) hold; only its `.data` changes:
+  - released: `.data` is a 0-element placeholder, so stray reads fail with a shape error rather
+    than reading freed memory;
+  - gathered: `.data` is a view of a padded flat buffer (`full`) filled by one all-gather of every
+    rank's `shard`.
+Releasing also resizes `full`'s storage to 0 bytes instead of dropping it. Autograd may have
+saved *views* of the gathered weight for backward (e.g. `weight.t()` inside `linear`); those views
+share `full`'s storage, so shrinking it really frees the memory, and re-gathering into the same
+storage before the module's backward makes them valid again. (Dropping the buffer instead would
+keep every saved view's memory alive until backward — no saving at all.)
+
+Rank r owns elements [r*s, (r+1)*s) of the parameter flattened and zero-padded to N*s elements
+(`split_evenly` in partition.py), the layout the checkpoint layer records as flat ranges.
+
+[Note: stage-3 parameter registry]
+`rayzero.zero.GatheredParameters(params)` receives bare parameters, as in DeepSpeed, so something
+must map a parameter to its partition. That is `_REGISTRY`, keyed weakly by identity: it keeps no
+parameter alive and adds no attribute to `nn.Parameter`. Each entry belongs to exactly one
+`ParamPartitions` (an engine's stage-3 strategy, or a `rayzero.zero.Init` context before the
+engine adopts it).
+"""
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from rayzero.engine.comm import Communicator
+from rayzero.engine.partition import padded_size, split_evenly
+
+# Parameters whose gathered size is at least this gather in a collective of their own ([Note:
+# coalesced gathers]): 1M elements is ~4 MiB in fp32, ~1-4 ms on gloo here against ~0.5 ms per call.
+COALESCE_MAX_ELEMENTS = 1 << 20
+
+_REGISTRY: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# module -> parameters of *other* modules it uses in its forward (DeepSpeed's
+# register_external_parameter); weakly keyed like _REGISTRY, read when the hooks are installed.
+_EXTERNAL: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+class ParamState(enum.Enum):
+    RELEASED = "released"
+    GATHERING = "gathering"
+    """An all-gather was issued (prefetch) and not yet waited on."""
+    GATHERED = "gathered"
+
+
+@dataclass(eq=False)
+class PartitionedParam:
+    """One parameter's partition and gather state (owned by a `ParamPartitions`)."""
+
+    param: torch.nn.Parameter
+    name: str
+    shape: torch.Size
+    numel: int
+    shard: torch.Tensor
+    """This rank's padded piece, compute dtype, 1-D of `shard_numel` elements."""
+    full: torch.Tensor
+    """Padded flat gather buffer (N * shard_numel); its storage is 0 bytes while released."""
+    persistent: bool = False
+    """Kept gathered for the whole run (`param_persistence_threshold`); refreshed after each step."""
+    state: ParamState = ParamState.RELEASED
+    users: int = 0
+    """Scopes currently needing the gathered data (module forwards, GatheredParameters)."""
+    pending: object = None
+    """The async all-gather handle while GATHERING."""
+    master: torch.Tensor | None = None
+    """View of this parameter's fp32 master shard (set by the strategy; GatheredParameters writes it)."""
+    pinned_until_backward_end: bool = False
+    """Gathered during backward for a parameter without gradient hook: released at backward end."""
+    swap: Any = None
+    """The shard's place in the NVMe swap file when it lives there (`shard` is then a 0-element
+    placeholder): [Note: NVMe parameter shards] in offload/nvme_param_store.py."""
+    wire_dtype: torch.dtype | None = None
+    """dtype the all-gather carries it in when not the shard's: torch_autocast's lower precision for
+    a lower-precision-safe module's weight ([Note: torch_autocast] in autocast.py)."""
+
+    @property
+    def shard_numel(self) -> int:
+        return self.swap.numel if self.swap is not None else self.shard.numel()
+
+
+class _GatherBatch:
+    """One coalesced all-gather in flight (see [Note: coalesced gathers])."""
+
+    def __init__(self, work: object, received: torch.Tensor, entries: list[PartitionedParam],
+                 send: torch.Tensor) -> None:
+        self.work = work
+        self.received = received
+        self.entries = entries
+        self.send = send  # must outlive the collective
+        self.done = False
+
+    def finish(self, world_size: int, waiter: Callable[[Any], None]) -> None:
+        if self.done:
+            return
+        waiter(self.work)
+        rows = self.received.view(world_size, -1)
+        offset = 0
+        for entry in self.entries:
+            width = entry.shard_numel
+            if entry.pending is self:
+                entry.full.view(world_size, width).copy_(rows[:, offset:offset + width])
+                entry.pending = None
+                _point_at_full(entry)
+            offset += width
+        self.done, self.received, self.send = True, None, None
+
+
+def _wait(work: Any) -> None:
+    work.wait()
+
+
+def _point_at_full(entry: PartitionedParam) -> None:
+    entry.param.data = entry.full[: entry.numel].view(entry.shape)
+    entry.state = ParamState.GATHERED
+
+
+def lookup(param: torch.Tensor) -> tuple[ParamPartitions, PartitionedParam] | None:
+    """The partition owning `param`, or None when it is not stage-3 partitioned."""
+    return _REGISTRY.get(param)
+
+
+def register_external_parameter(module: torch.nn.Module, param: torch.nn.Parameter) -> None:
+    """Declare that `module`'s forward uses `param`, which another module owns.
+
+    Stage 3 gathers only a module's own parameters around its forward; a parameter reached
+    through another module (`F.linear(x, self.embed.weight)` in a parent) must be declared so it is
+    gathered too. Tied weights assigned as attributes (`head.weight = embed.weight`) need nothing.
+    """
+    _EXTERNAL.setdefault(module, [])
+    if all(existing is not param for existing in _EXTERNAL[module]):
+        _EXTERNAL[module].append(param)
+    found = lookup(param)
+    if found is not None and found[0].coordinator is not None:
+        found[0].coordinator.add_external(module, found[1])
+
+
+def external_parameters(root: torch.nn.Module) -> dict[int, list[torch.nn.Parameter]]:
+    """id(submodule) -> parameters declared external for it, for every submodule of `root`."""
+    return {id(m): list(_EXTERNAL[m]) for m in root.modules() if m in _EXTERNAL}
+
+
+def _placeholder(like: torch.Tensor) -> torch.Tensor:
+    return torch.empty(0, dtype=like.dtype, device=like.device)
+
+
+class ParamPartitions:
+    """The partitioned parameters of one model and the gather/release mechanics.
+
+    Policy (when to gather, what to keep) lives in hooks.py; this class only moves data
+    and keeps the live-element counters that make the policy measurable.
+    """
+
+    def __init__(self, comm: Communicator, device: torch.device | str) -> None:
+        self.comm = comm
+        self.device = torch.device(device)
+        """Compute device: where gathered parameters live (shards may live elsewhere: offload)."""
+        self.coordinator = None
+        """The hooks that use these partitions (set by Stage3Coordinator; None inside Init)."""
+        self.store = None
+        """Where swapped shards live (offload_param nvme: NvmeParamStore), else None."""
+        self.waiter: Callable[[Any], None] = _wait
+        """Waits on a gather's Work (the coordinator's watch: [Note: stalled stage-3 collectives])."""
+        self.entries: list[PartitionedParam] = []
+        # Elements of non-persistent parameters gathered right now, and the most ever at once:
+        # what `max_live_parameters` bounds and memory_stats reports.
+        self.live_elements = 0
+        self.peak_live_elements = 0
+        self.persistent_elements = 0
+
+    # ---- building ---------------------------------------------------------------------------
+    def add(self, param: torch.nn.Parameter, name: str, shard: torch.Tensor, shape: torch.Size,
+            persistent: bool, swap: Any = None) -> PartitionedParam:
+        """Register `param`, whose local padded shard is `shard` (or, swapped, `swap`); its data
+        becomes released (a persistent one is gathered by the next `refresh_persistent`)."""
+        numel = int(torch.Size(shape).numel())
+        world = self.comm.world_size
+        shard_numel = swap.numel if swap is not None else shard.numel()
+        assert shard_numel == padded_size(numel, world) // world, "shard of the wrong size"
+        full = torch.empty(shard_numel * world, dtype=shard.dtype, device=self.device)
+        full.untyped_storage().resize_(0)
+        entry = PartitionedParam(param=param, name=name, shape=torch.Size(shape), numel=numel,
+                                 shard=shard, full=full, persistent=persistent, swap=swap)
+        param.data = _placeholder(full)
+        self.entries.append(entry)
+        _REGISTRY[param] = (self, entry)
+        if persistent:
+            self.persistent_elements += numel
+        return entry
+
+    def local_piece(self, full_flat: torch.Tensor) -> torch.Tensor:
+        """This rank's padded shard of a full flattened tensor (a copy)."""
+        numel = full_flat.numel()
+        start, end = split_evenly(numel, self.comm.world_size, self.comm.rank)
+        shard_numel = padded_size(numel, self.comm.world_size) // self.comm.world_size
+        piece = torch.zeros(shard_numel, dtype=full_flat.dtype, device=full_flat.device)
+        piece[: end - start].copy_(full_flat[start:end])
+        return piece
+
+    # ---- gather / release -------------------------------------------------------------------
+    def gather(self, entries: Iterable[PartitionedParam], exact: bool = False) -> int:
+        """Issue one all-gather for the released `entries` (async); returns elements issued.
+
+        [Note: coalesced gathers] Several parameters travel in *one* collective: each rank sends
+        the concatenation of its shards, so the output holds, per rank, that rank's shard of every
+        parameter; `wait` copies each parameter's column of it into the parameter's own buffer
+        (which must stay separate so it can be freed alone). One collective per module / prefetch
+        batch instead of one per parameter: on gloo each call costs ~0.5 ms whatever its size.
+        A large parameter (gathered size >= COALESCE_MAX_ELEMENTS) is gathered alone, straight into
+        its own buffer: coalesced, it would exist twice at the peak (the batch's output and its
+        buffer), for a call overhead that is small next to its transfer. A parameter carried in
+        another dtype (`wire_dtype`, unless `exact`) travels in a batch of its dtype, converted into
+        its buffer on arrival; a batch never mixes dtypes.
+        """
+        todo = [entry for entry in entries if entry.state is ParamState.RELEASED]
+        for entry in todo:
+            entry.full.untyped_storage().resize_(entry.full.numel() * entry.full.element_size())
+            entry.state = ParamState.GATHERING
+            if not entry.persistent:
+                self.live_elements += entry.numel
+        self.peak_live_elements = max(self.peak_live_elements, self.live_elements)
+        alone: list[PartitionedParam] = []
+        batches: dict[torch.dtype, list[PartitionedParam]] = {}  # by wire dtype, in `todo` order
+        for entry in todo:
+            wire = entry.full.dtype if exact or entry.wire_dtype is None else entry.wire_dtype
+            if wire == entry.full.dtype and entry.full.numel() >= COALESCE_MAX_ELEMENTS:
+                alone.append(entry)
+            else:
+                batches.setdefault(wire, []).append(entry)
+        for wire, together in list(batches.items()):
+            if len(together) == 1 and wire == together[0].full.dtype:
+                alone.append(batches.pop(wire)[0])
+        for entry in alone:
+            entry.pending = self.comm.all_gather(entry.full, self._send_piece(entry), async_op=True)
+        for wire, together in batches.items():
+            send = torch.cat([self._send_piece(entry).to(wire) for entry in together])
+            received = torch.empty(send.numel() * self.comm.world_size, dtype=wire, device=self.device)
+            batch = _GatherBatch(self.comm.all_gather(received, send, async_op=True), received, together, send)
+            for entry in together:
+                entry.pending = batch
+        return sum(entry.numel for entry in todo)
+
+    def _send_piece(self, entry: PartitionedParam) -> torch.Tensor:
+        """The shard as the all-gather's input, on the compute device: an offloaded shard
+        (offload_param) is copied there, a swapped one read from its file first."""
+        if entry.swap is not None:
+            return self.store.copy_out(entry.swap, self.device)
+        shard = entry.shard
+        return shard if shard.device == self.device else shard.to(self.device, non_blocking=True)
+
+    # ---- shard values (wherever the shard lives) ---------------------------------------------
+    def read_shard(self, entry: PartitionedParam) -> torch.Tensor:
+        """The padded shard's values: the shard itself, or a copy read from its swap file."""
+        if entry.swap is not None:
+            return self.store.copy_out(entry.swap, torch.device("cpu"))
+        return entry.shard
+
+    def write_shard(self, entry: PartitionedParam, values: torch.Tensor) -> None:
+        """The shard's first `values.numel()` elements become `values` (cast); the padding after
+        them stays zero."""
+        if entry.swap is not None:
+            self.store.write(entry.swap, values)
+        else:
+            entry.shard[: values.numel()].copy_(values.reshape(-1))
+
+    def saved_piece(self, entry: PartitionedParam, count: int) -> Any:
+        """The shard's first `count` elements for a checkpoint: a view, or a piece read from the
+        swap file only when the writer gets to it ([Note: streamed save])."""
+        if entry.swap is not None:
+            return self.store.lazy_piece(entry.swap, count)
+        return entry.shard[:count].detach()
+
+    def read_ahead(self, entries: Iterable[PartitionedParam]) -> None:
+        """Start reading these swapped shards (upcoming in the recorded order) into free staging
+        buffers ([Note: NVMe parameter shards]); nothing without a store."""
+        if self.store is not None:
+            self.store.read_ahead([entry.swap for entry in entries if entry.swap is not None])
+
+    def wait(self, entry: PartitionedParam) -> None:
+        """Block until `entry` is gathered, then point the parameter at the full data."""
+        if entry.state is not ParamState.GATHERING:
+            return
+        if isinstance(entry.pending, _GatherBatch):
+            entry.pending.finish(self.comm.world_size, self.waiter)
+        else:
+            self.waiter(entry.pending)
+            entry.pending = None
+            _point_at_full(entry)
+
+    def release(self, entry: PartitionedParam, force: bool = False) -> bool:
+        """Free the gathered data unless persistent or in use; True if released."""
+        if entry.state is ParamState.RELEASED or (entry.persistent and not force):
+            return False
+        if entry.users > 0 and not force:
+            return False
+        self.wait(entry)  # an in-flight collective still writes into the buffer
+        entry.param.data = _placeholder(entry.full)
+        entry.full.untyped_storage().resize_(0)
+        entry.state = ParamState.RELEASED
+        entry.pinned_until_backward_end = False
+        if not entry.persistent:
+            self.live_elements -= entry.numel
+        return True
+
+    def refresh_persistent(self, persistent: list[PartitionedParam]) -> None:
+        """After their shards changed (optimizer step, load): re-gather these persistent entries."""
+        for entry in persistent:
+            self.release(entry, force=True)
+        self.gather(persistent)
+        for entry in persistent:
+            self.wait(entry)
+
+    def repartition_from_full(self, entry: PartitionedParam) -> None:
+        """The gathered data was modified (GatheredParameters): take this rank's piece as shard."""
+        flat = entry.full[: entry.numel]
+        start, end = split_evenly(entry.numel, self.comm.world_size, self.comm.rank)
+        self.write_shard(entry, flat[start:end])
+        if entry.master is not None:
+            entry.master[: end - start].copy_(flat[start:end])
+
+    def forget(self, entry: PartitionedParam) -> None:
+        """Hand `entry`'s parameter over to another owner (the engine adopting an Init partition)."""
+        self.release(entry, force=True)
+        self.entries.remove(entry)
+        if entry.persistent:
+            self.persistent_elements -= entry.numel
+        if _REGISTRY.get(entry.param, (None,))[0] is self:
+            del _REGISTRY[entry.param]
+
+    def close(self) -> None:
+        """Forget the registry entries; parameters are left gathered so the module stays usable."""
+        for entry in self.entries:
+            if entry.wire_dtype is not None:  # gathered in a lower precision: re-gather the exact values
+                self.release(entry, force=True)
+            self.gather([entry], exact=True)
+            self.wait(entry)
+            # Detach the parameter from the padded buffer so it owns exactly its elements.
+            entry.param.data = entry.full[: entry.numel].view(entry.shape).clone()
+            entry.full.untyped_storage().resize_(0)
+            if _REGISTRY.get(entry.param, (None,))[0] is self:
+                del _REGISTRY[entry.param]
+        self.entries.clear()
+        self.live_elements = 0

@@ -1,0 +1,351 @@
+"""ZeRO stage 3: parameters, gradients, fp32 masters and optimizer state all partitioned.
+
+Each rank holds 1/N of every parameter (compute dtype), of its fp32 master and optimizer state and
+of its gradient. Modules gather their parameters just before they run and release them after
+(hooks.py); gradients are reduce-scattered in buckets as backward produces them
+(gradients.py). Traffic per step at gas 1: Ψ all-gather in forward + Ψ in backward + Ψ
+reduce-scatter = 3Ψ, less what `param_persistence_threshold` and `max_reuse_distance` save.
+
+Masters: flat fp32 tensors per optimizer param group, each the concatenation of a *sub-group* of
+the group's parameter shards (padded): `sub_group_size` elements at most, cut at parameter
+boundaries as DeepSpeed cuts them (one parameter larger than that is a sub-group alone). Few large
+tensors keep the fused kernels efficient; sub-groups are the tiles an offloaded step swaps
+([Note: NVMe tiles] in offload/nvme.py).
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from rayzero.checkpoint.types import ShardedTensor, ShardSpec
+from rayzero.config.errors import RayZeroValueError
+from rayzero.engine.offload.backend import StateKind
+from rayzero.engine.offload.overlapped_step import run_step
+from rayzero.engine.optim_state import elementwise_state_keys, ensure_optimizer_state
+from rayzero.engine.partition import split_evenly
+from rayzero.engine.stage3.gradients import GradientReducer
+from rayzero.engine.stage3.hooks import Stage3Coordinator, Stage3Knobs
+from rayzero.engine.stage3.parameters import ParamPartitions, PartitionedParam, external_parameters, lookup
+from rayzero.engine.strategy import StrategyContext, ZeroStrategy
+
+
+class Stage3Strategy(ZeroStrategy):
+    stage = 3
+    gradients_partitioned = True
+
+    def loss_divisor(self) -> float:
+        """Reductions are plain sums; the engine divides the loss by the world size instead, as for
+        stages 0-2, so fp16 gradients (and their overflows) are identical across stages
+        ([Note: gradient averaging] in engine.py)."""
+        return float(self.comm.world_size)
+
+    def __init__(self, ctx: StrategyContext) -> None:
+        self.comm = ctx.comm
+        self.module = ctx.module
+        self.precision = ctx.precision
+        self.policy = ctx.reduce
+        self.offload = ctx.offload
+        self.knobs = Stage3Knobs.from_config(ctx.zero_config)
+        self.partitions = ParamPartitions(ctx.comm, ctx.device)
+        # fp32 compute on the device where masters live: a trainable parameter's shard *is* its
+        # master window (no second fp32 copy), as stages 0-2 alias their buffers.
+        self.aliased = (ctx.precision.param_dtype == torch.float32 and ctx.offload.may_alias(ctx.device))
+        with torch.no_grad():
+            pieces = {}
+            persistent_budget = self.knobs.model_persistence_threshold
+            for name, param in ctx.module.named_parameters():
+                piece, shape = self._fp32_piece(param)
+                persistent = shape.numel() < self.knobs.param_persistence_threshold and \
+                    shape.numel() <= persistent_budget
+                if persistent:
+                    persistent_budget -= shape.numel()
+                pieces[id(param)] = (ctx.param_names.get(id(param), name), param, piece, shape, persistent)
+            masters: dict[int, torch.Tensor] = {}
+            master_grads: dict[int, torch.Tensor] = {}
+            self.groups: list[tuple[list[torch.nn.Parameter], torch.Tensor, torch.Tensor]] = []
+            optimizer_groups = []
+            split = [_sub_groups(group["params"], pieces, int(ctx.zero_config.sub_group_size))
+                     for group in ctx.param_groups]
+            # [Note: partial offload] in offload/host.py: which sub-groups leave the device
+            offloaded = iter(self.offload.sub_groups_offloaded(sum(len(s) for s in split)))
+            for group, sub_groups in zip(ctx.param_groups, split):
+                group_masters = []
+                for sub_group in sub_groups:
+                    total = sum(pieces[id(p)][2].numel() for p in sub_group)
+                    off = next(offloaded)
+                    master = self.offload.allocate(StateKind.MASTER, total, torch.float32, off)
+                    master_grad = self.offload.allocate(StateKind.MASTER_GRAD, total, torch.float32, off)
+                    offset = 0
+                    for param in sub_group:
+                        width = pieces[id(param)][2].numel()
+                        masters[id(param)] = master[offset:offset + width]
+                        master_grads[id(param)] = master_grad[offset:offset + width]
+                        masters[id(param)].copy_(pieces[id(param)][2])  # from fp32 values, before any downcast
+                        offset += width
+                    self.groups.append((sub_group, master, master_grad))
+                    group_masters.append(master)
+                hyper = {k: v for k, v in group.items() if k != "params"}
+                optimizer_groups.append({**hyper, "params": group_masters})
+            self.partitions.store = self.offload.param_store()
+            for name, param, piece, shape, persistent in pieces.values():
+                swap = None
+                if self.aliased and id(param) in masters:
+                    shard = masters[id(param)]
+                elif self.partitions.store is not None:  # [Note: NVMe parameter shards]
+                    shard, swap = self.partitions.store.place(piece, self.precision.param_dtype, name)
+                else:
+                    shard = self.offload.allocate(StateKind.PARAM_SHARD, piece.numel(), self.precision.param_dtype)
+                    shard.copy_(piece)
+                entry = self.partitions.add(param, name, shard, shape, persistent, swap)
+                entry.master = masters.get(id(param))
+                if ctx.precision.autocast is not None:  # [Note: torch_autocast] in autocast.py
+                    wire = ctx.precision.wire_dtype(param)
+                    entry.wire_dtype = wire if wire != shard.dtype else None
+            del pieces
+            self.partitions.refresh_persistent([e for e in self.partitions.entries if e.persistent])
+            self._cast_buffers()
+        by_param = {id(e.param): e for e in self.partitions.entries}
+        by_id = {id(e): e for e in self.partitions.entries}
+        self.groups = [([by_param[id(p)] for p in params], master, master_grad)
+                       for params, master, master_grad in self.groups]
+        master_grad_views = {id(by_param[key]): view for key, view in master_grads.items()}
+        self.optimizer = ctx.build_optimizer(optimizer_groups)
+        wire = {key: ctx.precision.wire_dtype(by_id[key].param) for key in master_grad_views}
+        self.reducer = GradientReducer(ctx.comm, ctx.reduce.reduce_bucket_size, ctx.precision.reduce_dtype,
+                                       ctx.reduce.overlap_comm, master_grad_views, wire)
+        self.coordinator = Stage3Coordinator(ctx.module, self.partitions, self.knobs, self._reduce_gradient,
+                                             external_parameters(ctx.module))
+        self.reducer.waiter = self.coordinator.stall.wait
+        self._trainable_entries = [e for entries, _, _ in self.groups for e in entries]
+        # [Note: step overlapped with backward]: a sub-group steps once its last shard arrived
+        self._stepper = self.offload.background_stepper()
+        self._step_early = self._boundary = False
+        self._group_of = {id(e): index for index, (entries, _, _) in enumerate(self.groups) for e in entries}
+        self._waiting: list[int] = []
+        self._pending: list = []
+        self._backward_end = 0.0
+
+    def _reduce_gradient(self, entry: PartitionedParam, grad: torch.Tensor) -> None:
+        """The hooks' way to the reducer. Through this method the hooks on the module keep the
+        strategy alive after its engine was dropped, so the next `initialize` can release it
+        ([Note: one engine per module] in wrapping.py)."""
+        self.reducer.add(entry, grad)
+
+    def _fp32_piece(self, param: torch.nn.Parameter) -> tuple[torch.Tensor, torch.Size]:
+        """This rank's padded fp32 piece of `param`, adopting a `rayzero.zero.Init` partition."""
+        adopted = lookup(param)
+        if adopted is not None:
+            owner, entry = adopted
+            if (owner.comm.world_size, owner.comm.rank) != (self.comm.world_size, self.comm.rank):
+                raise RayZeroValueError(
+                    f"parameter {entry.name} was partitioned by rayzero.zero.Init over {owner.comm.world_size} "
+                    f"rank(s) but training runs on {self.comm.world_size}: initialise the process group "
+                    "(rayzero.init_distributed()) before entering Init, and use the same group for both")
+            owner.forget(entry)
+            return entry.shard.to(self.partitions.device, torch.float32), entry.shape
+        return self.partitions.local_piece(param.detach().reshape(-1).float()), param.shape
+
+    def _cast_buffers(self) -> None:
+        for submodule in self.module.modules():
+            for name, buf in submodule.named_buffers(recurse=False):
+                if buf is not None and buf.is_floating_point():
+                    setattr(submodule, name, buf.to(self.partitions.device, self.precision.param_dtype))
+
+    # ---- step protocol ----------------------------------------------------------------------
+    def before_forward(self) -> None:
+        self.offload.before_forward()
+        self.coordinator.begin_micro_step()
+
+    def before_backward(self, is_boundary: bool) -> None:
+        self.reducer.seen.clear()
+        if self._step_early:
+            self._wait_steps()
+            self._stepper.check_consumed()
+            self._boundary = is_boundary
+            self._waiting = [len(entries) for entries, _, _ in self.groups] if is_boundary else []
+
+    def enable_step_overlap(self) -> bool:
+        self._step_early = self._stepper is not None and self._stepper.can_step
+        if self._step_early:
+            self.reducer.on_added = self._shards_added
+        return self._step_early
+
+    def _shards_added(self, keys: list[int]) -> None:
+        """At the boundary: submit each sub-group whose every gradient shard is now in place."""
+        if not self._boundary:
+            return
+        for key in keys:
+            index = self._group_of.get(key)
+            if index is None:
+                continue
+            self._waiting[index] -= 1
+            if self._waiting[index] == 0:
+                _, master, master_grad = self.groups[index]
+                self._pending.append(self._stepper.submit(self.optimizer, master, master_grad, None,
+                                                          lambda: None, step=True)[0])
+
+    def _wait_steps(self) -> None:
+        pending, self._pending = self._pending, []
+        for future in pending:
+            future.wait()
+
+    def after_backward(self) -> None:
+        self.reducer.finish()
+        self._backward_end = time.perf_counter()
+        self.coordinator.end_backward()
+        if not self.policy.ignore_unused_parameters:
+            unused = [e.name for e in self._trainable_entries if id(e) not in self.reducer.seen]
+            if unused:
+                raise RayZeroValueError(
+                    f"parameters {unused[:8]} received no gradient in this backward pass; set "
+                    "zero_optimization.ignore_unused_parameters=true to treat their gradient as zero, "
+                    "or set requires_grad=False on parameters the model does not use")
+
+    def finish_gradients(self) -> None:
+        self.reducer.finish()
+        self._wait_steps()
+        for _, master, master_grad in self.groups:
+            master.grad = master_grad
+
+    def master_gradients(self) -> list[torch.Tensor]:
+        return [master_grad for _, _, master_grad in self.groups]
+
+    def optimizer_step(self) -> None:
+        run_step(self._stepper, self.offload, self.optimizer, self._backward_end, len(self.groups), "sub-groups")
+        self._publish()
+        self.offload.after_publish()
+
+    def _publish(self) -> None:
+        """Updated masters -> compute-dtype shards; persistent parameters are re-gathered."""
+        with torch.no_grad():
+            if not self.aliased:
+                for entry in self._trainable_entries:
+                    self.partitions.write_shard(entry, entry.master)
+            self.partitions.refresh_persistent([e for e in self._trainable_entries if e.persistent])
+
+    def zero_grad(self) -> None:
+        for _, _, master_grad in self.groups:
+            master_grad.zero_()
+        self.reducer.grads_zeroed()
+
+    # ---- checkpoint ([Note: flat-range partitioning]) ---------------------------------------
+    def _owned(self, entry: PartitionedParam) -> tuple[int, int]:
+        return split_evenly(entry.numel, self.comm.world_size, self.comm.rank)
+
+    def _optimizer_windows(self):
+        """(entry, its sub-group's master, start, end, window) for each entry this rank owns a part of:
+        [start, end) of the full parameter, `window` the same elements in the master."""
+        for entries, master, _ in self.groups:
+            offset = 0
+            for entry in entries:
+                start, end = self._owned(entry)
+                if end > start:
+                    yield entry, master, start, end, slice(offset, offset + end - start)
+                offset += entry.shard_numel
+
+    def state_shards(self) -> list[ShardedTensor]:
+        out = []
+        for entry in self.partitions.entries:
+            start, end = self._owned(entry)
+            if end > start:
+                spec = ShardSpec(f"module/{entry.name}", tuple(entry.shape), entry.shard.dtype, start, end)
+                out.append(ShardedTensor(spec, self.partitions.saved_piece(entry, end - start)))
+        for name, buf in self.module.named_buffers():
+            out.append(ShardedTensor(ShardSpec(f"module/{name}", tuple(buf.shape), buf.dtype, 0, buf.numel()),
+                                     buf.detach().reshape(-1)))
+        keys = elementwise_state_keys(self.optimizer)
+        for entry, master, start, end, window in self._optimizer_windows():
+            out.append(ShardedTensor(ShardSpec(f"master/{entry.name}", tuple(entry.shape), torch.float32,
+                                               start, end), master.detach()[window]))
+            state = self.optimizer.state.get(master, {})
+            for key in keys:
+                if key in state:
+                    value = state[key]
+                    spec = ShardSpec(f"optim/{key}/{entry.name}", tuple(entry.shape), value.dtype, start, end)
+                    out.append(ShardedTensor(spec, self.offload.checkpoint_piece(master, key, value, window)))
+        return out
+
+    def load_state_shards(self, read: Callable[[ShardSpec], torch.Tensor]) -> None:
+        with torch.no_grad():
+            for entry in self.partitions.entries:
+                start, end = self._owned(entry)
+                if end > start:
+                    spec = ShardSpec(f"module/{entry.name}", tuple(entry.shape), entry.shard.dtype, start, end)
+                    self.partitions.write_shard(entry, read(spec).reshape(-1))
+            for name, buf in self.module.named_buffers():
+                spec = ShardSpec(f"module/{name}", tuple(buf.shape), buf.dtype, 0, buf.numel())
+                buf.copy_(read(spec).reshape(buf.shape))
+            ensure_optimizer_state(self.optimizer)
+            keys = elementwise_state_keys(self.optimizer)
+            for entry, master, start, end, window in self._optimizer_windows():
+                spec = ShardSpec(f"master/{entry.name}", tuple(entry.shape), torch.float32, start, end)
+                try:
+                    value = read(spec)
+                except KeyError:  # no fp32 copy saved: rebuild it from the weights
+                    value = self.partitions.read_shard(entry)[: end - start]
+                master[window].copy_(value.reshape(-1))
+                state = self.optimizer.state[master]
+                for key in keys:
+                    target = state[key]
+                    spec = ShardSpec(f"optim/{key}/{entry.name}", tuple(entry.shape), target.dtype, start, end)
+                    target[window].copy_(read(spec).reshape(-1))
+            self._publish()
+            trainable = {id(e) for e in self._trainable_entries}
+            self.partitions.refresh_persistent(
+                [e for e in self.partitions.entries if e.persistent and id(e) not in trainable])
+        self.comm.discard_current()
+
+    # ---- instrumentation --------------------------------------------------------------------
+    def memory_stats(self) -> dict[str, int]:
+        def nbytes(t: torch.Tensor | None) -> int:
+            return 0 if t is None else t.numel() * t.element_size()
+
+        entries = self.partitions.entries
+        element = self.precision.param_dtype.itemsize
+        persistent_full = sum(e.full.numel() for e in entries if e.persistent) * element
+        return {
+            "params": sum(nbytes(e.shard) for e in entries) + persistent_full,
+            "grads": sum(nbytes(g) for _, _, g in self.groups),
+            "master_grads": sum(nbytes(g) for _, _, g in self.groups),
+            "master_weights": 0 if self.aliased else sum(nbytes(m) for _, m, _ in self.groups),
+            "optimizer_state": sum(nbytes(v) for state in self.optimizer.state.values()
+                                   for v in state.values() if isinstance(v, torch.Tensor)),
+            "buffers": sum(nbytes(b) for b in self.module.buffers()),
+            "bucket_buffers": self.reducer.bucket_bytes_peak,
+            # Gathered (non-persistent) parameter elements: now and the most at once so far
+            # (what max_live_parameters bounds), and what prefetch issued ahead of use.
+            "live_param_elements": self.partitions.live_elements,
+            "peak_live_param_elements": self.partitions.peak_live_elements,
+            "persistent_param_elements": self.partitions.persistent_elements,
+            "prefetched_param_elements": self.coordinator.prefetched_elements,
+        }
+
+    def reset_peak_live(self) -> None:
+        """Start measuring `peak_live_param_elements` afresh (benchmarks, tests)."""
+        self.partitions.peak_live_elements = self.partitions.live_elements
+
+    def close(self) -> None:
+        self.reducer.finish()
+        if self._stepper is not None:
+            self._wait_steps()
+            self._stepper.close()
+            self._stepper = None
+            self._step_early = False
+        self.coordinator.close()
+        self.partitions.close()
+
+
+def _sub_groups(params: list, pieces: dict, limit: int) -> list[list]:
+    """Consecutive runs of `params` whose shard elements sum to at most `limit` (at least one each)."""
+    out: list[list] = []
+    size = 0
+    for param in params:
+        width = pieces[id(param)][2].numel()
+        if not out or (limit > 0 and size + width > limit):
+            out.append([])
+            size = 0
+        out[-1].append(param)
+        size += width
+    return out
