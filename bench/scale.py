@@ -12,7 +12,7 @@ What runs is rayzero's own code; only the workers are simulated (bench/scale_sim
   shard writer, and their gathers (shard specs, written files, RNG states) are handed to the saver by
   a stand-in for the checkpoint process group (an N-rank gloo group does not fit on 2 cores). The
   leader's part - the manifest of N shards, the replica plan, the commit and `latest` - is timed; then
-  the controller's registry lists the directory (`registry.committed_in`, `CheckpointTracker`).
+  the controller's registry lists the directory (`committed_checkpoints.committed_in`, `CheckpointTracker`).
 - `logic` (a): the real `Controller`, stepped as `ControllerActor` does, over `SimulatedGroup` (N ranks in
   this process, each round's reports and heartbeats built before the step is timed) on a simulated
   clock: CPU per heartbeat round, per poll of N reports, per driver poll (`take_update` + pickling it,
@@ -121,8 +121,8 @@ def checkpoint_section(world_size: int, root: str) -> dict[str, Any]:
     from rayzero.checkpoint.retention import claim_tag_dir, new_lineage
     from rayzero.checkpoint.saver import CheckpointSaver
     from rayzero.checkpoint.shard_file import write_shard_file
-    from rayzero.controller import registry
-    from rayzero.controller.checkpoints import CheckpointTracker
+    from rayzero.controller import committed_checkpoints
+    from rayzero.controller.committed_checkpoints import CheckpointTracker
 
     options = CheckpointOptions(node_local=True, replicas=1, keep_last=3, async_save=False)
     rng_state = rng.capture()
@@ -151,7 +151,7 @@ def checkpoint_section(world_size: int, root: str) -> dict[str, Any]:
     scans = []
     for _ in range(3):  # cold listings (a fresh cache each): wall of the first, least CPU of the three
         started, started_cpu = time.perf_counter(), cpu()
-        found = registry.committed_in(root)
+        found = committed_checkpoints.committed_in(root)
         scans.append((time.perf_counter() - started, cpu() - started_cpu))
         assert [item.record.step for item in found] == [200, 100], found
     out["registry_scan_s"] = scans[0][0]
@@ -384,7 +384,7 @@ def grpc_section(world_size: int, seconds: float) -> dict[str, Any]:
 
 def grpc_client(address: str, token: str, seconds: float) -> None:
     """The client side of `grpc_section`, in its own process (as `rayzero status` is)."""
-    from rayzero.control.client import ControlClient
+    from rayzero.control_api.client import ControlClient
 
     client = ControlClient(address, token, timeout_s=30.0)
     arrivals: list[float] = []

@@ -23,7 +23,7 @@ from typing import Any
 
 import ray
 
-from rayzero.controller.configs import ScalingConfig
+from rayzero.config.run_settings import ScalingConfig
 from rayzero.controller.state import Failure, FailureKind
 from rayzero.controller.worker_group import GroupPoll, RayWorkerGroup
 from rayzero.workers.actor import NodeInfo, WorkerOutcome

@@ -2,7 +2,7 @@
 
 `Controller.step()` moves it one transition; `ControllerActor` (actor.py) runs steps in a background
 thread inside a Ray actor and lets the driver long-poll the reports and the state. Requests (stop,
-resize, checkpoint now) are handled in planned.py, checkpoint discovery in checkpoints.py. See
+resize, checkpoint now) are handled in planned.py, checkpoint discovery in committed_checkpoints.py. See
 [Note: decisions as data] in `state.py` for how failures become actions, [Note: agreed step
 boundary] in rayzero/workers/boundary.py for planned stops and resizes, and [Note: the control
 seam] in `status.py` for the requests the control plane makes.
@@ -25,7 +25,7 @@ from typing import Any
 from rayzero.config.errors import RayZeroRuntimeError
 from rayzero.controller import throughput
 from rayzero.controller.actor import ControllerActor  # re-exported: fit and the tests import it from here
-from rayzero.controller.checkpoints import CheckpointTracker
+from rayzero.controller.committed_checkpoints import CheckpointTracker
 from rayzero.controller.elastic import BatchPlan
 from rayzero.controller.errors import TrainingFailedError, first_to_blame, training_failed
 from rayzero.controller.goodput import Goodput

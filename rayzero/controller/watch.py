@@ -18,7 +18,7 @@ from rayzero.controller.states import Running
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from rayzero.controller.checkpoints import CheckpointTracker
+    from rayzero.controller.committed_checkpoints import CheckpointTracker
     from rayzero.controller.controller import ControllerSettings
     from rayzero.controller.elastic import BatchPlan
     from rayzero.controller.goodput import Goodput

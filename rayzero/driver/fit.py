@@ -28,7 +28,7 @@ from rayzero.config.environment import (
 from rayzero.config.errors import RayZeroValueError
 from rayzero.config.loader import logged_notes
 from rayzero.config.run_settings import FailureConfig, RunConfig, ScalingConfig
-from rayzero.controller import registry
+from rayzero.controller import committed_checkpoints
 from rayzero.controller.controller import Controller, ControllerActor, ControllerSettings, ControllerUpdate
 from rayzero.controller.elastic import BatchPlan, plan_batches
 from rayzero.controller.errors import TrainingFailedError
@@ -307,7 +307,7 @@ def _collect_result(streamed: _Streamed, progress: Progress, metrics_log: Metric
     if record is not None:
         last_checkpoint = checkpoint_dir if record.location.startswith(checkpoint_dir) else record.location
     elif last_checkpoint is None:
-        found = registry.newest([checkpoint_dir])
+        found = committed_checkpoints.newest([checkpoint_dir])
         last_checkpoint = found.root if found is not None else None
         record = found.record if found is not None else None
     stopped = bool(final and final.stopped)

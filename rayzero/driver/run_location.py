@@ -15,7 +15,7 @@ from rayzero.config.environment import RESUME_FROM, STORAGE_ROOT
 from rayzero.config.errors import RayZeroValueError
 from rayzero.config.names import check_name
 from rayzero.config.run_settings import RunConfig
-from rayzero.controller import registry
+from rayzero.controller import committed_checkpoints
 from rayzero.workers.boundary import NODE_LOCAL_RESUME
 
 
@@ -125,7 +125,7 @@ def _resume_same_name(name: str, run_uri: str, checkpoint_dir: str, node_local: 
             return None
         print(f"[rayzero] run {name} exists: resuming from the newest checkpoint on the nodes' disks", flush=True)
         return NODE_LOCAL_RESUME
-    found = registry.newest([checkpoint_dir])
+    found = committed_checkpoints.newest([checkpoint_dir])
     if found is None:
         return None
     print(f"[rayzero] run {name} exists: resuming from its checkpoint {found.record.location} "

@@ -72,9 +72,9 @@ def s3_ray(monkeypatch, tmp_path):
 
 
 def _committed_on_s3() -> list[int]:
-    from rayzero.controller import registry
+    from rayzero.controller import committed_checkpoints
 
-    return sorted(found.record.step for found in registry.committed_in(f"s3://{BUCKET}/runs/s3run/checkpoints"))
+    return sorted(found.record.step for found in committed_checkpoints.committed_in(f"s3://{BUCKET}/runs/s3run/checkpoints"))
 
 
 def _fit(loop_config: dict, **failure):

@@ -13,8 +13,8 @@ import pytest
 from rayzero.checkpoint.comm import Topology
 from rayzero.checkpoint.manifest import FileEntry, Manifest, Piece, TensorEntry, commit
 from rayzero.checkpoint.reshard import plan_read
-from rayzero.controller import registry
-from rayzero.controller.checkpoints import CheckpointTracker
+from rayzero.controller import committed_checkpoints
+from rayzero.controller.committed_checkpoints import CheckpointTracker
 from rayzero.controller.health import HangPolicy, find_hang, stacks_text
 from rayzero.workers.boundary import Heartbeat
 
@@ -100,8 +100,8 @@ def test_a_second_listing_parses_no_manifest_again(tmp_path, monkeypatch):
         manifest.step, manifest.tag = step, tag.name
         commit(str(tag), manifest)
     parsed = []
-    real = registry._read_manifest
-    monkeypatch.setattr(registry, "_read_manifest", lambda *args: parsed.append(args) or real(*args))
+    real = committed_checkpoints._read_manifest
+    monkeypatch.setattr(committed_checkpoints, "_read_manifest", lambda *args: parsed.append(args) or real(*args))
     tracker = CheckpointTracker((str(tmp_path),), node_local=False)
     assert tracker.refresh().step == 200
     assert len(parsed) == 2
@@ -115,7 +115,7 @@ def test_a_second_listing_parses_no_manifest_again(tmp_path, monkeypatch):
     commit(str(tmp_path / "global_step300"), manifest)
     os.remove(tmp_path / "global_step100" / "manifest.json")
     assert tracker.refresh().step == 300 and len(parsed) == 3
-    assert [found.record.step for found in registry.committed_in(str(tmp_path), tracker.manifests)] == [300, 200]
+    assert [found.record.step for found in committed_checkpoints.committed_in(str(tmp_path), tracker.manifests)] == [300, 200]
     assert len(parsed) == 3
 
 

@@ -1,4 +1,5 @@
-"""The committed checkpoints of a run, as the checkpoint layer wrote them, read through pyarrow.fs.
+"""A run's committed checkpoints, as the checkpoint layer wrote them (read through pyarrow.fs), and
+what the controller makes of them: the newest one, and where a restart resumes from.
 
 [Note: checkpoints from the checkpoint layer]
 The controller never trusts what a loop reported or whether a local path exists: it lists each
@@ -8,12 +9,17 @@ gs:// and hdfs:// behave the same — and a checkpoint counts only when its `man
 last, [Note: commit protocol] in rayzero/checkpoint/manifest.py) parses. A restart resumes from the
 location holding the newest one; the engine's loader then picks the newest checkpoint complete in
 any tier there (node-local copies, peer replicas, the durable copy) and skips a corrupt one.
+
+The tracker below uses only that listing: manifests at the run's locations, and, for node-local
+runs, the newest checkpoint each rank's heartbeat found on its own disk ([Note: node-local runs] in
+rayzero/workers/boundary.py). What a loop reported only adds a place to look.
 """
 from __future__ import annotations
 
 import json
 import logging
 import posixpath
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +28,7 @@ import pyarrow.fs as pafs
 from rayzero.checkpoint.manifest import FORMAT, MANIFEST
 from rayzero.checkpoint.storage import filesystem_from_uri
 from rayzero.controller.status import CheckpointRecord
+from rayzero.workers.boundary import NODE_LOCAL_RESUME
 
 logger = logging.getLogger("rayzero.controller")
 
@@ -143,3 +150,76 @@ def newest_per_tier(locations: list[str]) -> tuple[CheckpointRecord, ...]:
             if current is None or item.record.step > current.step:
                 per_tier[item.record.tier] = item.record
     return tuple(per_tier.values())
+
+
+# ---- the tracker: the newest committed checkpoint of one run, across attempts -----------------
+
+def _save_directory(location: str) -> str:
+    """The save directory of a reported tag directory (`.../global_stepN` -> `...`)."""
+    parent, _, last = location.rstrip("/").rpartition("/")
+    return parent if last.startswith("global_step") else location
+
+
+class CheckpointTracker:
+    """The newest committed checkpoint of one run, across attempts."""
+
+    def __init__(self, locations: tuple[str, ...], node_local: bool) -> None:
+        self._locations = locations  # the run's checkpoint directory and durable copy (from fit)
+        self._node_local = node_local  # checkpoints live on the workers' disks
+        # save directories of the checkpoints loops attached to reports, in order: one entry per
+        # directory, not per checkpoint, so listing costs the same at step 100 and step 100,000
+        self.reported: dict[str, None] = {}
+        self.latest: CheckpointRecord | None = None  # the newest known, for Result and status()
+        self._from_heartbeats: CheckpointRecord | None = None  # newest a rank's heartbeat found on its disk
+        self.manifests = ManifestCache()  # each manifest parsed once ([Note: registry scans])
+
+    def note_reported(self, location: str) -> None:
+        self.reported[_save_directory(location)] = None
+
+    def note_heartbeat(self, committed: tuple[int, str] | None) -> None:
+        """A rank's heartbeat named the newest checkpoint committed in its checkpoint directory: the
+        node's disk for node-local runs, else the run's own directory when it is a local path. So
+        `status()` sees a loop's own saves as they commit, not only at the end of an attempt."""
+        if committed is None:
+            return
+        if self._node_local:
+            if self._from_heartbeats is None or committed[0] > self._from_heartbeats.step:
+                self._from_heartbeats = CheckpointRecord("node_local", committed[1], committed[0], time.time())
+                self.latest = self._from_heartbeats
+        elif self.latest is None or committed[0] > self.latest.step:
+            self.latest = CheckpointRecord("durable", committed[1], committed[0], time.time())
+
+    def locations(self) -> list[str]:
+        """Where to list: the configured locations, then each reported tag directory's save directory."""
+        return list(self._locations) + list(self.reported)
+
+    def refresh(self) -> CheckpointRecord | None:
+        """List the locations again; the newest committed checkpoint known afterwards."""
+        found = newest(self.locations(), self.manifests)
+        if found is not None and (self.latest is None or found.record.step >= self.latest.step):
+            self.latest = found.record
+        return self.latest
+
+    def resume_location(self) -> str | None:
+        """What the next attempt resumes from: the save directory holding the newest committed
+        checkpoint, NODE_LOCAL_RESUME for node-local runs, None when there is none."""
+        found = newest(self.locations(), self.manifests)
+        if self._node_local:
+            # Each new rank resumes from its own node's directory; the loader there takes the newest
+            # checkpoint complete over the survivors' copies, peer replicas and the durable copy —
+            # including one committed after the last heartbeat ([Note: node-local runs]).
+            on_disk = self._from_heartbeats
+            if on_disk is not None and (found is None or on_disk.step >= found.record.step):
+                self.latest = on_disk
+            return NODE_LOCAL_RESUME
+        if found is None:
+            return None
+        self.latest = found.record
+        return found.root
+
+    def record_of(self, location: str, step: int) -> CheckpointRecord:
+        """The record of the checkpoint the ranks just committed at `location` (a tag directory)."""
+        for item in committed_in(location, self.manifests):
+            self.latest = item.record
+            return item.record
+        return CheckpointRecord("durable", location, step, time.time())
