@@ -54,9 +54,10 @@ from bench import scale_sim
 from bench.scale_sim import SimulatedGroup
 from rayzero.controller.controller import Controller, ControllerSettings
 from rayzero.controller.elastic import BatchPlan
+from rayzero.controller.failures import FailurePolicy
 from rayzero.controller.health import HangPolicy
 from rayzero.controller.requests import ControlRequest, RequestKind
-from rayzero.controller.state import FailurePolicy, RunState
+from rayzero.controller.states import RunState
 
 SIZES = (64, 256, 1024, 4096)
 QUICK_SIZES = (16, 64)

@@ -24,7 +24,7 @@ from typing import Any
 import ray
 
 from rayzero.config.run_settings import ScalingConfig
-from rayzero.controller.state import Failure, FailureKind
+from rayzero.controller.failures import Failure, FailureKind
 from rayzero.controller.worker_group import GroupPoll, RayWorkerGroup
 from rayzero.workers.actor import NodeInfo, WorkerOutcome
 from rayzero.workers.boundary import BoundaryRequest, HandledRequest, Heartbeat

@@ -3,7 +3,7 @@
 `Controller.step()` moves it one transition; `ControllerActor` (actor.py) runs steps in a background
 thread inside a Ray actor and lets the driver long-poll the reports and the state. Requests (stop,
 resize, checkpoint now) are handled in planned.py, checkpoint discovery in committed_checkpoints.py. See
-[Note: decisions as data] in `state.py` for how failures become actions, [Note: agreed step
+[Note: decisions as data] in `failures.py` for how failures become actions, [Note: agreed step
 boundary] in rayzero/workers/boundary.py for planned stops and resizes, and [Note: the control
 seam] in `status.py` for the requests the control plane makes.
 
@@ -28,12 +28,12 @@ from rayzero.controller.actor import ControllerActor  # re-exported: fit and the
 from rayzero.controller.committed_checkpoints import CheckpointTracker
 from rayzero.controller.elastic import BatchPlan
 from rayzero.controller.errors import TrainingFailedError, first_to_blame, training_failed
+from rayzero.controller.failures import Fail, Failure, FailureKind, FailurePolicy, Retry
 from rayzero.controller.goodput import Goodput
 from rayzero.controller.health import HangPolicy, Straggler, StragglerPolicy
 from rayzero.controller.interval import CheckpointInterval
 from rayzero.controller.planned import PlannedStops
 from rayzero.controller.requests import ControlRequest, RequestKind
-from rayzero.controller.state import Fail, Failure, FailureKind, FailurePolicy, Retry, RunState
 from rayzero.controller.states import (
     ControllerState,
     Draining,
@@ -48,6 +48,7 @@ from rayzero.controller.states import (
     Resizing,
     Restarting,
     Running,
+    RunState,
     Scheduling,
     Started,
     describe,

@@ -1,7 +1,7 @@
 """Errors the controller hands to the driver. All survive pickling (see rayzero.workers.errors)."""
 from __future__ import annotations
 
-from rayzero.controller.state import Failure, FailureKind
+from rayzero.controller.failures import Failure, FailureKind
 from rayzero.workers.errors import RayZeroRuntimeError
 
 

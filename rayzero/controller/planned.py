@@ -14,14 +14,15 @@ import time
 from typing import TYPE_CHECKING
 
 from rayzero.config.errors import RayZeroRuntimeError
+from rayzero.controller.failures import Failure, FailureKind
 from rayzero.controller.requests import ControlRequest, RequestKind
-from rayzero.controller.state import Failure, FailureKind, RunState
 from rayzero.controller.states import (
     ControllerState,
     Event,
     ResizePlanned,
     Resizing,
     Running,
+    RunState,
     StoppedIdle,
     StopPlanned,
 )

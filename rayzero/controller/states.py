@@ -9,7 +9,7 @@ meaningful in one state and stale in the others (the group, a planned stop's dea
 backoff). `transition(state, event)` is the one place the run moves: it checks the event is one the
 state can take and returns the next state; the controller logs every transition
 (`Controller._move`) and performs the side effects around it (making a group, shutting one down).
-Decisions of the failure policy (`Retry`, `Fail` in state.py) arrive as the `Failed` event.
+Decisions of the failure policy (`Retry`, `Fail` in failures.py) arrive as the `Failed` event.
 
     Initializing --GroupMade--> Scheduling --Started--> Running --Ended--> Finished
          Scheduling --GroupMade (smaller)--> Scheduling
@@ -21,10 +21,26 @@ Decisions of the failure policy (`Retry`, `Fail` in state.py) arrive as the `Fai
 """
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import Any, ClassVar, Union
 
-from rayzero.controller.state import RunState
+
+class RunState(enum.Enum):
+    """Where the run is. Terminal states: FINISHED, ERRORED."""
+
+    INITIALIZING = "initializing"  # nothing started yet
+    SCHEDULING = "scheduling"  # waiting for the placement group, starting workers, forming the group
+    RUNNING = "running"  # the loops run; reports stream
+    RESTARTING = "restarting"  # a failure is being handled by tearing the group down to reschedule
+    RESIZING = "resizing"  # planned: checkpoint at the agreed boundary, then regroup at a new size
+    DRAINING = "draining"  # planned stop: checkpoint at the agreed boundary, then end the run
+    FINISHED = "finished"  # every rank's loop returned
+    ERRORED = "errored"  # the policy gave up; `Controller.error` says why
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in (RunState.FINISHED, RunState.ERRORED)
 
 
 @dataclass(frozen=True)

@@ -10,9 +10,9 @@ import time
 from typing import TYPE_CHECKING
 
 from rayzero.controller.errors import first_to_blame
+from rayzero.controller.failures import Failure, FailureKind
 from rayzero.controller.health import Straggler, find_hang, slow_ranks, stacks_text
 from rayzero.controller.requests import ControlRequest, RequestKind
-from rayzero.controller.state import Failure, FailureKind
 from rayzero.controller.states import Running
 
 if TYPE_CHECKING:

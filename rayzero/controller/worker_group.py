@@ -19,7 +19,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 
 from rayzero.config.run_settings import ScalingConfig
 from rayzero.controller.errors import ResourcesUnavailableError
-from rayzero.controller.state import Failure, FailureKind
+from rayzero.controller.failures import Failure, FailureKind
 from rayzero.workers.actor import NodeInfo, TrainWorker, WorkerOutcome
 from rayzero.workers.boundary import Heartbeat
 from rayzero.workers.errors import WorkerSetupError

@@ -32,8 +32,9 @@ from rayzero.controller import committed_checkpoints
 from rayzero.controller.controller import Controller, ControllerActor, ControllerSettings, ControllerUpdate
 from rayzero.controller.elastic import BatchPlan, plan_batches
 from rayzero.controller.errors import TrainingFailedError
+from rayzero.controller.failures import FailurePolicy
 from rayzero.controller.health import HangPolicy, Straggler
-from rayzero.controller.state import FailurePolicy, RunState
+from rayzero.controller.states import RunState
 from rayzero.controller.worker_group import RayWorkerGroup, draining_nodes, free_worker_slots
 from rayzero.driver.cluster import Connection, check_fits, connect
 from rayzero.driver.config_check import validated_config

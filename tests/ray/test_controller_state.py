@@ -10,9 +10,10 @@ from rayzero.config.errors import RayZeroRuntimeError, RayZeroValueError
 from rayzero.controller.controller import Controller, ControllerSettings
 from rayzero.controller.elastic import BatchPlan, plan_batches
 from rayzero.controller.errors import ResourcesUnavailableError, TrainingFailedError
+from rayzero.controller.failures import Failure, FailureKind, FailurePolicy
 from rayzero.controller.health import HangPolicy, find_hang
 from rayzero.controller.requests import ControlRequest, RequestKind
-from rayzero.controller.state import Failure, FailureKind, FailurePolicy, RunState
+from rayzero.controller.states import RunState
 from rayzero.controller.status import CheckpointRecord
 from rayzero.controller.worker_group import GroupPoll, assign_ranks
 from rayzero.workers.actor import NodeInfo

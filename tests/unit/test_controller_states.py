@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from rayzero.controller.requests import ControlRequest, RequestKind
-from rayzero.controller.state import RunState
 from rayzero.controller.states import (
     Draining,
     Ended,
@@ -20,10 +19,11 @@ from rayzero.controller.states import (
     Resizing,
     Restarting,
     Running,
+    RunState,
     Scheduling,
     Started,
-    StopPlanned,
     StoppedIdle,
+    StopPlanned,
     describe,
     transition,
 )

@@ -6,8 +6,9 @@ import pytest
 
 from rayzero.controller.controller import Controller
 from rayzero.controller.elastic import BatchPlan
+from rayzero.controller.failures import FailurePolicy
 from rayzero.controller.health import StragglerPolicy, slow_ranks
-from rayzero.controller.state import FailurePolicy, RunState
+from rayzero.controller.states import RunState
 from rayzero.controller.worker_group import GroupPoll
 from rayzero.workers.boundary import Heartbeat
 

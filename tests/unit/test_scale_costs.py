@@ -169,7 +169,8 @@ def test_status_calls_between_heartbeat_rounds_reuse_the_rank_table(monkeypatch)
     from rayzero.controller import control_server
     from rayzero.controller.controller import Controller
     from rayzero.controller.elastic import BatchPlan
-    from rayzero.controller.state import FailurePolicy, RunState
+    from rayzero.controller.failures import FailurePolicy
+    from rayzero.controller.states import RunState
     from rayzero.controller.status_view import RankTable, run_status
 
     group = _BeatingGroup(64)

@@ -1,4 +1,5 @@
-"""The controller's states, the failures it sees, and the policy that decides what to do about them.
+"""The failures the controller sees, and the policy that decides what to do about them (the states
+themselves, and `RunState`, are in states.py).
 
 [Note: decisions as data]
 Policies never act: `FailurePolicy.decide` is a pure function from (failure, failures so far) to a
@@ -21,23 +22,6 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-
-
-class RunState(enum.Enum):
-    """Where the run is. Terminal states: FINISHED, ERRORED."""
-
-    INITIALIZING = "initializing"  # nothing started yet
-    SCHEDULING = "scheduling"  # waiting for the placement group, starting workers, forming the group
-    RUNNING = "running"  # the loops run; reports stream
-    RESTARTING = "restarting"  # a failure is being handled by tearing the group down to reschedule
-    RESIZING = "resizing"  # planned: checkpoint at the agreed boundary, then regroup at a new size
-    DRAINING = "draining"  # planned stop: checkpoint at the agreed boundary, then end the run
-    FINISHED = "finished"  # every rank's loop returned
-    ERRORED = "errored"  # the policy gave up; `Controller.error` says why
-
-    @property
-    def is_terminal(self) -> bool:
-        return self in (RunState.FINISHED, RunState.ERRORED)
 
 
 class FailureKind(enum.Enum):
