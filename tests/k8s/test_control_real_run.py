@@ -14,8 +14,9 @@ import sys
 import tempfile
 import textwrap
 
-import k8s_envtest
-from k8s_support import example, head_tls_files, wait_for
+from testkit.k8s_support import example, head_tls_files, wait_for
+
+from scripts import k8s_envtest
 
 DRIVER = textwrap.dedent(
     """

@@ -8,8 +8,8 @@ import time
 
 import pytest
 import yaml
-from k8s_support import RESYNC_SECONDS, example, labelled_credentials, wait_for
 from kubernetes.client.exceptions import ApiException
+from testkit.k8s_support import RESYNC_SECONDS, example, labelled_credentials, wait_for
 
 
 def _uri_env(ray_job: dict) -> dict:

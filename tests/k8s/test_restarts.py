@@ -5,8 +5,8 @@ from __future__ import annotations
 import time
 
 import pytest
-from k8s_support import RESYNC_SECONDS, example, wait_for
 from rayzero_operator.handlers import CRASH_EXIT_CODE
+from testkit.k8s_support import RESYNC_SECONDS, example, wait_for
 
 from rayzero.config.environment import OPERATOR_CRASH_AFTER
 

@@ -1,5 +1,5 @@
 """Helpers of the k8s tests (a module of its own, so no test imports `conftest` by name: other
-test directories have conftest modules too). Fixtures live in conftest.py."""
+test directories have conftest modules too). Fixtures live in tests/k8s/conftest.py."""
 from __future__ import annotations
 
 import os
@@ -14,9 +14,7 @@ from typing import Any
 import yaml
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "scripts"))
-
-import k8s_envtest
+from scripts import k8s_envtest
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
