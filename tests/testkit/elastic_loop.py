@@ -9,10 +9,10 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from testkit import fault_hooks  # travels with the loop by value ([Note: shipping the loop])
 import torch
 
 import rayzero
+from testkit import fault_hooks  # travels with the loop by value ([Note: shipping the loop])
 
 SAMPLES = 96
 FEATURES = 8

@@ -12,11 +12,12 @@ from collections.abc import Callable
 from typing import Any
 
 import yaml
-
-REPO = pathlib.Path(__file__).resolve().parents[2]
-from scripts import k8s_envtest
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
+
+from scripts import k8s_envtest
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 CHART = REPO / "helm" / "rayzero-operator"
 RELEASE = "rzo"  # deploy/rbac.yaml is rendered with the same release name
