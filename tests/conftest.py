@@ -48,7 +48,7 @@ def small_disk(tmp_path):
     else:
         pytest.skip("cannot mount a small filesystem here (needs root and mount): " + "; ".join(attempts))
     try:
-        from small_disk import SmallDisk  # tests/ is on sys.path (this conftest's directory)
+        from testkit.small_disk import SmallDisk
 
         yield SmallDisk(mount_point, kind)
     finally:

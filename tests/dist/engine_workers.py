@@ -5,8 +5,8 @@ import functools
 import json
 import os
 
-import harness as H
 import torch
+from testkit import harness as H
 
 
 def _engine(case: H.Case, **kwargs):

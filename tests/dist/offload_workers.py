@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 
-import harness as H
 import torch
+from testkit import harness as H
 
 
 def where_state_lives(engine) -> dict:

@@ -9,7 +9,7 @@ import copy
 
 import torch
 import torch.nn.functional as F
-from harness import Case, copy_case, run_cases
+from testkit.harness import Case, copy_case, run_cases
 
 PARITY_ZERO = (("stage3_param_persistence_threshold", 20), ("stage3_prefetch_bucket_size", 100),
                ("stage3_max_live_parameters", 2000))

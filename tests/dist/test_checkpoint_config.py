@@ -13,7 +13,7 @@ import subprocess
 import sys
 
 import torch
-from harness import spawn
+from testkit.harness import spawn
 
 from rayzero.checkpoint.manifest import MANIFEST, committed_tags, read_latest, read_manifest, shard_file_name
 from rayzero.checkpoint.retention import OWNER_FILE

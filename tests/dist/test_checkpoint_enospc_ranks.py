@@ -9,8 +9,8 @@ import os
 
 import torch
 import torch.distributed as dist
-from harness import spawn
-from small_disk import SmallDisk
+from testkit.harness import spawn
+from testkit.small_disk import SmallDisk
 
 from rayzero.checkpoint.checkpointer import Checkpointer
 from rayzero.checkpoint.manifest import committed_tags, read_latest

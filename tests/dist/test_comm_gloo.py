@@ -8,8 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-
-from tests.dist.harness import spawn
+from testkit.harness import spawn
 
 pytestmark = pytest.mark.dist
 
@@ -30,7 +29,12 @@ def _extra_mib(fn) -> float:
 
 
 def _check(rank: int, world: int, _: object) -> dict:
-    from rayzero.engine.comm import GLOO_DIRECT_MIN_ELEMENTS, Communicator, _all_gather_flat, _reduce_scatter_flat
+    from rayzero.engine.comm import (
+        GLOO_DIRECT_MIN_ELEMENTS,
+        Communicator,
+        _all_gather_flat,
+        _reduce_scatter_flat,
+    )
 
     comm = Communicator()
     other = dist.new_group(backend="gloo")

@@ -13,8 +13,7 @@ import tempfile
 
 import pytest
 import torch
-
-from tests.dist.harness import build_model, global_batch, spawn
+from testkit.harness import build_model, global_batch, spawn
 
 pytestmark = pytest.mark.dist
 transformers = pytest.importorskip("transformers")

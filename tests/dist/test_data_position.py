@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from harness import spawn
+from testkit.harness import spawn
 
 from rayzero.checkpoint.manifest import read_latest
 

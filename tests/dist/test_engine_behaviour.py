@@ -7,8 +7,8 @@ import functools
 import itertools
 
 import engine_workers as W
-import harness as H
 import pytest
+from testkit import harness as H
 
 WORLD = 2
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import functools
 
 import engine_workers as W
-import harness as H
 import pytest
+from testkit import harness as H
 
 GLOBAL = 6  # samples per optimizer step at every world size (micro batch = GLOBAL / world)
 SAVE_AT, LAST = 4, 8

@@ -6,8 +6,7 @@ gradient is scaled by the same factor."""
 from __future__ import annotations
 
 import pytest
-
-from tests.dist.harness import Case, assemble_masters, max_rel_diff, reference_run, run_cases, spawn
+from testkit.harness import Case, assemble_masters, max_rel_diff, reference_run, run_cases, spawn
 
 pytestmark = pytest.mark.dist
 

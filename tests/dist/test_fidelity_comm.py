@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from tests.dist.harness import spawn
+from testkit.harness import spawn
 
 pytestmark = pytest.mark.dist
 

@@ -20,8 +20,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-
-from tests.dist import harness as H
+from testkit import harness as H
 
 pytestmark = pytest.mark.dist
 

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from tests.dist.harness import max_rel_diff, spawn
+from testkit.harness import max_rel_diff, spawn
 
 pytestmark = pytest.mark.dist
 

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from tests.dist.harness import assemble_masters, build_model, global_batch, master_pieces, spawn
+from testkit.harness import assemble_masters, build_model, global_batch, master_pieces, spawn
 
 pytestmark = pytest.mark.dist
 

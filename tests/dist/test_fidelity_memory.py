@@ -22,8 +22,7 @@ import os
 
 import pytest
 import torch
-
-from tests.dist.harness import spawn
+from testkit.harness import spawn
 
 pytestmark = pytest.mark.dist
 

@@ -8,8 +8,7 @@ import os
 from pathlib import Path
 
 import pytest
-
-from tests.dist.harness import LR, build_model, global_batch, spawn
+from testkit.harness import LR, build_model, global_batch, spawn
 
 pytestmark = pytest.mark.dist
 

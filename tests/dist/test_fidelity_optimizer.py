@@ -11,8 +11,7 @@ import inspect
 
 import pytest
 import torch
-
-from tests.dist.harness import LR, assemble_masters, build_model, global_batch, max_rel_diff, spawn
+from testkit.harness import LR, assemble_masters, build_model, global_batch, max_rel_diff, spawn
 
 pytestmark = pytest.mark.dist
 

@@ -21,9 +21,9 @@ from __future__ import annotations
 import functools
 
 import pytest
+from testkit.harness import spawn
 
 from tests.dist import deepspeed_parity as P
-from tests.dist.harness import spawn
 
 pytestmark = pytest.mark.dist
 pytest.importorskip("deepspeed")

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 pytest.importorskip("lightning")
-from harness import spawn
 from lightning_workers import BATCHES, DATA_SEED, no_group, run_cases, write_text
+from testkit.harness import spawn
 
 STAGE3_OFFLOAD = {"stage": 3, "offload_optimizer": True}
 

@@ -13,10 +13,9 @@ import torch
 
 pytest.importorskip("lightning")
 from rayzero.ports import free_port
+from tests.data import lightning_train
 
 DATA = Path(__file__).resolve().parents[1] / "data"
-sys.path.insert(0, str(DATA))
-import lightning_train
 
 
 def _consolidated(checkpoint: Path) -> dict[str, torch.Tensor]:

@@ -11,10 +11,10 @@ import functools
 import os
 import tempfile
 
-import harness as H
 import pytest
 import torch
 from offload_workers import ESTIMATE_WIDTH, checkpoint_hop, measured_memory, mlp, parity
+from testkit import harness as H
 
 _SCRATCH = tempfile.TemporaryDirectory(prefix="rayzero-offload-")
 NVME = _SCRATCH.name + "/nvme"

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import functools
 
-import harness as H
 import pytest
 import torch
+from testkit import harness as H
 
 from rayzero.engine.partition import plan_buckets
 

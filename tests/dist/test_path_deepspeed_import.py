@@ -10,8 +10,8 @@ import pytest
 import torch
 
 pytest.importorskip("deepspeed")
-from harness import spawn
 from path_ds_workers import STEPS_AFTER, deepspeed_worker, rayzero_one_rank_worker, rayzero_worker
+from testkit.harness import spawn
 
 from rayzero.checkpoint.cli import main as checkpoint_cli
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
-from harness import spawn
 from path_hf_workers import worker
+from testkit.harness import spawn
 
 BIG_WIDTH = 384  # 4 layers x 12 x 384² + embeddings: about 7.3M parameters, 29 MB in fp32
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import logging
 
-import harness as H
 import pytest
 import torch
+from testkit import harness as H
 
 pytestmark = pytest.mark.dist
 

@@ -10,8 +10,8 @@ import tempfile
 
 import pytest
 import torch
-from harness import assemble_masters, max_rel_diff, reference_run, spawn
 from stage3_workers import DEPTH, FP16_CASE, LAYER, PSI, WIDTH, parity_cases, worker
+from testkit.harness import assemble_masters, max_rel_diff, reference_run, spawn
 
 BF16_LOSS_TOLERANCE = 1e-2
 BF16_PARAM_TOLERANCE = 0.1

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import time
 
-import harness as H
 import pytest
 import torch
 import torch.distributed as dist
+from testkit import harness as H
 
 pytestmark = pytest.mark.dist
 

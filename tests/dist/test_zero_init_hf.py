@@ -11,8 +11,7 @@ import math
 
 import pytest
 import torch
-
-from tests.dist.harness import spawn
+from testkit.harness import spawn
 
 pytestmark = pytest.mark.dist
 transformers = pytest.importorskip("transformers")

@@ -1,5 +1,5 @@
 """Fuzz the gRPC control service (`rayzero.v1.Control`) over a real server and the in-process run of
-tests/unit/control_fake_run.py: sequences of calls with out-of-range values (NaN, infinities,
+tests/testkit/control_fake_run.py: sequences of calls with out-of-range values (NaN, infinities,
 negative and huge timeouts and intervals, any int32 worker count, any reason text), raw bytes that
 are not a valid request, and missing or wrong tokens. Property: each call answers (OK or a status
 other than UNKNOWN/INTERNAL, with details), before the client's deadline: no hang.
@@ -10,17 +10,13 @@ wait), and bytes that do not parse got gRPC's INTERNAL (now INVALID_ARGUMENT, re
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
 import grpc
 import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 from strategies import examples
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "unit"))  # the fake run lives with the unit tests
-from control_fake_run import FakeRun
+from testkit.control_fake_run import FakeRun
 
 from rayzero.control_api.v1 import control_pb2
 from rayzero.controller.control_server import ControlServer

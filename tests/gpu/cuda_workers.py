@@ -1,23 +1,19 @@
 """Rank code for the CUDA engine tests (tests/gpu/test_cuda_engine.py).
 
-Reuses the parity model, cases and data of tests/dist/harness.py; what differs on a GPU is the
+Reuses the parity model, cases and data of tests/testkit/harness.py; what differs on a GPU is the
 process group (NCCL, from the usual env variables through `rayzero.init_distributed`), the device
 of the batches and the reference (single-process fp32 torch on the same CUDA device, TF32 off so
 "fp32" means fp32). The rank code only uses `compute_device()`, so it also runs on CPU with gloo,
-which is how it was checked on a machine without a GPU (`python tests/gpu/cuda_workers.py`).
+which is how it was checked on a machine without a GPU (`PYTHONPATH=tests python tests/gpu/cuda_workers.py`).
 """
 from __future__ import annotations
 
 import math
-import pathlib
-import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "dist"))
-import harness as H  # tests/dist/harness.py: the parity model, cases and data
+from testkit import harness as H  # the parity model, cases and data of tests/dist
 
 FP16_EXTRA = (("fp16", {"enabled": True, "loss_scale": 0, "initial_scale_power": 18, "hysteresis": 1,
                         "loss_scale_window": 1000, "min_loss_scale": 1}),)
@@ -146,7 +142,7 @@ def compare(case: H.Case, per_rank: list[dict], reference: tuple[list[float], di
     assert all(r["skipped_steps"] == 0 for r in per_rank)
 
 
-if __name__ == "__main__":  # the CPU dry run of the rank code (gloo): `python tests/gpu/cuda_workers.py`
+if __name__ == "__main__":  # the CPU dry run (gloo): `PYTHONPATH=tests python tests/gpu/cuda_workers.py`
     cases = [H.Case(stage=s, precision="fp32", steps=4) for s in range(4)]
     for world in (1, 2):
         out = spawn(world, run_cases, cases)

@@ -12,9 +12,9 @@ from __future__ import annotations
 import functools
 
 import cuda_workers as W
-import harness as H  # tests/dist/harness.py, put on sys.path by cuda_workers
 import pytest
 import torch
+from testkit import harness as H
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(),

@@ -6,7 +6,6 @@ ClusterRole. The tests play KubeRay's part by patching RayJob status themselves.
 from __future__ import annotations
 
 import pathlib
-import sys
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -14,12 +13,10 @@ from typing import Any
 import pytest
 
 HERE = pathlib.Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parents[1] / "scripts"))
-sys.path.insert(0, str(HERE))
 
-import k8s_envtest
-import kuberay_crds
-from k8s_support import (
+from kubernetes import client, config
+from testkit import kuberay_crds
+from testkit.k8s_support import (
     CHART,
     RELEASE,
     RELEASE_NAMESPACE,
@@ -28,7 +25,8 @@ from k8s_support import (
     OperatorProcess,
     wait_for,
 )
-from kubernetes import client, config
+
+from scripts import k8s_envtest
 
 # What the session started, so that it can be stopped as soon as the last k8s test is done rather
 # than at the end of a whole `make test` run (an idle operator resyncing every second, an apiserver

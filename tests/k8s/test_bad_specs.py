@@ -7,8 +7,8 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from k8s_support import example, labelled_credentials, wait_for
 from kubernetes.client.exceptions import ApiException
+from testkit.k8s_support import example, labelled_credentials, wait_for
 
 
 def _with(change: Callable[[dict[str, Any]], None]) -> dict[str, Any]:

@@ -8,9 +8,9 @@ import pathlib
 import helm_python
 import pytest
 import yaml
-from k8s_support import CHART, RELEASE, RELEASE_NAMESPACE, SERVICE_ACCOUNT
 from kubernetes import client
 from rayzero_operator import crd as crd_module
+from testkit.k8s_support import CHART, RELEASE, RELEASE_NAMESPACE, SERVICE_ACCOUNT
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 TEMPLATES = "rayzero-operator/templates/"

@@ -8,23 +8,19 @@ from __future__ import annotations
 import base64
 import json
 import os
-import pathlib
-import sys
 
-import k8s_envtest
 import pytest
 from cryptography import x509
-from k8s_support import example, head_tls_files, wait_for
 from rayzero_operator import manifests
 from rayzero_operator.control import control_address
+from testkit.control_fake_run import FakeRun
+from testkit.k8s_support import example, head_tls_files, wait_for
 
 from rayzero.config.k8s_job import RayZeroJobSpec
 from rayzero.control_api import ControlClient, ControlError
 from rayzero.control_api.tls import make_service_certificates
 from rayzero.controller.control_server import ControlServer
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "unit"))
-from control_fake_run import FakeRun
+from scripts import k8s_envtest
 
 
 def _job(spec: dict | None = None) -> dict:

@@ -12,35 +12,11 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import textwrap
 
-import k8s_envtest
-from k8s_support import example, head_tls_files, wait_for
+from testkit import control_driver
+from testkit.k8s_support import example, head_tls_files, wait_for
 
-DRIVER = textwrap.dedent(
-    """
-    import sys, time
-    import torch
-    import rayzero
-
-    def loop(config):
-        context = rayzero.get_context()
-        engine, _, _, _ = rayzero.initialize(model=torch.nn.Linear(4, 1))
-        inputs, targets = torch.randn(8, 4), torch.randn(8, 1)
-        should_stop = getattr(context, "should_stop", lambda: False)
-        while engine.global_steps < 100000 and not should_stop():
-            loss = torch.nn.functional.mse_loss(engine(inputs), targets)
-            engine.backward(loss)
-            engine.step()
-            rayzero.report({"step": engine.global_steps, "loss": float(loss)})
-            time.sleep(0.05)
-
-    rayzero.fit(loop, config={"train_micro_batch_size_per_gpu": 8, "optimizer": {"type": "SGD", "params": {"lr": 0.01}}},
-                scaling=rayzero.ScalingConfig(num_workers=1),
-                run=rayzero.RunConfig(name=sys.argv[1], storage=sys.argv[2], progress_interval_s=60))
-    print("FIT RETURNED", flush=True)
-    """
-)
+from scripts import k8s_envtest
 
 
 def test_the_operator_follows_and_suspends_a_real_run(cluster, operator, tmp_path):
@@ -53,16 +29,14 @@ def test_the_operator_follows_and_suspends_a_real_run(cluster, operator, tmp_pat
     token = base64.b64decode(secret.data["control_token"]).decode()
     tls = head_tls_files(secret, tmp_path / "tls")
 
-    script = tmp_path / "driver.py"
-    script.write_text(DRIVER)
     ray_tmp = tempfile.mkdtemp(prefix="rzk8s", dir="/tmp")  # Ray's socket paths must stay short
     # What the operator's head pod gives the run: the port, the job Secret's token and TLS files.
     env = {**os.environ, "RAYZERO_CONTROL_HOST": "127.0.0.1", "RAYZERO_CONTROL_PORT": str(port),
            "RAYZERO_CONTROL_TOKEN": token, "RAYZERO_CONTROL_TLS_CERT": tls.certificate,
            "RAYZERO_CONTROL_TLS_KEY": tls.private_key, "RAYZERO_CONTROL_TLS_CA": tls.ca, "RAY_TMPDIR": ray_tmp}
     env.pop("RAY_ADDRESS", None)
-    driver = subprocess.Popen([sys.executable, str(script), "real", (tmp_path / "runs").as_uri()], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    driver = subprocess.Popen([sys.executable, str(control_driver.PATH), "real", (tmp_path / "runs").as_uri(),
+                               "100000", "1"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         cluster.set_ray_job_status("real-attempt-1", jobDeploymentStatus="Running", jobStatus="RUNNING",
                                    rayClusterStatus={"head": {"serviceIP": "127.0.0.1"}})
@@ -76,7 +50,7 @@ def test_the_operator_follows_and_suspends_a_real_run(cluster, operator, tmp_pat
         cluster.patch_job("real", {"spec": {"suspend": True}})
         wait_for(lambda: cluster.ray_job("real-attempt-1")["spec"]["suspend"] is True, 120, "RayJob suspended")
         output, _ = driver.communicate(timeout=120)
-        assert driver.returncode == 0 and "FIT RETURNED" in output, output
+        assert driver.returncode == 0 and control_driver.result(output)["stopped"], output
         latest = tmp_path / "runs" / "real" / "checkpoints" / "latest"
         assert latest.exists(), output  # the loop never saves: this is the stop's checkpoint
         final = int(latest.read_text().strip().removeprefix("global_step"))

@@ -7,9 +7,9 @@ import uuid
 
 import helm_python
 import pytest
-from k8s_support import CHART, Cluster, OperatorProcess, example, labelled_credentials, wait_for
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
+from testkit.k8s_support import CHART, Cluster, OperatorProcess, example, labelled_credentials, wait_for
 
 RELEASE, NAMESPACE = "rzn", "rzn-system"
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 import pathlib
 
 import helm_python
-import k8s_envtest
-import kuberay_crds
 import pytest
-from k8s_support import CHART, Cluster, OperatorProcess, example, wait_for
 from kubernetes import client, config
+from testkit import kuberay_crds
+from testkit.k8s_support import CHART, Cluster, OperatorProcess, example, wait_for
+
+from scripts import k8s_envtest
 
 
 @pytest.fixture

@@ -8,8 +8,8 @@ import time
 
 import pytest
 import yaml
-from k8s_support import RESYNC_SECONDS, example, labelled_credentials, wait_for
 from kubernetes.client.exceptions import ApiException
+from testkit.k8s_support import example, labelled_credentials, wait_for
 
 
 def _uri_env(ray_job: dict) -> dict:
@@ -104,7 +104,7 @@ def test_status_follows_the_rayjob_to_success(cluster, operator):
     wait_for(cluster.phase_is("ok", "Succeeded"), what="phase Succeeded")
     assert cluster.condition("ok", "Succeeded")["status"] == "True"
     assert cluster.condition("ok", "Ready")["status"] == "False"
-    time.sleep(3 * RESYNC_SECONDS)  # resyncs of a finished job start nothing
+    cluster.reconciled_again("ok")  # reconciles of a finished job start nothing
     assert len(cluster.ray_jobs("ok")) == 1
 
 
@@ -136,7 +136,7 @@ def test_a_failure_with_restarts_left_starts_exactly_one_resuming_rayjob(cluster
                       what="status of attempt 2")
     assert (status["phase"], status["restarts"], status["rayJobName"]) == ("Restarting", 1, "retry-attempt-2")
     assert status["resumeFrom"] == "s3://bucket/runs/retry"
-    time.sleep(3 * RESYNC_SECONDS)  # duplicate events and resyncs make no third RayJob
+    cluster.reconciled_again("retry")  # further events and resyncs make no third RayJob
     assert len(cluster.ray_jobs("retry")) == 2
     # A new attempt, new control credentials (made once: resyncs did not rotate them again); Ray's
     # token, which KubeRay's submitter also holds, stays.
@@ -155,7 +155,7 @@ def test_a_failure_with_restarts_left_starts_exactly_one_resuming_rayjob(cluster
     failed = cluster.condition("retry", "Failed")
     assert failed["reason"] == "RestartsExhausted" and "NCCL timeout" in failed["message"]
     assert status["restarts"] == 1
-    time.sleep(3 * RESYNC_SECONDS)
+    cluster.reconciled_again("retry")
     assert len(cluster.ray_jobs("retry")) == 2
     assert any(event.reason == "RestartsExhausted" and event.type == "Warning"
                for event in cluster.events("retry"))
@@ -168,7 +168,7 @@ def test_no_restarts_means_a_failure_is_final(cluster, operator):
     wait_for(lambda: cluster.ray_jobs("once"), what="the RayJob")
     cluster.set_ray_job_status("once-attempt-1", jobDeploymentStatus="Failed", jobStatus="FAILED")
     wait_for(cluster.phase_is("once", "Failed"), what="phase Failed")
-    time.sleep(2 * RESYNC_SECONDS)
+    cluster.reconciled_again("once")
     assert len(cluster.ray_jobs("once")) == 1
 
 
@@ -185,8 +185,8 @@ def test_suspend_and_resume(cluster, operator):
     wait_for(cluster.phase_is("pause", "Suspended"), what="phase Suspended")
     assert cluster.condition("pause", "Suspended")["status"] == "True"
     cluster.set_ray_job_status("pause-attempt-1", jobDeploymentStatus="Suspended", jobStatus="STOPPED")
-    time.sleep(2 * RESYNC_SECONDS)  # KubeRay's "STOPPED" of a suspended job is not a failure
-    assert cluster.status("pause")["phase"] == "Suspended" and len(cluster.ray_jobs("pause")) == 1
+    # KubeRay's "STOPPED" of a suspended job is not a failure
+    assert cluster.reconciled_again("pause")["phase"] == "Suspended" and len(cluster.ray_jobs("pause")) == 1
 
     cluster.patch_job("pause", {"spec": {"suspend": False}})
     wait_for(lambda: cluster.ray_job("pause-attempt-1")["spec"]["suspend"] is False, what="RayJob resumed")
@@ -219,8 +219,7 @@ def test_deletion_goes_through_the_finalizer(cluster, operator_process, operator
         assert [(ref.get("uid"), ref.get("kind")) for ref in refs] == [(uid, "RayZeroJob")]
 
     operator_process.stop()  # with no operator the finalizer holds the job
-    cluster.delete_job("gone")
-    time.sleep(1)
+    cluster.delete_job("gone")  # nothing but the operator could remove its finalizer: no waiting needed
     held = cluster.job("gone")
     assert held is not None and held["metadata"].get("deletionTimestamp")
     assert len(cluster.ray_jobs("gone")) == 1

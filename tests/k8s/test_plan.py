@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 import yaml
-from k8s_support import example
 from rayzero_operator import crd, manifests
 from rayzero_operator.plan import Observed, plan
+from testkit.k8s_support import example
 
 NOW = dt.datetime(2026, 1, 1, 12, 0, 0, tzinfo=dt.timezone.utc)
 

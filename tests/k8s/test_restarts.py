@@ -2,11 +2,9 @@
 attempt ([Note: one RayJob per attempt]): the crash seam exits the process right after a step."""
 from __future__ import annotations
 
-import time
-
 import pytest
-from k8s_support import RESYNC_SECONDS, example, wait_for
 from rayzero_operator.handlers import CRASH_EXIT_CODE
+from testkit.k8s_support import example, wait_for
 
 from rayzero.config.environment import OPERATOR_CRASH_AFTER
 
@@ -23,7 +21,7 @@ def test_a_crash_mid_reconcile_then_a_restart_leaves_one_rayjob(cluster, operato
 
     operator_process.start()
     wait_for(cluster.phase_is("crash", "Pending"), what="phase Pending after the restart")
-    time.sleep(3 * RESYNC_SECONDS)
+    cluster.reconciled_again("crash")
     assert [job["metadata"]["name"] for job in cluster.ray_jobs("crash")] == ["crash-attempt-1"]
     created = [event for event in cluster.events("crash") if event.reason == "RayJobCreated"]
     assert len(created) <= 1  # at most once: a restarted operator never claims a second creation
@@ -49,7 +47,7 @@ def test_a_crash_while_starting_the_next_attempt_leaves_one_new_rayjob(cluster, 
     status = wait_for(lambda: cluster.status("again").get("attempt") == 2 and cluster.status("again"),
                       what="status of attempt 2")
     assert status["restarts"] == 1
-    time.sleep(3 * RESYNC_SECONDS)
+    cluster.reconciled_again("again")
     assert [job["metadata"]["name"] for job in cluster.ray_jobs("again")] == [
         "again-attempt-1", "again-attempt-2"]
 
@@ -65,8 +63,8 @@ def test_sigkill_during_a_burst_of_jobs_leaves_one_rayjob_each(cluster, operator
     operator_process.start()
     for name in names:
         wait_for(cluster.phase_is(name, "Pending"), what=f"{name} Pending")
-    time.sleep(2 * RESYNC_SECONDS)
     for name in names:
+        cluster.reconciled_again(name)
         assert [job["metadata"]["name"] for job in cluster.ray_jobs(name)] == [f"{name}-attempt-1"]
 
 
@@ -77,6 +75,6 @@ def test_an_apiserver_restart_leaves_one_rayjob_and_the_operator_carries_on(clus
     # Watches reconnect and re-list everything: every job is seen again as if new.
     cluster.set_ray_job_status("steady-attempt-1", jobDeploymentStatus="Running", jobStatus="RUNNING")
     wait_for(cluster.phase_is("steady", "Running"), timeout=60, what="phase Running after the restart")
-    time.sleep(2 * RESYNC_SECONDS)
+    cluster.reconciled_again("steady")
     assert [job["metadata"]["name"] for job in cluster.ray_jobs("steady")] == ["steady-attempt-1"]
     assert operator.running()

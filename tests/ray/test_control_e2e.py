@@ -10,47 +10,11 @@ import os
 import statistics
 import subprocess
 import sys
-import textwrap
 import time
 
 import grpc
 import pytest
-
-DRIVER = textwrap.dedent(
-    """
-    import sys, time
-    import torch
-    import rayzero
-
-    def loop(config):
-        context = rayzero.get_context()
-        torch.manual_seed(0)
-        engine, _, _, _ = rayzero.initialize(model=torch.nn.Linear(8, 1))
-        if context.resume_from:
-            engine.load_checkpoint(context.resume_from)
-        started_at = engine.global_steps
-        inputs, targets = torch.randn(16, 8), torch.randn(16, 1)
-        should_stop = getattr(context, "should_stop", lambda: False)
-        while engine.global_steps < config["steps"] and not should_stop():
-            loss = torch.nn.functional.mse_loss(engine(inputs), targets)
-            engine.backward(loss)
-            engine.step()
-            rayzero.report({"step": engine.global_steps, "loss": float(loss), "started_at": started_at,
-                            "time": time.time()})
-            time.sleep(config["sleep"])
-
-    result = rayzero.fit(loop, config={"train_micro_batch_size_per_gpu": 16, "gradient_clipping": 0.0,
-                                       "optimizer": {"type": "SGD", "params": {"lr": 0.01}}},
-                         scaling=rayzero.ScalingConfig(num_workers=2),
-                         run=rayzero.RunConfig(name=sys.argv[1], storage=sys.argv[2], progress_interval_s=60),
-                         train_loop_config={"steps": int(sys.argv[3]), "sleep": 0.05})
-    first = [m for m in result.metrics_history if "started_at" in m][:1]
-    print("RESULT", {"stopped": getattr(result, "stopped", None), "steps": len(result.metrics_history),
-                     "started_at": first[0]["started_at"] if first else None,
-                     "last_step": result.metrics_history[-1]["step"] if result.metrics_history else None,
-                     "step_times": [m["time"] for m in result.metrics_history if "time" in m][-20:]}, flush=True)
-    """
-)
+from testkit import control_driver
 
 
 def _cli(*args: str, env: dict) -> subprocess.CompletedProcess:
@@ -58,23 +22,14 @@ def _cli(*args: str, env: dict) -> subprocess.CompletedProcess:
                           timeout=300)
 
 
-def _result(output: str) -> dict:
-    import ast
-
-    line = next(line for line in output.splitlines() if line.startswith("RESULT "))
-    return ast.literal_eval(line[len("RESULT "):])
-
-
 def test_status_checkpoint_now_stop_and_resume_from_other_processes(local_ray, tmp_path, monkeypatch):
     storage = (tmp_path / "runs").as_uri()
-    script = tmp_path / "driver.py"
-    script.write_text(DRIVER)
     # The controller's local token file goes here, where the CLI processes (same "node") find it.
     monkeypatch.setenv("RAYZERO_CONTROL_TOKEN_DIR", str(tmp_path / "tokens"))
     env = dict(os.environ, RAY_ADDRESS=local_ray.get_runtime_context().gcs_address,
                RAYZERO_CONTROL_HOST="127.0.0.1")
     env.pop("RAYZERO_CONTROL_TOKEN", None)
-    driver = subprocess.Popen([sys.executable, str(script), "e2e", storage, "100000"], env=env,
+    driver = subprocess.Popen([sys.executable, str(control_driver.PATH), "e2e", storage, "100000"], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     control_file = tmp_path / "runs" / "e2e" / "control.json"
     try:
@@ -142,7 +97,7 @@ def test_status_checkpoint_now_stop_and_resume_from_other_processes(local_ray, t
         output, _ = driver.communicate(timeout=180)
         stop_s = time.monotonic() - started
         assert driver.returncode == 0, output
-        first = _result(output)
+        first = control_driver.result(output)
         assert first["stopped"] is not False, output
         assert not control_file.exists() and list((tmp_path / "tokens").iterdir()) == []
         latest = (tmp_path / "runs" / "e2e" / "checkpoints" / "latest")
@@ -154,10 +109,10 @@ def test_status_checkpoint_now_stop_and_resume_from_other_processes(local_ray, t
             driver.kill()
             driver.wait(30)
 
-    rerun = subprocess.run([sys.executable, str(script), "e2e", storage, str(final_step + 3)], env=env,
+    rerun = subprocess.run([sys.executable, str(control_driver.PATH), "e2e", storage, str(final_step + 3)], env=env,
                            capture_output=True, text=True, timeout=300)
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
-    second = _result(rerun.stdout)
+    second = control_driver.result(rerun.stdout)
     assert second["started_at"] == final_step, second  # resumed from the stop's checkpoint
 
     times = first["step_times"]

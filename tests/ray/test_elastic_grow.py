@@ -4,10 +4,8 @@ step lost, no retry budget used), the global batch stays 12 (gas 3 -> 2), and th
 uninterrupted process's."""
 from __future__ import annotations
 
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
@@ -16,9 +14,7 @@ from rayzero.driver.fit import controller_actor_name
 
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster
-
-sys.path.insert(0, str(Path(__file__).parent))
-import elastic_loop
+from testkit import elastic_loop
 
 
 @pytest.fixture

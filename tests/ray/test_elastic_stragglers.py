@@ -2,15 +2,10 @@
 driver's output, on the progress line and in `Result.stragglers`, while the run goes on unharmed."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
+from testkit import elastic_loop
 
 import rayzero
-
-sys.path.insert(0, str(Path(__file__).parent))
-import elastic_loop
 
 
 def test_a_rank_slow_in_its_loop_is_reported_as_a_straggler(local_ray, tmp_path, capsys):

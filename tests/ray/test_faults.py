@@ -4,17 +4,14 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
+from testkit import elastic_loop
 
 import rayzero
-
-sys.path.insert(0, str(Path(__file__).parent))
-import elastic_loop
 
 
 def _fit(tmp_path, name: str, loop_config: dict, config: dict | None = None, **failure):

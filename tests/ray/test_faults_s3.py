@@ -9,15 +9,12 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))
-import elastic_loop
 from test_faults import _check_continued, _in_thread, _wait_for_file
+from testkit import elastic_loop
 
 MOTO_SERVER = Path(__file__).resolve().parents[2] / ".venv-s3" / "bin" / "moto_server"
 BUCKET = "rayzero-faults"

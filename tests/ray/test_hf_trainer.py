@@ -30,11 +30,10 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 pytest.importorskip("datasets")
+from tests.fixtures import hf_tiny
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures"
-sys.path.insert(0, str(FIXTURES))
-import hf_tiny
 
 HF_SCRIPT = FIXTURES / "hf" / "run_clm.py"
 SCRIPT = HF_SCRIPT if HF_SCRIPT.is_file() else FIXTURES / "train_clm.py"

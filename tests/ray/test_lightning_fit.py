@@ -4,16 +4,12 @@
 `rayzero status` shows the trainer's step, and a same-name rerun goes on from the stop."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
 import rayzero
 
 pytest.importorskip("lightning")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "data"))
-import lightning_train
+from tests.data import lightning_train
 
 
 def test_a_planned_stop_saves_a_lightning_checkpoint_and_a_same_name_rerun_goes_on_from_it(local_ray, tmp_path):

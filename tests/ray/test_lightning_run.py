@@ -15,9 +15,9 @@ import pyarrow.parquet as pq
 import pytest
 
 pytest.importorskip("lightning")
+from tests.data import lightning_train
+
 DATA = Path(__file__).resolve().parents[1] / "data"
-sys.path.insert(0, str(DATA))
-import lightning_train
 
 
 def test_rayzero_run_trains_a_lightning_script_that_resumes_by_itself_after_a_worker_dies(local_ray, tmp_path):

@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
@@ -17,9 +15,7 @@ from rayzero.driver.fit import controller_actor_name
 
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster
-
-sys.path.insert(0, str(Path(__file__).parent))
-import elastic_loop
+from testkit import elastic_loop
 
 
 @pytest.fixture(scope="module")

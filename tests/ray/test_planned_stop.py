@@ -3,7 +3,6 @@ step every rank reaches — in a loop that never saves — and the run goes on f
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -13,13 +12,10 @@ import time
 from pathlib import Path
 
 import pytest
+from testkit import elastic_loop, subprocess_env
 
 import rayzero
 from rayzero.driver.fit import controller_actor_name
-
-sys.path.insert(0, str(Path(__file__).parent))
-import elastic_loop
-
 from rayzero.driver.metrics_store import read_metrics
 
 
@@ -35,16 +31,15 @@ def _steps(result) -> list[dict]:
 def test_driver_sigterm_is_a_planned_stop_and_a_rerun_with_the_same_name_resumes(local_ray, tmp_path):
     script = tmp_path / "driver.py"
     script.write_text(textwrap.dedent(f"""
-        import sys
-        sys.path.insert(0, {str(Path(__file__).parent)!r})
-        import elastic_loop, rayzero
+        import rayzero
+        from testkit import elastic_loop
         rayzero.fit(elastic_loop.train, config=elastic_loop.config(),
                     scaling=rayzero.ScalingConfig(num_workers=2),
                     run=rayzero.RunConfig(name="sigterm", storage={tmp_path.as_uri()!r}, progress_interval_s=0),
                     train_loop_config={{"steps": 10_000, "sleep": 0.05}})
         print("FIT RETURNED", flush=True)
     """))
-    env = dict(os.environ, RAY_ADDRESS=local_ray.get_runtime_context().gcs_address)
+    env = subprocess_env(RAY_ADDRESS=local_ray.get_runtime_context().gcs_address)
     driver = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True, env=env)
     lines: list[str] = []
@@ -80,15 +75,14 @@ def test_driver_sigterm_is_a_planned_stop_and_a_rerun_with_the_same_name_resumes
 def test_a_killed_driver_loses_only_uncommitted_steps_and_the_rerun_resumes(local_ray, tmp_path):
     script = tmp_path / "driver.py"
     script.write_text(textwrap.dedent(f"""
-        import sys
-        sys.path.insert(0, {str(Path(__file__).parent)!r})
-        import elastic_loop, rayzero
+        import rayzero
+        from testkit import elastic_loop
         rayzero.fit(elastic_loop.train, config=elastic_loop.config(),
                     scaling=rayzero.ScalingConfig(num_workers=2),
                     run=rayzero.RunConfig(name="killed", storage={tmp_path.as_uri()!r}, progress_interval_s=0),
                     train_loop_config={{"steps": 10_000, "sleep": 0.05, "save_every": 2}})
     """))
-    env = dict(os.environ, RAY_ADDRESS=local_ray.get_runtime_context().gcs_address)
+    env = subprocess_env(RAY_ADDRESS=local_ray.get_runtime_context().gcs_address)
     driver = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True, env=env)
     for line in driver.stdout:

@@ -6,13 +6,7 @@ data-parallel step do). The outstanding-call tables count the entries the group 
 """
 from __future__ import annotations
 
-import pathlib
-import sys
-
 import pytest
-
-REPOSITORY = pathlib.Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPOSITORY))
 
 from bench.scale_sim import HostedRayWorkerGroup
 from rayzero.workers.boundary import BoundaryRequest

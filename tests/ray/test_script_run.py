@@ -14,11 +14,9 @@ import time
 from pathlib import Path
 
 import pytest
+from testkit import TESTS, elastic_loop
 
 import rayzero
-
-sys.path.insert(0, str(Path(__file__).parent))
-import elastic_loop
 
 pytest.importorskip("rayzero.engine.api")
 
@@ -66,8 +64,8 @@ TRAIN_SCRIPT = textwrap.dedent(
     import torch
     import torch.distributed as dist
     import rayzero
-    sys.path.insert(0, {str(Path(__file__).parent)!r})
-    import elastic_loop
+    sys.path.insert(0, {str(TESTS)!r})  # this script runs on a Ray worker, whose sys.path lacks tests/
+    from testkit import elastic_loop
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, required=True)

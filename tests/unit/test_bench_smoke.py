@@ -14,7 +14,6 @@ import sys
 import pytest
 
 REPOSITORY = pathlib.Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPOSITORY))
 
 from bench import report
 

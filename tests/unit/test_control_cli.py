@@ -1,5 +1,5 @@
 """`rayzero status|stop|scale|kill` and `rayzero checkpoint now` against a real control service on
-loopback (over the in-process run of control_fake_run.py)."""
+loopback (over the in-process run of testkit/control_fake_run.py)."""
 from __future__ import annotations
 
 import json
@@ -9,7 +9,7 @@ import sys
 import time
 
 import pytest
-from control_fake_run import FakeRun, private_token_directory  # noqa: F401 (an autouse fixture)
+from testkit.control_fake_run import FakeRun, private_token_directory  # noqa: F401 (an autouse fixture)
 
 from rayzero.cli import main
 from rayzero.controller.control_server import ControlServer

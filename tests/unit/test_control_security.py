@@ -2,7 +2,7 @@
 a planted symlink or another user's file refused, a crashed run's file replaced), a token per
 controller start, TLS with a private CA verified by name whatever address is dialled (pinned CA,
 wrong CA, plaintext refused when a CA is pinned), and the warning for a plaintext bind beyond
-loopback. Real gRPC servers on loopback over the in-process run of control_fake_run.py."""
+loopback. Real gRPC servers on loopback over the in-process run of testkit/control_fake_run.py."""
 from __future__ import annotations
 
 import json
@@ -13,7 +13,7 @@ import subprocess
 import sys
 
 import pytest
-from control_fake_run import FakeRun, private_token_directory  # noqa: F401 (an autouse fixture)
+from testkit.control_fake_run import FakeRun, private_token_directory  # noqa: F401 (an autouse fixture)
 
 from rayzero.config.errors import RayZeroRuntimeError
 from rayzero.control_api import ControlClient, ControlError, connect

@@ -1,5 +1,5 @@
 """The control service for real: a gRPC server on loopback over a small in-process run (the
-ControlTarget is the controller's; see control_fake_run.py), the Python client, auth, streaming,
+ControlTarget is the controller's; see testkit/control_fake_run.py), the Python client, auth, streaming,
 control.json and TLS."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import time
 
 import grpc
 import pytest
-from control_fake_run import FakeRun, private_token_directory  # noqa: F401 (an autouse fixture)
+from testkit.control_fake_run import FakeRun, private_token_directory  # noqa: F401 (an autouse fixture)
 
 from rayzero.config.errors import RayZeroRuntimeError
 from rayzero.control_api import ControlClient, ControlError, ControlValueError, connect, status_dict

@@ -19,7 +19,7 @@ import yaml
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-DATA = pathlib.Path(__file__).resolve().parent / "data"
+DATA = pathlib.Path(__file__).resolve().parents[1] / "k8s" / "data"
 FILES = ("ray.io_rayjobs.yaml", "ray.io_rayclusters.yaml")
 
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import fault_hooks  # tests/ray, on sys.path in the tests; travels with the loop by value
 import torch
 
 import rayzero
+from testkit import fault_hooks  # travels with the loop by value ([Note: shipping the loop])
 
 SAMPLES = 96
 FEATURES = 8
@@ -80,7 +80,7 @@ def train(loop_config: dict) -> None:
 def _maybe_kill_inside(phase: str, module: str, loop_config: dict, context, step: int) -> None:
     """`kill_in` = "save"/"load": at `kill_attempt` (and `kill_step` for a save) rank `kill_rank` is
     SIGKILLed inside the checkpoint layer's `module`; the other ranks enter a second later, so the
-    killed rank is surely inside it (tests/ray/fault_hooks.py)."""
+    killed rank is surely inside it (tests/testkit/fault_hooks.py)."""
     if loop_config.get("kill_in") != phase or context.attempt != loop_config.get("kill_attempt", 0):
         return
     if phase == "save" and step != loop_config.get("kill_step"):

@@ -1,5 +1,5 @@
 """Helpers of the k8s tests (a module of its own, so no test imports `conftest` by name: other
-test directories have conftest modules too). Fixtures live in conftest.py."""
+test directories have conftest modules too). Fixtures live in tests/k8s/conftest.py."""
 from __future__ import annotations
 
 import os
@@ -12,13 +12,12 @@ from collections.abc import Callable
 from typing import Any
 
 import yaml
-
-REPO = pathlib.Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "scripts"))
-
-import k8s_envtest
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
+
+from scripts import k8s_envtest
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 CHART = REPO / "helm" / "rayzero-operator"
 RELEASE = "rzo"  # deploy/rbac.yaml is rendered with the same release name
@@ -171,6 +170,21 @@ class Cluster:
         found = self.core.list_namespaced_event(self.namespace,
                                                 field_selector=f"involvedObject.name={name}")
         return list(found.items)
+
+    def reconciled_again(self, name: str, passes: int = 2, timeout: float = 30.0) -> dict[str, Any]:
+        """Return once the operator has reconciled `name` `passes` more times, each seeing the job as
+        it is now; the job's status then. What proves "nothing more happens" without sleeping on the
+        resync interval: each pass is started by a spec edit no decision reads (an extra entrypoint
+        argument, used only when a RayJob is made), which bumps metadata.generation; the operator
+        writes status.observedGeneration after every RayJob, Secret and ConfigMap it decided to
+        create in that pass, so whatever it would do to the job is done when the status shows it."""
+        for _ in range(passes):
+            args = (self.job(name) or {})["spec"]["entrypoint"].get("args", [])
+            self.patch_job(name, {"spec": {"entrypoint": {"args": [*args, f"--pass-{len(args)}"]}}})
+            generation = self.job(name)["metadata"]["generation"]
+            status = wait_for(lambda seen=generation: (s := self.status(name)).get("observedGeneration") == seen and s,
+                              timeout, f"the operator to reconcile {name} at generation {generation}")
+        return status
 
     def condition(self, name: str, kind: str) -> dict[str, Any]:
         for condition in self.status(name).get("conditions", []):
