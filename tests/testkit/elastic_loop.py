@@ -63,6 +63,10 @@ def train(loop_config: dict) -> None:
             engine.backward(loss)
             engine.step()
         if loop_config.get("save_every") and engine.global_steps % loop_config["save_every"] == 0:
+            if loop_config.get("kill_in") == "save" and engine.global_steps == loop_config.get("kill_step"):
+                # the previous async save must be committed first, or the watcher would see its
+                # background thread in the saver (a loaded machine) and kill that save instead
+                engine.wait_for_checkpoint()
             _maybe_kill_inside("save", "rayzero/checkpoint/saver.py", loop_config, context, engine.global_steps)
             engine.save_checkpoint()
         rayzero.report({"step": engine.global_steps, "loss": loss.item(), "world": world, "gas": gas,
