@@ -6,6 +6,11 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
+# Test files run on two pytest-xdist workers, each file whole on one worker (its module-scoped Ray
+# clusters and process groups shared as before): much of a Ray or fault test is waiting (start-up,
+# detection, backoff), which the other worker fills. `make test PYTEST_WORKERS=0` runs serially.
+PYTEST_WORKERS ?= 2
+XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile)
 
 .PHONY: venv s3-venv demo test test-unit test-dist test-ray test-k8s fuzz lint docs-check crd-check k8s-envtest bench clean
 
@@ -54,7 +59,7 @@ k8s-envtest:
 
 test: $(STAMP) k8s-envtest s3-venv
 	$(MAKE) lint docs-check crd-check
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS)
 
 test-unit: $(STAMP)
 	$(BIN)/python -m pytest -m unit $(PYTEST_ARGS)
