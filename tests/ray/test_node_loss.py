@@ -74,6 +74,39 @@ def _check(result, steps: int, worlds: tuple[int, int], failures: int):
     assert final["final"] == pytest.approx(elastic_loop.reference_weights(steps), abs=1e-5)
 
 
+def _newest_on_the_nodes(node_root: Path, name: str) -> int | None:
+    steps = [int(p.parent.name.removeprefix("global_step"))
+             for p in node_root.glob(f"*/checkpoints/{name}/global_step*/manifest.json")]
+    return max(steps, default=None)
+
+
+def test_a_planned_stop_of_a_node_local_run_knows_its_boundary_checkpoint(cluster, tmp_path):
+    """The stop's checkpoint is written on the nodes' disks after the last heartbeat that could have
+    seen it (found by bench/chaos.py: `rayzero stop` named an older checkpoint, or none): the reply,
+    `Result.checkpoint_step` and goodput (nothing redone) must know it all the same."""
+    _, _, node_root = cluster
+    thread, box = _fit_in_thread(tmp_path, "nodestop", 2, 10_000, save_every=None)  # never saves itself
+    deadline = time.monotonic() + 120
+    controller = None
+    while controller is None or ray.get(controller.status.remote()).step < 3:
+        assert time.monotonic() < deadline and thread.is_alive(), box
+        try:
+            controller = controller or ray.get_actor(controller_actor_name("nodestop"))
+        except ValueError:
+            pass
+        time.sleep(0.2)
+    record = ray.get(controller.stop.remote(120.0))
+    thread.join(240)
+    assert "error" not in box, box.get("error")
+    result = box["result"]
+    boundary = _newest_on_the_nodes(node_root, "nodestop")
+    final = [m for m in result.metrics_history if "final" in m][-1]
+    assert boundary is not None and final["final_step"] == boundary  # the one checkpoint: the stop's
+    assert record is not None and record.step == boundary, record
+    assert result.stopped and result.checkpoint_step == boundary
+    assert result.goodput["badput_s"]["redone steps"] == 0, result.goodput
+
+
 def test_node_loss_resumes_from_peer_replicas_with_fewer_workers(cluster, tmp_path):
     made, nodes, node_root = cluster
     thread, box = _fit_in_thread(tmp_path, "nodeloss", (2, 3), 24, save_every=2, max_failures=1)
