@@ -89,7 +89,7 @@ class Soak:
             self.disk, self.disk_problem = (mounted, "") if isinstance(mounted, SmallDisk) else (None, mounted)
         self.node_local.mkdir(exist_ok=True)
         try:
-            with local_cluster(self.node_local) as cluster:
+            with local_cluster(self.node_local, dashboard=self.system == "ray-train") as cluster:
                 self.cluster = cluster
                 return self._soak()
         finally:
@@ -239,7 +239,7 @@ class Soak:
             return
         self._next_poll = time.time() + 0.5
         from rayzero.config.errors import RayZeroError
-        from rayzero.control.client import connect
+        from rayzero.control_api.client import connect
 
         try:
             if self._client is None:
@@ -313,6 +313,7 @@ class Soak:
         self.cluster.add_node(num_cpus=1)
         grown = self._wait(lambda: self.trail.first_step_after(returned_at, before, world=3), 180, "growing back")
         out["grew_back_s"] = round(grown[2] - returned_at, 2) if grown else None
+        out["survived"] = out["survived"] and grown is not None
         if grown:
             out["_resumed_at"] = grown[2]
         return out

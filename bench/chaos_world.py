@@ -9,6 +9,7 @@ import itertools
 import os
 import random
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -105,15 +106,21 @@ class SmallDisk:
 # ---- the cluster ---------------------------------------------------------------------------------
 
 @contextlib.contextmanager
-def local_cluster(node_local_root: Path, workers: int = 3) -> Iterator[object]:
+def local_cluster(node_local_root: Path, workers: int = 3, dashboard: bool = False) -> Iterator[object]:
     """A head with no CPU (drivers and controllers live there: losing a worker node never takes them)
-    and `workers` 1-CPU nodes whose workers keep node-local checkpoints under `node_local_root`."""
+    and `workers` 1-CPU nodes whose workers keep node-local checkpoints under `node_local_root`.
+    `dashboard`: Ray Train v2 needs it: its PlacementGroupCleaner asks the state API whether the
+    controller lives, and without an answer never frees a killed driver's placement group, so the
+    rerun waits forever for "ready resources for 0 workers"."""
     from ray.cluster_utils import Cluster
 
     saved = {key: os.environ.get(key) for key in ("RAYZERO_NODE_LOCAL_DIR", "PYTHONPATH")}
     os.environ["RAYZERO_NODE_LOCAL_DIR"] = str(node_local_root)  # inherited by the nodes' workers
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(BENCH), str(REPO), saved["PYTHONPATH"]]))
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    head = {"num_cpus": 0, "include_dashboard": dashboard}
+    if dashboard:  # a free port: other Ray instances on this machine may hold the default 8265
+        head.update(dashboard_host="127.0.0.1", dashboard_port=_free_port())
+    cluster = Cluster(initialize_head=True, head_node_args=head)
     try:
         for _ in range(workers):
             cluster.add_node(num_cpus=1)
@@ -197,6 +204,12 @@ class Trail:
                 "steps_redone": max(0, len(self.steps) - final),
                 "invocations": len(by_invocation),
                 "median_step_s": round(statistics.median(intervals), 4) if intervals else None}
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def _alive(pid: int) -> bool:
