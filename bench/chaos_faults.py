@@ -82,11 +82,7 @@ class Faults:
         self._wait(lambda: time.time() >= injected_at + fault.hold_s, fault.hold_s + 60, "the node's return")
         returned_at, before = time.time(), self.trail.invocations()
         self.cluster.add_node(num_cpus=1)
-        grown = self._wait(lambda: self.trail.first_step_after(returned_at, before, world=3), 180, "growing back")
-        out["grew_back_s"] = round(grown[2] - returned_at, 2) if grown else None
-        out["survived"] = out["survived"] and grown is not None
-        if grown:
-            out["_resumed_at"] = grown[2]
+        self._back_to_three(out, "grew_back_s", returned_at, before)
         return out
 
     def _inject_enospc(self, fault) -> dict:
@@ -181,12 +177,16 @@ class Faults:
         if target != 3:  # back to the whole range, so growing back is not capped at 2 for the rest
             back_at, before = time.time(), self.trail.invocations()
             self._cli("scale", self.name, "3")
-            grown = self._wait(lambda: self.trail.first_step_after(back_at, before, world=3), 180, "scale 3")
-            out["scaled_back_s"] = round(grown[2] - back_at, 2) if grown else None
-            out["survived"] = out["survived"] and grown is not None
-            if grown:
-                out["_resumed_at"] = grown[2]
+            self._back_to_three(out, "scaled_back_s", back_at, before)
         return out
+
+    def _back_to_three(self, out: dict, key: str, since: float, before: set[str]) -> None:
+        """Survived only if a new invocation with 3 workers steps after `since` (within 180 s)."""
+        grown = self._wait(lambda: self.trail.first_step_after(since, before, world=3), 180, "3 workers again")
+        out[key] = round(grown[2] - since, 2) if grown else None
+        out["survived"] = out["survived"] and grown is not None
+        if grown:
+            out["_resumed_at"] = grown[2]
 
 
 def _step_of(path: Path | None) -> int | None:
