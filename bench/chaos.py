@@ -48,7 +48,9 @@ Steps redone = step executions minus kept steps. Ray Train v2 gets the same sche
 loop as DDP (rank 0 saves `{model, step}` every --save-every steps through `ray.train.report`,
 `TorchConfig(timeout_s=--hang-timeout)` so a stopped rank surfaces as a collective timeout, elastic
 (2, 3), `max_failures=-1`); `enospc` and `scale` are skipped on its side (see RAY_TRAIN_SKIPS), and
-`stop` is SIGINT to its driver. Its cluster has a dashboard (Ray Train v2's PlacementGroupCleaner
+`stop` is SIGINT to its driver; its `corrupt` damages the newest checkpoint's state.pt (its one copy)
+and counts as survived only if the restart did not load it (nothing checks it: torch.load reads
+flipped float bytes as weights). Its cluster has a dashboard (Ray Train v2's PlacementGroupCleaner
 asks the state API whether its controller lives). Measured here (Ray 2.60): a rerun after a killed
 driver waits about 3 minutes for workers ("ready resources for 0 workers"), until the dead
 controller's request in Ray Data's AutoscalingCoordinator expires (AUTOSCALING_REQUESTS_EXPIRE_TIME_S

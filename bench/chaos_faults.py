@@ -110,6 +110,7 @@ class Faults:
             _signal(pid, signal.SIGSTOP)
         try:
             rank, target = self._corruption_target(ranks, fault)
+            corrupted = _step_of(target)
             if target is not None:
                 flip_bytes(target)
             old, injected_at = self.trail.invocations(), time.time()
@@ -117,13 +118,15 @@ class Faults:
         finally:
             for pid, _ in ranks.values():
                 _signal(pid, signal.SIGCONT)
-        corrupted = _step_of(target)
         out = self._outcome(injected_at, old, self._resumed(injected_at, old), victim=f"rank {rank}",
                             corrupted=str(target.relative_to(self.root)) if target else None, corrupted_step=corrupted)
         if self.system == "rayzero" and out.get("resumed_from") is not None and corrupted is not None:
             still = corrupted in tag_dirs(self.node_local, self.name)
             out["loaded_the_damaged_checkpoint_from_a_good_copy"] = out["resumed_from"] == corrupted
             out["survived"] = out["survived"] and (out["resumed_from"] == corrupted or not still)
+        elif out.get("resumed_from") is not None and corrupted is not None:  # Ray Train: one copy, no checksum
+            out["loaded_the_damaged_checkpoint_unnoticed"] = out["resumed_from"] == corrupted
+            out["survived"] = out["survived"] and out["resumed_from"] != corrupted
         return out
 
     def _corruption_target(self, ranks: dict[int, tuple[int, str]], fault) -> tuple[int, Path | None]:
@@ -190,8 +193,14 @@ class Faults:
 
 
 def _step_of(path: Path | None) -> int | None:
+    """The step of the checkpoint `path` belongs to: its rayzero tag directory, or the `step` in a Ray
+    Train checkpoint's state file (read before it is damaged)."""
     if path is None:
         return None
+    if path.name == "state.pt":
+        import torch
+
+        return int(torch.load(path, weights_only=True)["step"])
     for part in reversed(path.parts):
         if part.startswith("global_step"):
             return int(part.removeprefix("global_step"))
