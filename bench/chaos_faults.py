@@ -34,7 +34,9 @@ class Faults:
         if resumed is None:
             return out
         invocation, _, when, world = resumed
-        reached = max((s for i, s, t, _ in self.trail.steps if i in old and t <= when), default=0)
+        # the step the run had reached when it went down: the newest old invocation's last step (not the
+        # largest step any old invocation reached: one from before an earlier loss was redone already)
+        reached = next((s for i, s, t, _ in reversed(self.trail.steps) if i in old and t <= when), 0)
         loaded = self.trail.loads.get(invocation)
         out.update(_resumed_at=when, recovery_s=round(when - injected_at, 2), world_after=world,
                    resumed_from=loaded, steps_lost=(reached - loaded) if loaded is not None else reached)
