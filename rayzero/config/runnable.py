@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from rayzero.config.auto import DECIDED_AT_RUN_TIME
 from rayzero.config.errors import ConfigError, Problem
 from rayzero.config.model import RayZeroConfig
 from rayzero.config.params import OPTIMIZER_PARAMS, RECOGNISED_OPTIMIZERS, SCHEDULER_PARAMS
@@ -48,7 +49,8 @@ def runnable_problems(config: RayZeroConfig, *, trainer_present: bool = False) -
     """Every reason this build cannot train `config` (already loaded with `load_config`).
 
     `trainer_present=False` (the driver, the operator, `rayzero.initialize`): an "auto" other than
-    the model-resolved bucket sizes can never be filled, so it is a problem now rather than on every
+    the model-resolved bucket sizes and rayzero's own (`DECIDED_AT_RUN_TIME`, chosen while the run goes)
+    can never be filled, so it is a problem now rather than on every
     worker after they started.
     """
     problems: list[Problem] = []
@@ -57,7 +59,7 @@ def runnable_problems(config: RayZeroConfig, *, trainer_present: bool = False) -
     _scheduler(config, problems)
     if not trainer_present:
         for path in config.unresolved_autos():
-            if path.rsplit(".", 1)[-1] in MODEL_AUTOS:
+            if path.rsplit(".", 1)[-1] in MODEL_AUTOS or path in DECIDED_AT_RUN_TIME:
                 continue
             problems.append(Problem(
                 path, "auto", "only a trainer can fill this \"auto\" (rayzero resolves only "

@@ -329,6 +329,7 @@ class Controller(PlannedStops, Watch):
             return
         if polled.finished:
             self.goodput.save_stalled(polled.save_stall_s, time.time())  # saves after the last heartbeat
+            self.checkpoints.note_heartbeat(polled.committed)  # a node-local boundary save no heartbeat saw
             if polled.stopped and isinstance(state, Running):  # nobody asked: a worker was preempted
                 return self._regroup_after_preemption(polled.preempted)
             self._group_ended(stopped=polled.stopped)

@@ -47,6 +47,9 @@ class GroupPoll:
     """With `stopped`: ranks whose process got SIGTERM (a preemption, not a request)."""
     save_stall_s: float = 0.0
     """With `finished`: the most seconds a rank's loop waited on saves in this attempt."""
+    committed: tuple[int, str] | None = None
+    """With `finished`: the newest checkpoint a finished rank found committed in its checkpoint
+    directory as its loop ended (node-local runs: the boundary save of a planned stop)."""
 
 
 class WorkerGroup(Protocol):
@@ -163,6 +166,7 @@ class RayWorkerGroup:
         self._stopped: set[int] = set()  # ranks whose loop ended through a planned stop
         self._preempted: set[int] = set()  # ranks whose process got SIGTERM
         self._save_stall_s = 0.0  # the most a finished rank's loop waited on saves (goodput)
+        self._committed: tuple[int, str] | None = None  # the newest checkpoint a finished rank found on its disk
         self._heartbeat_refs: dict[int, Any] = {}  # rank -> outstanding heartbeat() call
         self.placement_timeout_s = scaling.placement_timeout_s  # the controller shortens it for tries above min
 
@@ -285,6 +289,7 @@ class RayWorkerGroup:
         result.stopped = result.finished and bool(self._stopped)
         result.preempted = sorted(self._preempted) if result.stopped else []
         result.save_stall_s = self._save_stall_s if result.finished else 0.0
+        result.committed = self._committed if result.finished else None
         return result
 
     def heartbeats(self, timeout_s: float) -> tuple[dict[int, Heartbeat | None], list[Failure]]:
@@ -394,6 +399,8 @@ class RayWorkerGroup:
                 if outcome.preempted:
                     self._preempted.add(rank)
                 self._save_stall_s = max(self._save_stall_s, outcome.save_stall_s)
+                if outcome.committed is not None and (self._committed is None or outcome.committed > self._committed):
+                    self._committed = outcome.committed
             else:
                 result.failures.append(
                     Failure(

@@ -67,6 +67,9 @@ class WorkerOutcome:
     """Seconds the loop waited on checkpoint saves in this attempt (the last ones no heartbeat saw)."""
     exit_code: int | None = None
     """A script's exit status when it failed ([Note: scripts on workers] in script.py)."""
+    committed: tuple[int, str] | None = None
+    """(step, tag directory) of the newest checkpoint committed in this rank's checkpoint directory
+    as the loop ended: with node-local storage a planned stop's boundary save, which no heartbeat saw."""
 
 
 def _takes_an_argument(function: Callable[..., Any]) -> bool:
@@ -215,9 +218,11 @@ class TrainWorker:
 
             wait_for_pending_saves()
             return WorkerOutcome(rank, stopped=boundary is not None and boundary.should_stop(),
-                                 preempted=self.preempted, save_stall_s=boundary.save_stall_s)
+                                 preempted=self.preempted, save_stall_s=boundary.save_stall_s,
+                                 committed=boundary.newest_committed() if boundary is not None else None)
         except RunStopped:
-            return WorkerOutcome(rank, stopped=True, preempted=self.preempted, save_stall_s=boundary.save_stall_s)
+            return WorkerOutcome(rank, stopped=True, preempted=self.preempted, save_stall_s=boundary.save_stall_s,
+                                 committed=boundary.newest_committed())
         except BaseException as error:  # noqa: BLE001 - SystemExit from an argparse loop is a failure too
             return WorkerOutcome(rank, f"{type(error).__name__}: {error}", traceback.format_exc())
         finally:

@@ -273,12 +273,13 @@ class StepBoundary:
             progress_age_s=time.monotonic() - self._progress_at, stepped=self.stepped, saving=self.saving,
             step_time_s=statistics.median(intervals) if intervals else None, memory_bytes=memory_bytes,
             host_memory_bytes=host_memory_bytes(), handled=handled, finished=self.finished,
-            preempted=self.preempted, committed=self._newest_committed(), in_step=self.in_step,
+            preempted=self.preempted, committed=self.newest_committed(), in_step=self.in_step,
             loop_time_s=statistics.median(loop_times) if len(loop_times) >= 3 else None,
             save_stall_s=self.save_stall_s,
         )
 
-    def _newest_committed(self) -> tuple[int, str] | None:
+    def newest_committed(self) -> tuple[int, str] | None:
+        """(step, tag directory) of the newest checkpoint committed in this rank's checkpoint directory."""
         directory = self._checkpoint_dir
         if not directory or "://" in directory:
             return None

@@ -70,6 +70,45 @@ def _check(result, steps: int, worlds: tuple[int, int], failures: int):
     assert final["final"] == pytest.approx(elastic_loop.reference_weights(steps), abs=1e-5)
 
 
+def _newest_on_the_nodes(node_root: Path, name: str) -> int | None:
+    steps = [int(p.parent.name.removeprefix("global_step"))
+             for p in node_root.glob(f"*/checkpoints/{name}/global_step*/manifest.json")]
+    return max(steps, default=None)
+
+
+def _controller_a_few_steps_in(name: str, thread, box: dict):
+    """The run's controller actor, once it has seen 3 steps (the run still going)."""
+    deadline = time.monotonic() + 120
+    controller = None
+    while controller is None or ray.get(controller.status.remote()).step < 3:
+        assert time.monotonic() < deadline and thread.is_alive(), box
+        try:
+            controller = controller or ray.get_actor(controller_actor_name(name))
+        except ValueError:
+            pass
+        time.sleep(0.2)
+    return controller
+
+
+def test_a_planned_stop_of_a_node_local_run_knows_its_boundary_checkpoint(cluster, tmp_path):
+    """The stop's checkpoint is written on the nodes' disks after the last heartbeat that could have
+    seen it (found by bench/chaos.py: `rayzero stop` named an older checkpoint, or none): the reply,
+    `Result.checkpoint_step` and goodput (nothing redone) must know it all the same."""
+    _, _, node_root = cluster
+    thread, box = _fit_in_thread(tmp_path, "nodestop", 2, 10_000, save_every=None)  # never saves itself
+    controller = _controller_a_few_steps_in("nodestop", thread, box)
+    record = ray.get(controller.stop.remote(120.0))
+    thread.join(240)
+    assert "error" not in box, box.get("error")
+    result = box["result"]
+    boundary = _newest_on_the_nodes(node_root, "nodestop")
+    final = [m for m in result.metrics_history if "final" in m][-1]
+    assert boundary is not None and final["final_step"] == boundary  # the one checkpoint: the stop's
+    assert record is not None and record.step == boundary, record
+    assert result.stopped and result.checkpoint_step == boundary
+    assert result.goodput["badput_s"]["redone steps"] == 0, result.goodput
+
+
 def test_node_loss_resumes_from_peer_replicas_with_fewer_workers(cluster, tmp_path):
     made, nodes, node_root = cluster
     thread, box = _fit_in_thread(tmp_path, "nodeloss", (2, 3), 24, save_every=2, max_failures=1)
@@ -97,15 +136,7 @@ def test_a_drain_notice_checkpoints_and_regroups_without_the_node(cluster, tmp_p
     thread, box = _fit_in_thread(tmp_path, "drain", (1, 2), 16, save_every=None)  # never saves itself
     draining = nodes[1]
     run_dir = node_root / draining.node_id / "checkpoints" / "drain"
-    deadline = time.monotonic() + 120
-    controller = None
-    while controller is None or ray.get(controller.status.remote()).step < 3:  # a few steps in
-        assert time.monotonic() < deadline and thread.is_alive(), box
-        try:
-            controller = controller or ray.get_actor(controller_actor_name("drain"))
-        except ValueError:
-            pass
-        time.sleep(0.2)
+    controller = _controller_a_few_steps_in("drain", thread, box)
     assert {r.node_id for r in ray.get(controller.status.remote()).ranks} == {nodes[0].node_id, draining.node_id}
     accepted, why = GcsClient(address=made.address).drain_node(
         draining.node_id, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),

@@ -52,6 +52,16 @@ def test_autos_only_a_trainer_fills_are_refused_unless_a_trainer_is_there():
     assert _paths(source, trainer_present=True) == {}
 
 
+def test_rayzeros_own_auto_checkpoint_interval_runs_without_a_trainer():
+    """`checkpoint.interval: "auto"` is chosen while the run goes, not a placeholder for a trainer: a
+    plain `rayzero.fit` with it was refused before any worker started (found by bench/chaos.py
+    --intervals auto,...)."""
+    assert _paths({"checkpoint": {"interval": "auto"}}) == {}
+    config = load_config({**BATCH, "checkpoint": {"interval": "auto"}})
+    check_runnable(config)
+    assert config.checkpoint.interval == "auto"
+
+
 def test_offload_modes_are_runnable():
     assert _paths({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
                                          "offload_param": {"device": "cpu"}}}) == {}
