@@ -42,7 +42,7 @@ _CHUNK = 32 << 20  # bytes per message: bounds the memory a transfer holds at on
 # was used, an exit handler registered at import (so it runs after every handler registered later,
 # the engine's leave-the-group one included) sleeps briefly.
 _GROUP_USED = False
-EXIT_SETTLE_S = 0.2
+EXIT_SETTLE_S = 0.5  # 0.2 s was not always enough on 2 loaded cores
 
 
 def note_process_group_used() -> None:
@@ -241,14 +241,37 @@ def run_transfers(comm: CheckpointComm, transfers: Sequence[Transfer],
             if t.target == comm.rank:
                 _remove(target_path(t) + ".part")
         raise refused[0]
+    corrupt: list[tuple[Transfer, str]] = []
     for t in mine:
         if t.target != comm.rank:
             continue
         partial = target_path(t) + ".part"
         if digests[id(t)].hexdigest() != t.checksum:
             os.remove(partial)
-            raise CorruptShardError(f"{t.name} (received from rank {t.source})", t.checksum, digests[id(t)].hexdigest())
-        os.replace(partial, target_path(t))
+            corrupt.append((t, digests[id(t)].hexdigest()))
+        else:
+            os.replace(partial, target_path(t))
+    if corrupt:  # the good files are in place; the sender's copy of each of these is bad
+        raise CorruptTransfersError(corrupt)
+
+
+class CorruptTransfersError(CorruptShardError):
+    """Files received whose bytes do not match the manifest: the sending rank's copy is corrupt.
+    `transfers` names each, so the loader can drop that copy and fetch another."""
+
+    def __init__(self, corrupt: list[tuple[Transfer, str]]) -> None:
+        self.transfers = [transfer for transfer, _ in corrupt]
+        first, actual = corrupt[0]
+        super().__init__(f"{first.name} (received from rank {first.source})", first.checksum, actual)
+        if len(corrupt) > 1:
+            self.args = (f"{self.args[0]}; and {len(corrupt) - 1} more received file(s)",)
+
+    def __reduce__(self):
+        return (_corrupt_transfers, (self.transfers, self.actual))
+
+
+def _corrupt_transfers(transfers: list[Transfer], actual: str) -> CorruptTransfersError:
+    return CorruptTransfersError([(transfer, actual) for transfer in transfers])
 
 
 def _naming(error: OSError, path: str) -> OSError:

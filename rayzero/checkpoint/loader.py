@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rayzero.checkpoint.comm import CheckpointComm, Topology, Transfer, run_transfers
+from rayzero.checkpoint.comm import CheckpointComm, CorruptTransfersError, Topology, Transfer, run_transfers
 from rayzero.checkpoint.durable import DurableStore
 from rayzero.checkpoint.manifest import Manifest, NoCheckpointError, committed_tags, read_manifest
 from rayzero.checkpoint.reshard import files_for, plan_read
@@ -185,16 +185,24 @@ def _try_candidate(comm: CheckpointComm, topology: Topology, root: str, tag: str
         if not _claimed_for_fetching(comm, topology, tag_dir, lineage, transfers, downloads):
             break
         failures: list[tuple[str, str]] = []
+        # Every rank records the planned copies alike (the next plan must be the same everywhere);
+        # a copy that failed is taken back below from the failures all ranks exchange.
+        for transfer in transfers:
+            present.setdefault(topology.locations[transfer.target], set()).add(transfer.name)
+        for rank, name in downloads:
+            present.setdefault(topology.locations[rank], set()).add(name)
         try:
             in_tag = lambda transfer: os.path.join(tag_dir, transfer.name)
             run_transfers(comm, transfers, in_tag, in_tag)
-            for transfer in transfers:
-                present.setdefault(topology.locations[transfer.target], set()).add(transfer.name)
-            for rank, name in downloads:
-                present.setdefault(topology.locations[rank], set()).add(name)
             for rank, name in downloads:
                 if rank == comm.rank:
                     durable.download(tag, name, os.path.join(tag_dir, name))
+        except CorruptTransfersError as error:
+            # The sender's copy is bad: drop it (and the copy that never arrived here) and plan again
+            # from another holder: a third node, the durable copy.
+            log.warning("rank %d: %s", comm.rank, error)
+            for transfer in error.transfers:
+                failures += [(topology.locations[transfer.source], transfer.name), (here, transfer.name)]
         except (CorruptShardError, OSError) as error:
             log.warning("rank %d could not fetch a shard of %s: %s", comm.rank, tag, error)
             failures.append((here, "*fetch*"))
