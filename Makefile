@@ -9,6 +9,8 @@ PYTEST_ARGS ?=
 # Test files run on two pytest-xdist workers, each file whole on one worker (its module-scoped Ray
 # clusters and process groups shared as before): much of a Ray or fault test is waiting (start-up,
 # detection, backoff), which the other worker fills. `make test PYTEST_WORKERS=0` runs serially.
+# The k8s tier runs after, alone: its apiserver-restart test gives up its port for a second, and a
+# process of the other worker could take it.
 PYTEST_WORKERS ?= 2
 XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile)
 
@@ -59,7 +61,8 @@ k8s-envtest:
 
 test: $(STAMP) k8s-envtest s3-venv
 	$(MAKE) lint docs-check crd-check
-	$(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(XDIST) -m "not k8s" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m k8s $(PYTEST_ARGS)
 
 test-unit: $(STAMP)
 	$(BIN)/python -m pytest -m unit $(PYTEST_ARGS)

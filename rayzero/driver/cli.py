@@ -23,6 +23,7 @@ from rayzero.config.cli import _trainer_arg
 from rayzero.config.errors import RayZeroValueError
 from rayzero.config.run_settings import FailureConfig, RunConfig, ScalingConfig
 from rayzero.controller.errors import TrainingFailedError
+from rayzero.driver.say import say
 from rayzero.workers.script import ScriptTarget
 
 if TYPE_CHECKING:
@@ -251,8 +252,8 @@ def main(argv: list[str] | None = None, script_type: type[ScriptTarget] = Script
             return error.exit_code
         return 1
     ending = "stopped (planned, checkpoint committed)" if result.stopped else "finished"
-    print(f"[rayzero] {ending}: {len(result.metrics_history)} report(s); last metrics {result.metrics}")
-    print(f"[rayzero] metrics log: {result.metrics_path}")
+    say(f"[rayzero] {ending}: {len(result.metrics_history)} report(s); last metrics {result.metrics}")
+    say(f"[rayzero] metrics log: {result.metrics_path}")
     if result.checkpoint:
-        print(f"[rayzero] checkpoint: {result.checkpoint}")
+        say(f"[rayzero] checkpoint: {result.checkpoint}")
     return 0

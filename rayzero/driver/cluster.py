@@ -26,6 +26,7 @@ from typing import Any
 
 from rayzero.config.environment import ADDRESS
 from rayzero.config.errors import RayZeroRuntimeError, RayZeroValueError
+from rayzero.driver.say import say
 
 
 class ClusterUnreachableError(RayZeroRuntimeError):
@@ -115,7 +116,7 @@ def connect(working_dir: str | None = None) -> Connection:
         runtime_env = None
         if working_dir and not os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR"):
             runtime_env = {"working_dir": working_dir}
-        print(f"[rayzero] joining the Ray cluster at {address} ({source})", flush=True)
+        say(f"[rayzero] joining the Ray cluster at {address} ({source})")
         with _quiet_token_warning() as token:
             ray.init(address=address, logging_level=logging.WARNING, runtime_env=runtime_env)
         _token_note_once(token.token_enabled)
@@ -220,8 +221,8 @@ def check_fits(scaling: Any, connection: Connection) -> None:
         raise ClusterTooSmallError(
             f"the run can never start: {numbers}, and the cluster's autoscaler can grow to at most "
             f"{_fmt({key: ceiling.get(key, 0) for key in asked})}; ask for fewer workers or resources per worker")
-    print(f"[rayzero] the cluster cannot hold the run now: {numbers}; waiting up to placement_timeout_s="
-          f"{scaling.placement_timeout_s:g}s for an autoscaler to add nodes", flush=True)
+    say(f"[rayzero] the cluster cannot hold the run now: {numbers}; waiting up to placement_timeout_s="
+          f"{scaling.placement_timeout_s:g}s for an autoscaler to add nodes")
 
 
 def _autoscaler_maximum() -> dict[str, float] | None:

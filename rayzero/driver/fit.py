@@ -42,6 +42,7 @@ from rayzero.driver.metrics_log import MetricsLog
 from rayzero.driver.metrics_store import read_goodput
 from rayzero.driver.progress import Progress, goodput_line
 from rayzero.driver.run_location import RunLocation, locate_run
+from rayzero.driver.say import say
 from rayzero.driver.scripts import prepare_script, script_environment
 from rayzero.driver.shipping import ship
 from rayzero.driver.signals import StopSignals
@@ -272,7 +273,7 @@ def _stream_progress(controller: Any, job: _ValidatedJob, where: RunLocation, sc
     progress.max_failures = failure.max_failures
     metrics_log = MetricsLog(where.uri)
     workers = str(scaling.num_workers) if not scaling.elastic else f"{scaling.min_workers}:{scaling.max_workers}"
-    print(f"[rayzero] run {where.name}: {workers} worker(s), storage {where.uri}", flush=True)
+    say(f"[rayzero] run {where.name}: {workers} worker(s), storage {where.uri}")
     try:
         streamed = _stream(controller, progress, metrics_log, timings, started_wall, failure.stop_timeout_s)
     finally:
@@ -285,7 +286,7 @@ def _stream_progress(controller: Any, job: _ValidatedJob, where: RunLocation, sc
             metrics_log.goodput_rows(progress.goodput)
         metrics_log.close()
         if progress.goodput:
-            print(f"[rayzero] {goodput_line(progress.goodput)}", flush=True)
+            say(f"[rayzero] {goodput_line(progress.goodput)}")
     return progress, metrics_log, streamed
 
 
@@ -314,8 +315,8 @@ def _collect_result(streamed: _Streamed, progress: Progress, metrics_log: Metric
     stopped = bool(final and final.stopped)
     if stopped:
         where_saved = f"checkpoint {record.location} (step {record.step})" if record else "no checkpoint was taken"
-        print(f"[rayzero] run {where.name} stopped: {where_saved}. Rerun with the same name ({where.name}) "
-              "and storage to resume.", flush=True)
+        say(f"[rayzero] run {where.name} stopped: {where_saved}. Rerun with the same name ({where.name}) "
+              "and storage to resume.")
     return Result(
         metrics_history=metrics_log.history(),
         metrics=last_metrics,
@@ -375,7 +376,7 @@ def _batch_plan(ds_config: dict[str, Any] | None, scaling: ScalingConfig) -> Bat
             f"no world size in ScalingConfig.num_workers={scaling.num_workers!r} keeps the global batch "
             f"({reasons}); change the range or train_batch_size / train_micro_batch_size_per_gpu")
     for size, why in sorted(plan.skipped.items()):
-        print(f"[rayzero] world size {size} will not be used: {why}", flush=True)
+        say(f"[rayzero] world size {size} will not be used: {why}")
     return plan
 
 
@@ -397,11 +398,11 @@ def _stream(
             while True:
                 received = signals.take()
                 if received == 1:
-                    print(f"[rayzero] {signals.name}: stopping at the next step boundary after a checkpoint "
-                          "(send it again to kill the run without one)", flush=True)
+                    say(f"[rayzero] {signals.name}: stopping at the next step boundary after a checkpoint "
+                          "(send it again to kill the run without one)")
                     controller.stop.remote(stop_timeout_s)
                 elif received > 1:
-                    print(f"[rayzero] {signals.name} again: killing the run without a checkpoint", flush=True)
+                    say(f"[rayzero] {signals.name} again: killing the run without a checkpoint")
                     controller.kill.remote(f"{signals.name} received twice on the driver")
                 update: ControllerUpdate = ray.get(controller.poll.remote(1.0), timeout=60)
                 progress.failures = update.failures
@@ -409,7 +410,7 @@ def _stream(
                 progress.stragglers = sorted({found.rank for found in update.stragglers
                                               if found.attempt == update.attempt})
                 for line in update.events:
-                    print(f"[rayzero] {line}", flush=True)
+                    say(f"[rayzero] {line}")
                 for start in update.attempts:
                     metrics_log.add_attempt(start)
                 if update.goodput:
@@ -417,8 +418,8 @@ def _stream(
                     metrics_log.set_goodput(update.goodput)
                 if update.dropped_reports > dropped_said:
                     dropped_said = update.dropped_reports
-                    print(f"[rayzero] metrics: the controller dropped {dropped_said} report(s) the driver did not "
-                          "collect in time; training was not slowed", flush=True)
+                    say(f"[rayzero] metrics: the controller dropped {dropped_said} report(s) the driver did not "
+                          "collect in time; training was not slowed")
                 for item in update.reports:
                     if "fit_to_first_report_s" not in timings:
                         timings["fit_to_first_report_s"] = max(0.0, item.time - started_wall)

@@ -16,6 +16,7 @@ from rayzero.config.errors import RayZeroValueError
 from rayzero.config.names import check_name
 from rayzero.config.run_settings import RunConfig
 from rayzero.controller import committed_checkpoints
+from rayzero.driver.say import say
 from rayzero.workers.boundary import NODE_LOCAL_RESUME
 
 
@@ -111,8 +112,7 @@ def resolve_resume_from(location: str | None, explicit: bool) -> str | None:
             f"RunConfig.resume_from / --resume-from = {location!r} does not exist; give a checkpoint "
             "directory (with `latest`), a run directory (<storage>/<name>) or one checkpoint"
         )
-    print(f"[rayzero] resume point {location} holds no committed checkpoint yet: starting from scratch",
-          flush=True)
+    say(f"[rayzero] resume point {location} holds no committed checkpoint yet: starting from scratch")
     return None
 
 
@@ -123,11 +123,11 @@ def _resume_same_name(name: str, run_uri: str, checkpoint_dir: str, node_local: 
         filesystem, path = filesystem_from_uri(run_uri)
         if filesystem.get_file_info(f"{path}/metrics.parquet").type == pafs.FileType.NotFound:
             return None
-        print(f"[rayzero] run {name} exists: resuming from the newest checkpoint on the nodes' disks", flush=True)
+        say(f"[rayzero] run {name} exists: resuming from the newest checkpoint on the nodes' disks")
         return NODE_LOCAL_RESUME
     found = committed_checkpoints.newest([checkpoint_dir])
     if found is None:
         return None
-    print(f"[rayzero] run {name} exists: resuming from its checkpoint {found.record.location} "
-          f"(step {found.record.step})", flush=True)
+    say(f"[rayzero] run {name} exists: resuming from its checkpoint {found.record.location} "
+          f"(step {found.record.step})")
     return found.root
