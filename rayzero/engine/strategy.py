@@ -98,7 +98,9 @@ class ZeroStrategy(abc.ABC):
         device = grads[0].device if grads else torch.device("cpu")
         square = torch.zeros((), dtype=torch.float32, device=device)
         if grads:
-            square = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]
+            # Each norm on its gradient's device, then gathered on one: with partial offload
+            # (offload_optimizer.ratio) some master gradients live on the GPU and some on the host.
+            square = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32).to(device) for g in grads]
                                  ).square().sum()
         if self.gradients_partitioned:
             comm.all_reduce_control(square, "sum")

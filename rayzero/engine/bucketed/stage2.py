@@ -70,8 +70,21 @@ class Stage2Strategy(BucketedStrategy):
             received = staging[start:end]
 
         def finish() -> None:
-            bucket.master_grad.add_(received)
+            bucket.master_grad.add_(self._beside_master_grad(bucket, received))
         return work, finish
+
+    @staticmethod
+    def _beside_master_grad(bucket: Bucket, received: torch.Tensor) -> torch.Tensor:
+        """`received` on the master gradient's device: as it is, or (offloaded from a GPU) copied
+        into the bucket's pinned host buffer, which the add then reads."""
+        if received.device == bucket.master_grad.device:
+            return received
+        host = bucket.host_received
+        if host is None or host.shape != received.shape or host.dtype != received.dtype:
+            host = torch.empty(received.shape, dtype=received.dtype, device=bucket.master_grad.device,
+                               pin_memory=received.is_cuda)
+            bucket.host_received = host
+        return host.copy_(received)  # synchronous: the copy is complete when the add reads it
 
     def _publish(self) -> None:
         publish_partitioned(self)

@@ -73,6 +73,9 @@ class Bucket:
     remaining: int = 0
     master_range: tuple[int, int] = (0, 0)
     """[start, end) of `master` inside the bucket's flat buffer."""
+    host_received: torch.Tensor | None = None
+    """Stage 2 with master gradients on the host: the reduced shard copied there (pinned) before it
+    is added, since torch adds only tensors on one device."""
     reduce_dtype: torch.dtype = torch.float32
     """dtype its gradients are reduced in (one per bucket: [Note: torch_autocast] in autocast.py)."""
 
