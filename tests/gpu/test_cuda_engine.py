@@ -53,11 +53,28 @@ def _case_id(case: H.Case) -> str:
 
 
 @functools.cache
+def _spawned(world: int) -> dict:
+    """One spawned NCCL group's results, or {"error": why it produced none}: cached either way, so
+    a group that fails is not spawned again by each test."""
+    try:
+        return {"per_rank": W.spawn(world, W.run_cases, ALL_CASES)}
+    except RuntimeError as error:
+        return {"error": str(error)}
+
+
 def group_results(world: int) -> dict:
     """{"results": [per case: [per rank]], "references": {...}} from one spawned NCCL group."""
-    per_rank = W.spawn(world, W.run_cases, ALL_CASES)
+    spawned = _spawned(world)
+    if "error" in spawned:
+        pytest.fail(f"the {world}-rank NCCL group failed: {spawned['error'][-3000:]}")
+    per_rank = spawned["per_rank"]
     return {"results": [[per_rank[r]["results"][i] for r in range(world)] for i in range(len(ALL_CASES))],
             "references": per_rank[0]["references"]}
+
+
+def _ok(result: dict) -> dict:
+    assert "error" not in result, f"the case raised:\n{result['error']}"
+    return result
 
 
 def _check_parity(world: int, index: int) -> None:
@@ -82,7 +99,7 @@ def test_two_gpus_match_the_fp32_cuda_reference(index: int) -> None:
 @pytest.mark.parametrize("stage", [0, 3])
 def test_fp16_dynamic_loss_scaling_skips_overflow_steps(stage: int) -> None:
     index = len(CASES) + [case.stage for case in FP16_CASES].index(stage)
-    result = group_results(1)["results"][index][0]
+    result = _ok(group_results(1)["results"][index][0])
     steps = result["steps"]
     assert steps[0]["skipped"] and steps[0]["unchanged"], "2^18 overflows fp16: the first step is skipped"
     assert steps[0]["scale_after"] == steps[0]["scale_before"] / 2, "and the loss scale is halved"
@@ -95,7 +112,7 @@ def test_fp16_dynamic_loss_scaling_skips_overflow_steps(stage: int) -> None:
 
 @pytest.mark.parametrize("index", range(len(CASES)), ids=[_case_id(c) for c in CASES])
 def test_memory_stats_report_the_cuda_allocator_peak(index: int) -> None:
-    result = group_results(1)["results"][index][0]
+    result = _ok(group_results(1)["results"][index][0])
     memory = result["memory"]
     assert "peak_device_allocated" in memory, "memory_stats() reports the device peak on CUDA"
     # read by memory_stats() just before the worker read the allocator itself: nothing ran between
