@@ -85,7 +85,7 @@ def run_job(job: dict[str, Any], deadline_s: float, scratch: pathlib.Path) -> li
 
     from bench.engine_systems import worker
 
-    name = f"{'+'.join(job['systems'])}-ws{job['world_size']}-r{job['round']}"
+    name = f"{job.get('name') or '+'.join(job['systems'])}-ws{job['world_size']}-r{job['round']}"
     result_path = scratch / f"{name}.json"
     log_directory = scratch / name
     log_directory.mkdir()

@@ -15,6 +15,7 @@ hangs is bounded by the process-group timeout and by the parent's deadline (benc
 from __future__ import annotations
 
 import datetime
+import gc
 import json
 import os
 import resource
@@ -89,6 +90,15 @@ def _without_optimizer(config: dict[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in config.items() if key != "optimizer"}
 
 
+def engine_config(stage: int, micro_batch: int, extra: dict[str, Any] | None) -> dict[str, Any]:
+    """`deepspeed_config` with `extra` on top (its `zero_optimization` merged key by key), less the
+    optimizer section: the config both DeepSpeed and rayzero get beside the client optimizer."""
+    config = deepspeed_config(stage, micro_batch)
+    for key, value in (extra or {}).items():
+        config[key] = {**config[key], **value} if key == "zero_optimization" else value
+    return _without_optimizer(config)
+
+
 def _tensor_bytes(tensor: torch.Tensor | None) -> int:
     if tensor is None:
         return 0
@@ -137,35 +147,40 @@ def _torch_run(model: torch.nn.Module, optimizer: torch.optim.Optimizer, counted
                 lambda inputs, targets: train(inputs, targets, True))
 
 
-def _build_ddp(model: torch.nn.Module, world_size: int, stage: int, micro_batch: int, impl: str) -> _Run:
+def _build_ddp(model: torch.nn.Module, world_size: int, stage: int, micro_batch: int, impl: str,
+                 extra: dict[str, Any] | None = None) -> _Run:
     """Like for like with rayzero's stage 0: DDP's bucket cap set to the same bytes as the reduce
     bucket (fp32), its 1 MiB first bucket as it comes (stage 0 has one of the same size)."""
     from torch.nn.parallel import DistributedDataParallel
 
-    wrapped = DistributedDataParallel(model, bucket_cap_mb=REDUCE_BUCKET_ELEMENTS * 4 / 2**20)
+    wrapped = DistributedDataParallel(model, bucket_cap_mb=REDUCE_BUCKET_ELEMENTS * 4 / 2**20,
+                                      device_ids=_device_ids(model))
     return _torch_run(wrapped, _torch_adam(wrapped.parameters(), impl), model)
 
 
-def _build_ddp_default(model: torch.nn.Module, world_size: int, stage: int, micro_batch: int, impl: str) -> _Run:
+def _build_ddp_default(model: torch.nn.Module, world_size: int, stage: int, micro_batch: int, impl: str,
+                 extra: dict[str, Any] | None = None) -> _Run:
     """DDP as it comes (25 MiB buckets), reported beside the like-for-like row."""
     from torch.nn.parallel import DistributedDataParallel
 
-    wrapped = DistributedDataParallel(model)
+    wrapped = DistributedDataParallel(model, device_ids=_device_ids(model))
     return _torch_run(wrapped, _torch_adam(wrapped.parameters(), impl), model)
 
 
-def _build_fsdp2(model: torch.nn.Module, world_size: int, stage: int, micro_batch: int, impl: str) -> _Run:
+def _build_fsdp2(model: torch.nn.Module, world_size: int, stage: int, micro_batch: int, impl: str,
+                 extra: dict[str, Any] | None = None) -> _Run:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", (world_size,))
+    mesh = init_device_mesh(_device_of(model).type, (world_size,))
     for unit in models.sharding_units(model):
         fully_shard(unit, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return _torch_run(model, _torch_adam(model.parameters(), impl), model)
 
 
-def _build_deepspeed(model: torch.nn.Module, world_size: int, stage: int, micro_batch: int, impl: str) -> _Run:
+def _build_deepspeed(model: torch.nn.Module, world_size: int, stage: int, micro_batch: int, impl: str,
+                 extra: dict[str, Any] | None = None) -> _Run:
     import collections
 
     import deepspeed
@@ -180,7 +195,7 @@ def _build_deepspeed(model: torch.nn.Module, world_size: int, stage: int, micro_
 
     engine, _, _, _ = deepspeed.initialize(
         model=model, optimizer=_torch_adam(model.parameters(), impl),
-        config=_without_optimizer(deepspeed_config(stage, micro_batch)),
+        config=engine_config(stage, micro_batch, extra),
     )
 
     def step(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -192,11 +207,12 @@ def _build_deepspeed(model: torch.nn.Module, world_size: int, stage: int, micro_
     return _Run(step, lambda inputs, targets: (step(inputs, targets), {})[1])
 
 
-def _build_rayzero(model: torch.nn.Module, world_size: int, stage: int, micro_batch: int, impl: str) -> _Run:
+def _build_rayzero(model: torch.nn.Module, world_size: int, stage: int, micro_batch: int, impl: str,
+                 extra: dict[str, Any] | None = None) -> _Run:
     import rayzero
 
     engine, _, _, _ = rayzero.initialize(model=model, optimizer=_torch_adam(model.parameters(), impl),
-                                         config=_without_optimizer(deepspeed_config(stage, micro_batch)))
+                                         config=engine_config(stage, micro_batch, extra))
 
     def step(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         loss = engine(inputs, targets)
@@ -219,9 +235,20 @@ def _build_rayzero(model: torch.nn.Module, world_size: int, stage: int, micro_ba
             # Fixed-size reduce/gather buckets: not model state, stated beside it (issue's target).
             "bucket_buffer_bytes": int(after.get("bucket_buffers", 0)),
             "comm_stats": _plain(engine.comm_stats()),
+            "offload_breakdown": _plain(engine.offload_breakdown()),
         }
 
     return _Run(step, probe)
+
+
+def _device_of(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _device_ids(model: torch.nn.Module) -> list[int] | None:
+    """DDP's device_ids: the model's one CUDA device, none on the CPU."""
+    device = _device_of(model)
+    return [device.index] if device.type == "cuda" else None
 
 
 BUILDERS = {"ddp": _build_ddp, "ddp-default": _build_ddp_default, "fsdp2": _build_fsdp2,
@@ -247,23 +274,29 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _measure(run: _Run, model_name: str, quick: bool, rank: int, warmup: int, steps: int) -> dict[str, Any]:
-    batches = [models.batch(model_name, quick, step, rank) for step in range(warmup + steps)]
+def _measure(run: _Run, model_name: str, quick: bool | str, rank: int, warmup: int, steps: int,
+             device: torch.device | None = None) -> dict[str, Any]:
+    """Per-step wall and CPU time of `run`; on a GPU the clock stops once the device is idle."""
+    device = device or torch.device("cpu")
+    batches = [tuple(t.to(device) for t in models.batch(model_name, quick, step, rank))
+               for step in range(warmup + steps)]
     step_times, cpu_times, losses = [], [], []
     for index, (inputs, targets) in enumerate(batches):
         dist.barrier()  # start every rank's step together, so the slowest rank's time is the step's
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         start, cpu_start = time.perf_counter(), time.process_time()
         loss = run.step(inputs, targets)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
         losses.append(float(loss.detach()))
         if index >= warmup:
             step_times.append(elapsed)
             cpu_times.append(cpu)
     # One collective after the loop (not inside it): the slowest rank per step, the mean loss.
-    times = torch.tensor([step_times, cpu_times], dtype=torch.float64)
-    dist.all_reduce(times, op=dist.ReduceOp.MAX)
-    mean_losses = torch.tensor(losses, dtype=torch.float64)
-    dist.all_reduce(mean_losses)
+    times = _all_reduce(torch.tensor([step_times, cpu_times], dtype=torch.float64), dist.ReduceOp.MAX)
+    mean_losses = _all_reduce(torch.tensor(losses, dtype=torch.float64), dist.ReduceOp.SUM)
     mean_losses /= dist.get_world_size()
     wall, cpu = times.tolist()
     return {
@@ -281,10 +314,18 @@ def _peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
+def _all_reduce(tensor: torch.Tensor, op: dist.ReduceOp) -> torch.Tensor:
+    """`tensor` all-reduced, on the CPU: NCCL reduces only CUDA tensors, so it travels there and back."""
+    if dist.get_backend() == "nccl":
+        on_device = tensor.cuda()
+        dist.all_reduce(on_device, op=op)
+        return on_device.cpu()
+    dist.all_reduce(tensor, op=op)
+    return tensor
+
+
 def _max_over_ranks(value: int) -> int:
-    tensor = torch.tensor([value], dtype=torch.int64)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return int(tensor.item())
+    return int(_all_reduce(torch.tensor([value], dtype=torch.int64), dist.ReduceOp.MAX).item())
 
 
 def worker(rank: int, job: dict[str, Any], port: int, result_path: str) -> None:
@@ -298,47 +339,84 @@ def worker(rank: int, job: dict[str, Any], port: int, result_path: str) -> None:
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
         WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
     )
-    # One thread per rank: 2 ranks on the 2 cores, and no system gets more threads than another.
-    torch.set_num_threads(1)
+    device = _rank_device(job, rank)
+    if device.type == "cpu":
+        # One thread per rank: 2 ranks on the 2 cores, and no system gets more threads than another.
+        torch.set_num_threads(1)
     dist.init_process_group(
-        "gloo", rank=rank, world_size=world_size,
+        "nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world_size,
         timeout=datetime.timedelta(seconds=job["collective_timeout_s"]),
     )
     rows: list[dict[str, Any]] = []
-    for system in job["systems"]:
-        for model_name in job["models"]:
-            rows.append(_run_one(system, model_name, job, rank))
+    for variant in variants(job):
+        for model_name in variant.get("models", job["models"]):
+            rows.append(_run_one(variant, model_name, job, rank, device))
             if len(job["systems"]) > 1:
                 rows[-1]["peak_rss_bytes"] = None  # cumulative over the systems this process ran
             if rank == 0:  # written after every row, so a later hang keeps the finished rows
                 with open(result_path, "w") as handle:
                     json.dump(rows, handle)
+            gc.collect()  # engines hold reference cycles: free this row's device memory before the next
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
     dist.destroy_process_group()
 
 
-def _run_one(system: str, model_name: str, job: dict[str, Any], rank: int) -> dict[str, Any]:
-    """Build `system` around a fresh `model_name`, time it, probe it: one row (or its error)."""
-    family, _, stage_text = system.partition("-stage")
+def variants(job: dict[str, Any]) -> list[dict[str, Any]]:
+    """What one job runs, in order: `job["variants"]` ({label, system, extra, env, models}: one system
+    with config keys on top of the shared DeepSpeed config and environment variables set while it is
+    built) or, plainly, `job["systems"]`. A row's `system` is the variant's label."""
+    return job.get("variants") or [{"label": system, "system": system} for system in job["systems"]]
+
+
+def _rank_device(job: dict[str, Any], rank: int) -> torch.device:
+    """The rank's compute device: its own GPU with `job["device"] == "cuda"` (TF32 off, so fp32 means
+    fp32 for every system), else the CPU."""
+    if job.get("device", "cpu") != "cuda":
+        return torch.device("cpu")
+    torch.cuda.set_device(rank)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    return torch.device("cuda", rank)
+
+
+def _run_one(variant: dict[str, Any], model_name: str, job: dict[str, Any], rank: int,
+             device: torch.device) -> dict[str, Any]:
+    """Build the variant's system around a fresh `model_name`, time it, probe it: one row (or its error)."""
+    family, _, stage_text = variant["system"].partition("-stage")
     world_size = dist.get_world_size()
-    row: dict[str, Any] = {"system": system, "world_size": world_size, "model": model_name}
-    model = models.build_model(model_name, job["quick"])
+    row: dict[str, Any] = {"system": variant["label"], "world_size": world_size, "model": model_name}
+    model = models.build_model(model_name, job["quick"]).to(device)
     row["trainable_parameters"] = models.trainable_parameters(model)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    saved_environment = {key: os.environ.get(key) for key in variant.get("env", {})}
+    os.environ.update(variant.get("env", {}))
     started = time.perf_counter()
     failed = 0
     try:
         run = BUILDERS[family](model, world_size, int(stage_text or 0), _micro_batch(model_name, job["quick"]),
-                               job.get("optimizer_impl", "fused"))
+                               job.get("optimizer_impl", "fused"), variant.get("extra"))
         row["setup_s"] = round(time.perf_counter() - started, 3)
-        row.update(_measure(run, model_name, job["quick"], rank, job["warmup"], job["steps"]))
-        row.update(run.probe(*models.batch(model_name, job["quick"], job["warmup"] + job["steps"], rank)))
+        row.update(_measure(run, model_name, job["quick"], rank, job["warmup"], job["steps"], device))
+        probe_batch = models.batch(model_name, job["quick"], job["warmup"] + job["steps"], rank)
+        row.update(run.probe(*(t.to(device) for t in probe_batch)))
         breakdown = row.get("memory_breakdown")
         if breakdown:
             # Ranks hold unequal shards when sizes do not divide evenly: report the largest.
             row["model_state_bytes_per_rank"] = _max_over_ranks(sum(breakdown.values()))
+        if device.type == "cuda":
+            row["peak_gpu_memory_bytes"] = _max_over_ranks(torch.cuda.max_memory_allocated(device))
     except Exception as error:  # noqa: BLE001 - a failing system is a row, not a crashed benchmark
         failed = 1
         row["error"] = f"{type(error).__name__}: {error}"[:2000]
         row["traceback"] = traceback.format_exc()[-4000:]
+    finally:
+        for key, value in saved_environment.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
     # A rank whose peers all failed symmetrically can go on with the next row; if only some failed,
     # this collective pairs with a peer's pending one, and the timeouts bound the damage.
     if _max_over_ranks(failed) and "error" not in row:
@@ -347,5 +425,5 @@ def _run_one(system: str, model_name: str, job: dict[str, Any], rank: int) -> di
     return row
 
 
-def _micro_batch(model_name: str, quick: bool) -> int:
-    return (models.QUICK if quick else models.FULL)[model_name].batch_per_rank
+def _micro_batch(model_name: str, quick: bool | str) -> int:
+    return models.spec(model_name, quick).batch_per_rank

@@ -54,6 +54,20 @@ FULL = {
     "gpt": GPTSpec(vocab_size=2048, width=256, depth=4, heads=4, sequence_length=128, batch_per_rank=8),
     "mlp": MLPSpec(width=1024, depth=4, batch_per_rank=64),
 }
+# bench/gpu.py on one CUDA device: a GPT of ~0.18 B parameters and an MLP of ~0.13 B, so that a step
+# is tens of milliseconds of GPU work rather than kernel-launch overhead.
+GPU = {
+    "gpt": GPTSpec(vocab_size=8192, width=1024, depth=12, heads=16, sequence_length=512, batch_per_rank=8),
+    "mlp": MLPSpec(width=4096, depth=8, batch_per_rank=512),
+}
+SIZES = {"quick": QUICK, "full": FULL, "gpu": GPU}
+
+
+def spec(name: str, size: bool | str) -> GPTSpec | MLPSpec:
+    """The spec of model `name` at `size`: "quick", "full" or "gpu" (True / False: quick / full)."""
+    if isinstance(size, bool):
+        size = "quick" if size else "full"
+    return SIZES[size][name]
 
 
 class CausalSelfAttention(nn.Module):
@@ -124,12 +138,12 @@ class MLP(nn.Module):
         return F.mse_loss(self.layers(inputs), targets)
 
 
-def build_model(name: str, quick: bool) -> nn.Module:
+def build_model(name: str, quick: bool | str) -> nn.Module:
     """The model `name` ("gpt" or "mlp") with weights fixed by SEED, identical on every rank."""
-    spec = (QUICK if quick else FULL)[name]
+    shape = spec(name, quick)
     with torch.random.fork_rng():
         torch.manual_seed(SEED)
-        return GPT(spec) if name == "gpt" else MLP(spec)
+        return GPT(shape) if name == "gpt" else MLP(shape)
 
 
 def sharding_units(model: nn.Module) -> list[nn.Module]:
@@ -139,18 +153,18 @@ def sharding_units(model: nn.Module) -> list[nn.Module]:
     return [layer for layer in model.layers if isinstance(layer, nn.Linear)]
 
 
-def batch(name: str, quick: bool, step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(name: str, quick: bool | str, step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Rank `rank`'s micro-batch for `step`: a pure function of its arguments."""
-    spec = (QUICK if quick else FULL)[name]
+    shape = spec(name, quick)
     generator = torch.Generator().manual_seed(SEED * 1_000_003 + step * 1009 + rank)
     if name == "gpt":
         tokens = torch.randint(
-            0, spec.vocab_size, (spec.batch_per_rank, spec.sequence_length + 1), generator=generator
+            0, shape.vocab_size, (shape.batch_per_rank, shape.sequence_length + 1), generator=generator
         )
         return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-    inputs = torch.randn(spec.batch_per_rank, spec.width, generator=generator)
-    targets = inputs @ _target_map(spec.width) + 0.1 * torch.randn(
-        spec.batch_per_rank, spec.width, generator=generator
+    inputs = torch.randn(shape.batch_per_rank, shape.width, generator=generator)
+    targets = inputs @ _target_map(shape.width) + 0.1 * torch.randn(
+        shape.batch_per_rank, shape.width, generator=generator
     )
     return inputs, targets
 

@@ -131,3 +131,25 @@ def test_docs_scale_md_tables_are_the_ones_bench_results_give(tmp_path: pathlib.
     stale.write_text(text[:start] + text[start:].replace("%", "% ", 1))  # one figure edited by hand
     assert scale_model.write_or_check(str(stale), check=True) == 1
     assert scale_model.write_or_check(str(stale), check=False) == 0 and stale.read_text() == text
+
+
+def test_the_gpu_bench_dry_run_on_cpu_compares_offload_with_deepspeeds_same_config(tmp_path: pathlib.Path) -> None:
+    """bench/gpu.py's code path on the CPU (what bench/gpu_check.sh runs on a lent GPU): the offload
+    section's variants, each against DeepSpeed on the same config, with DeepSpeed's losses as oracle."""
+    output = tmp_path / "gpu.json"
+    completed = subprocess.run(
+        [sys.executable, str(REPOSITORY / "bench" / "gpu.py"), "--device", "cpu", "--quick", "--rounds", "1",
+         "--sections", "offload", "--json", str(output)],
+        check=False, capture_output=True, text=True, timeout=110, cwd=REPOSITORY,
+    )
+    assert completed.returncode == 0, completed.stderr[-2000:]
+    document = json.loads(output.read_text())
+    rows = {row["system"]: row for row in document["results"]}
+    assert {"deepspeed-stage1-offload-cpu", "rayzero-stage3-offload-nvme"} <= set(rows)
+    assert all(row.get("step_time_median_s") for row in rows.values()), [r.get("error") for r in rows.values()]
+    pairs = {(p["rayzero"], p["reference"]): p for p in document["comparisons"]}
+    for stage in (1, 2, 3):
+        pair = pairs[(f"rayzero-stage{stage}-offload-cpu", f"deepspeed-stage{stage}-offload-cpu")]
+        assert pair["loss_max_relative_gap"] < 1e-5 and pair["throughput_ratio"] > 0
+    assert ("rayzero-stage2-offload-cpu", "rayzero-stage2-offload-cpu-after-backward") in pairs
+    assert rows["rayzero-stage3-offload-nvme"]["offload_breakdown"]["nvme_write"] > 0
