@@ -41,6 +41,7 @@ from rayzero.engine.offload.backend import StateKind
 from rayzero.engine.offload.overlapped_step import run_step
 from rayzero.engine.partition import BucketLayout, plan_buckets
 from rayzero.engine.strategy import StrategyContext, ZeroStrategy
+from rayzero.engine.weak_hooks import weak_hook
 
 Finish = Callable[[], None]
 
@@ -221,9 +222,8 @@ class BucketedStrategy(ZeroStrategy):
 
     # ---- backward ([Note: gradient hooks]) ---------------------------------------------------
     def _make_hook(self, bucket: Bucket, slot_index: int):
-        def hook(param: torch.Tensor) -> None:
-            self._grad_ready(bucket, slot_index, param)
-        return hook
+        # held weakly: [Note: gradient hooks hold their engine weakly]
+        return weak_hook(self._grad_ready, bucket, slot_index)
 
     def _grad_ready(self, bucket: Bucket, slot_index: int, param: torch.Tensor) -> None:
         if not self._owns(bucket, slot_index, param):

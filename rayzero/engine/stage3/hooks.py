@@ -25,6 +25,7 @@ from rayzero.config.errors import RayZeroValueError
 from rayzero.engine.stage3.parameters import ParamPartitions, ParamState, PartitionedParam
 from rayzero.engine.stage3.stall import StallWatch, different_modules_error
 from rayzero.engine.stage3.trace import FetchEvent, ModuleTrace
+from rayzero.engine.weak_hooks import weak_hook
 
 
 def _count(value: Any, field: str) -> int:
@@ -85,7 +86,7 @@ class Stage3Coordinator:
                  on_gradient: Callable[[PartitionedParam, torch.Tensor], None],
                  external: dict[int, list[torch.nn.Parameter]] | None = None) -> None:
         self.partitions = partitions
-        partitions.coordinator = self
+        partitions.attach(self)
         self.knobs = knobs
         self._on_gradient = on_gradient
         self._index = {id(entry): i for i, entry in enumerate(partitions.entries)}
@@ -120,7 +121,7 @@ class Stage3Coordinator:
         for entry in partitions.entries:
             if entry.param.requires_grad:
                 self._handles.append(entry.param.register_post_accumulate_grad_hook(
-                    functools.partial(self._gradient_ready, entry)))
+                    weak_hook(self._gradient_ready, entry)))  # [Note: gradient hooks hold their engine weakly]
 
     def add_external(self, module: torch.nn.Module, entry: PartitionedParam) -> None:
         """Make `module` fetch `entry` too (its forward uses another module's parameter)."""

@@ -21,11 +21,16 @@ Rank r owns elements [r*s, (r+1)*s) of the parameter flattened and zero-padded t
 must map a parameter to its partition. That is `_REGISTRY`, keyed weakly by identity: it keeps no
 parameter alive and adds no attribute to `nn.Parameter`. Each entry belongs to exactly one
 `ParamPartitions` (an engine's stage-3 strategy, or a `rayzero.zero.Init` context before the
-engine adopts it).
+engine adopts it). Once an engine's hooks use the partitions (`hold_weakly`), the values are weak
+too: a value holding the entry, which holds the parameter, would keep its own key alive, and with
+it the partitions and the engine, for the life of the process ([Note: gradient hooks hold their
+engine weakly]). Before that the values are strong: `with rayzero.zero.Init():` leaves no other
+reference to the partitions that the engine will adopt.
 """
 from __future__ import annotations
 
 import enum
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -126,7 +131,20 @@ def _point_at_full(entry: PartitionedParam) -> None:
 
 def lookup(param: torch.Tensor) -> tuple[ParamPartitions, PartitionedParam] | None:
     """The partition owning `param`, or None when it is not stage-3 partitioned."""
-    return _REGISTRY.get(param)
+    owner = _REGISTRY.get(param)
+    if owner is None:
+        return None
+    partitions, entry = (_dereference(value) for value in owner)
+    return (partitions, entry) if partitions is not None and entry is not None else None
+
+
+def _dereference(value: Any) -> Any:
+    return value() if isinstance(value, weakref.ref) else value
+
+
+def _registered_to(param: torch.Tensor, partitions: ParamPartitions) -> bool:
+    owner = _REGISTRY.get(param)
+    return owner is not None and _dereference(owner[0]) is partitions
 
 
 def register_external_parameter(module: torch.nn.Module, param: torch.nn.Parameter) -> None:
@@ -192,7 +210,7 @@ class ParamPartitions:
                                  shard=shard, full=full, persistent=persistent, swap=swap)
         param.data = _placeholder(full)
         self.entries.append(entry)
-        _REGISTRY[param] = (self, entry)
+        _REGISTRY[param] = (weakref.ref(self), weakref.ref(entry)) if self.coordinator is not None else (self, entry)
         if persistent:
             self.persistent_elements += numel
         return entry
@@ -327,13 +345,20 @@ class ParamPartitions:
         if entry.master is not None:
             entry.master[: end - start].copy_(flat[start:end])
 
+    def attach(self, coordinator: Any) -> None:
+        """An engine's hooks now use these partitions: from here the registry holds them weakly
+        ([Note: stage-3 parameter registry]); the engine owns them."""
+        self.coordinator = coordinator
+        for entry in self.entries:
+            _REGISTRY[entry.param] = (weakref.ref(self), weakref.ref(entry))
+
     def forget(self, entry: PartitionedParam) -> None:
         """Hand `entry`'s parameter over to another owner (the engine adopting an Init partition)."""
         self.release(entry, force=True)
         self.entries.remove(entry)
         if entry.persistent:
             self.persistent_elements -= entry.numel
-        if _REGISTRY.get(entry.param, (None,))[0] is self:
+        if _registered_to(entry.param, self):
             del _REGISTRY[entry.param]
 
     def close(self) -> None:
@@ -346,7 +371,7 @@ class ParamPartitions:
             # Detach the parameter from the padded buffer so it owns exactly its elements.
             entry.param.data = entry.full[: entry.numel].view(entry.shape).clone()
             entry.full.untyped_storage().resize_(0)
-            if _REGISTRY.get(entry.param, (None,))[0] is self:
+            if _registered_to(entry.param, self):
                 del _REGISTRY[entry.param]
         self.entries.clear()
         self.live_elements = 0
