@@ -2,7 +2,9 @@
 cluster, faults one after another, and at the end the weights of a fault-free single process.
 
     python bench/chaos.py [--minutes 30] [--seed 0] [--json out.json]
-    python bench/chaos.py --minutes 10 --intervals auto,10,50,200 --json bench/results/chaos-intervals.json
+    python bench/chaos.py --minutes 4 --intervals auto,10,50,200 --json forward.json
+    python bench/chaos.py --minutes 4 --intervals 200,50,10,auto --json reversed.json
+    python bench/chaos.py --merge forward.json reversed.json --json bench/results/chaos-intervals.json
 
 The run: `ray.cluster_utils.Cluster` with a head without CPUs (the drivers and controllers live there)
 and three 1-CPU worker nodes; elastic `(2, 3)` workers; checkpoints on the nodes' own disks
@@ -56,9 +58,11 @@ driver waits about 3 minutes for workers ("ready resources for 0 workers"), unti
 controller's request in Ray Data's AutoscalingCoordinator expires (AUTOSCALING_REQUESTS_EXPIRE_TIME_S
 = 180); that wait is its recovery time for `driver`.
 
-`--intervals auto,10,50,200` runs rayzero alone once per setting on the same schedule: `auto` is
-`checkpoint.interval: "auto"` with a loop that never saves; a number is the loop saving every that
-many steps.
+`--intervals auto,10,50,200` runs rayzero alone once per setting on the same schedule, in the order
+given (the machine's load drifts: run the reverse order too): `auto` is `checkpoint.interval: "auto"`
+with a loop that never saves; a number is the loop saving every that many steps. For `auto` each
+fault's record has `interval_before`, the interval and its inputs as `rayzero status` showed them
+just before the fault.
 """
 from __future__ import annotations
 
@@ -95,6 +99,43 @@ def compare_intervals(settings: list[str], options: SoakOptions, root: Path) -> 
             verdict[measure] = {"best_fixed": best, "best_fixed_value": top, "auto": auto,
                                 "auto_minus_best": round(auto - top, 4)}
     return {"rows": rows, "auto_vs_best_fixed": verdict, "runs": runs}
+
+
+def merge_orders(paths: list[str]) -> dict:
+    """Several `--intervals` results (e.g. one in each order, against the machine's load drift) in one
+    file: each as it was, and per setting the mean of goodput, outside goodput and the badput the
+    checkpoint setting itself decides (the outside view's redone steps plus rayzero's checkpoint stall)."""
+    results = [json.loads(Path(path).read_text()) for path in paths]
+    rows = [result["intervals"]["rows"] for result in results]
+    settings = [key for key in rows[0] if all(key in row for row in rows)]
+    runs = {str(run["setting"]): [] for run in results[0]["intervals"]["runs"]}
+    for result in results:
+        for run in result["intervals"]["runs"]:
+            runs.setdefault(str(run["setting"]), []).append(run)
+    mean = {}
+    for key in settings:
+        policy = [run["outside"].get("redone_s", 0.0) + run["goodput"]["badput_s"]["checkpoint stall"]
+                  for run in runs[key]]
+        mean[key] = {"goodput": round(sum(row[key]["goodput"] for row in rows) / len(rows), 4),
+                     "outside_goodput": round(sum(row[key]["outside_goodput"] for row in rows) / len(rows), 4),
+                     "redone_plus_stall_s": round(sum(policy) / len(policy), 2),
+                     "redone_plus_stall_s_each": [round(value, 2) for value in policy]}
+    verdict = {}
+    fixed = [key for key in settings if key != "auto"]
+    if "auto" in mean and fixed:
+        for measure in ("goodput", "outside_goodput"):
+            best = max(fixed, key=lambda key: mean[key][measure])
+            verdict[measure] = {"best_fixed": best, "best_fixed_value": mean[best][measure],
+                                "auto": mean["auto"][measure],
+                                "auto_minus_best": round(mean["auto"][measure] - mean[best][measure], 4)}
+        best = min(fixed, key=lambda key: mean[key]["redone_plus_stall_s"])
+        verdict["redone_plus_stall_s"] = {"best_fixed": best, "best_fixed_value": mean[best]["redone_plus_stall_s"],
+                                          "auto": mean["auto"]["redone_plus_stall_s"]}
+    return {"benchmark": "chaos", "merged": [{"file": path, "order": result["args"]["intervals"],
+                                               "machine": result["machine"]} for path, result in zip(paths, results)],
+            "mean_over_orders": mean, "auto_vs_best_fixed": verdict,
+            "orders": [{"args": result["args"], "machine": result["machine"], "intervals": result["intervals"]}
+                       for result in results]}
 
 
 def _goodputs(run: dict) -> dict:
@@ -198,12 +239,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--systems", default="rayzero,ray-train", help="rayzero, ray-train or both")
     parser.add_argument("--intervals", default=None, help="e.g. auto,10,50,200: rayzero once per setting")
     parser.add_argument("--scratch", default=None, help="where the runs' files go (default: a new temp dir)")
+    parser.add_argument("--merge", nargs="+", default=None,
+                        help="--intervals result files to put in one (with --json): each, and the means")
     parser.add_argument("--json", default=None)
     parser.add_argument("--driver", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--launch", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.driver:
         return driver_main(args.driver, args.launch)
+    if args.merge:
+        merged = merge_orders(args.merge)
+        print(json.dumps({"mean_over_orders": merged["mean_over_orders"], "auto_vs_best_fixed": merged["auto_vs_best_fixed"]},
+                         indent=1))
+        if args.json:
+            Path(args.json).write_text(json.dumps(merged, indent=1))
+        return 0
     options = options_from(args)
     root = scratch_root(args.scratch)
     out: dict = {"benchmark": "chaos", "machine": f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f} at start",

@@ -70,6 +70,7 @@ class Soak(Faults):
         self.records: list[dict] = []
         self._client = None
         self._next_poll = 0.0
+        self.interval_shown: dict[str, str] = {}  # the newest status's checkpoint interval and its inputs
 
     # ---- the run ------------------------------------------------------------------------------
     def run(self) -> dict:
@@ -110,6 +111,8 @@ class Soak(Faults):
                 record.update(skipped=f"no small disk to fill: {self.disk_problem}")
             else:
                 self._check_checkpoints(f"before fault {fault.index}")
+                if self.interval_shown:  # what `checkpoint.interval` was when the fault came
+                    record["interval_before"] = dict(self.interval_shown)
                 record.update(getattr(self, f"_inject_{fault.kind}")(fault))
             previous_at = time.time() if "skipped" in record else record.pop("_injected_at")
             previous_resumed = record.pop("_resumed_at", None) or time.time()
@@ -166,6 +169,7 @@ class Soak(Faults):
                 "failures_charged": sum(json.loads(p.read_text()).get("failures", 0) for p in results),
                 "unexpected_driver_exits": self.unexpected_exits, "checkpoint_checks": self.checks,
                 "committed_seen": len(self.commits), "lost_checkpoints": self.lost,
+                "interval_at_end": self.interval_shown or None,
                 "ended_with_final_step": bool(weights and weights["step"] == finish_at)}
 
     # ---- the driver -------------------------------------------------------------------------------
@@ -241,6 +245,7 @@ class Soak(Faults):
             return
         for checkpoint in status.checkpoints:
             self.commits.setdefault(int(checkpoint.step), time.time())
+        self.interval_shown = {key: value for key, value in status.extra.items() if key.startswith("checkpoint_interval")}
 
     # ---- no committed checkpoint lost ---------------------------------------------------------------
     def _check_checkpoints(self, when: str) -> None:

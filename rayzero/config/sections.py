@@ -258,12 +258,20 @@ class CheckpointConfig(ConfigModel):
     """When rayzero itself checkpoints a running `rayzero.fit` / `rayzero run`, at the next step
     boundary every rank reaches (as `rayzero checkpoint now` does): null (default) leaves it to the
     loop; a number of seconds between checkpoints; "auto" chooses it from the numbers, Young/Daly's
-    sqrt(2 x C x M) with C the measured save stall and M the mean time between failures (the prior
-    below, updated with the failures the run has seen). The loop's own saves go on as they are.
-    `rayzero status` shows the interval in use and its inputs."""
+    sqrt(2 x C x M) with C the measured save stall (a moving average; 5 s until one is measured) and
+    M the mean time between failures, from the larger of two failure rates over the n failures the
+    run has seen in its W seconds of wall time (all its calls, a killed driver counting as one): the
+    fleet prior below updated with the run's count, (1 + n) / (M0 + W), and the run's own record,
+    (n + 1/2) / W. So a run that fails often is believed after its first failure (the prior cannot
+    outweigh it), and before any failure the interval is at most 2 sqrt(C x W): the first checkpoint
+    comes once the run has been up about 4C, and the interval grows with the square root of its age
+    until W passes M0, when the fleet's rate governs ([Note: a checkpoint interval from the numbers]
+    in rayzero/controller/interval.py says why). The loop's own saves go on as they are. `rayzero
+    status` shows the interval in use and its inputs."""
     failures_per_node_day: Float = Field(419 / (54 * 2048), gt=0)
     """The prior failure rate for `interval: "auto"`, per node and day: Llama 3's 419 unexpected
-    interruptions over 54 days on 2,048 nodes by default. M = 1 / (nodes x rate) until failures are seen."""
+    interruptions over 54 days on 2,048 nodes by default. M0 = 1 / (nodes x rate), worth one failure:
+    it governs a run that has been up longer than M0 with no more failures than the fleet's."""
 
 
 class ElasticityConfig(ConfigModel):

@@ -191,7 +191,8 @@ class Controller(PlannedStops, Watch):
         self.goodput = Goodput(settings.started_wall or time.time(), settings.goodput_before)
         self._goodput_checkpoint: int | None = None  # the newest checkpoint step goodput was told of
         # [Note: a checkpoint interval from the numbers]
-        self.interval = CheckpointInterval(settings.checkpoint_interval, settings.failures_per_node_day)
+        self.interval = CheckpointInterval(settings.checkpoint_interval, settings.failures_per_node_day,
+                                           settings.goodput_before)  # the run's earlier failures count too
         self._interval_request: ControlRequest | None = None  # the checkpoint it asked for, until done
         self._attempt_started_at = time.time()  # for the interval before the attempt's first checkpoint
         self._size_cap: int | None = None  # an explicit scale(n) caps growing back at n
@@ -456,6 +457,7 @@ class Controller(PlannedStops, Watch):
             update = ControllerUpdate(self.state, self._outbox, self.error, dict(self.timings), self._events,
                                       self.stopped, self.checkpoints.latest, self.failures, self.world_size,
                                       self.attempt, list(self.stragglers), self.dropped_reports, self._attempts,
-                                      self.goodput.snapshot(time.time()))
+                                      {**self.goodput.snapshot(time.time()),  # and the interval's record for a rerun
+                                       **self.interval.record(self.failures, self.state.is_terminal)})
             self._outbox, self._events, self._attempts = [], [], []
         return update

@@ -419,3 +419,28 @@ def test_a_checkpoint_interval_makes_the_controller_ask_for_checkpoints_one_at_a
     from rayzero.controller.status_view import run_status
 
     assert run_status(controller, "run", 0.0).extra["checkpoint_interval_s"] == "0"  # status shows the interval
+
+
+def test_the_auto_interval_counts_the_runs_earlier_calls_failures_and_a_killed_driver():
+    """[Note: a checkpoint interval from the numbers]: a call's updates carry its failure record beside
+    the goodput figures (the driver writes them to `<run>/goodput.json`); a rerun's controller reads it
+    back: the failures it saw count, and so does the call itself when it never said it ended."""
+    import json
+
+    died = GroupPoll(failures=[Failure(FailureKind.WORKER_DIED, "rank 0's worker died", 0)])
+    first, _ = _controller([FakeGroup([died]), FakeGroup([GroupPoll()] * 4)], max_failures=1,
+                           settings=ControllerSettings(checkpoint_interval="auto"))
+    while first.failures == 0 or first.state is not RunState.RUNNING:
+        first.step()
+    killed = json.loads(json.dumps(first.take_update().goodput))  # the driver is SIGKILLed after this write
+    assert killed["checkpoint_interval"] == {"failures": 1, "save_stall_s": None, "running": True}
+    rerun, _ = _controller([FakeGroup([GroupPoll(finished=True)])],
+                           settings=ControllerSettings(checkpoint_interval="auto", goodput_before=killed))
+    assert rerun.interval.earlier_failures == 2  # the worker that died, and the killed driver
+    from rayzero.controller.status_view import run_status
+
+    assert "2 failure(s)" in run_status(rerun, "run", 0.0).extra["checkpoint_interval_inputs"]
+    while not rerun.step().is_terminal:
+        pass
+    ended = rerun.take_update().goodput["checkpoint_interval"]
+    assert ended == {"failures": 2, "save_stall_s": None, "running": False}  # a next rerun counts none more
