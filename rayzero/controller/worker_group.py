@@ -168,6 +168,7 @@ class RayWorkerGroup:
         # Heartbeats and reports come through one relay per node ([Note: node relays]); run() calls are
         # kept by rank, so each rank's bookkeeping is O(1) ([Note: per-rank calls]).
         self._rounds: RelayRounds | None = None
+        self._unheard: set[int] = set()  # ranks without a heartbeat in the last round (stacks() waits not on them)
         self._run_refs: dict[int, Any] = {}  # rank -> outstanding run() call
         self._done: set[int] = set()
         self._stopped: set[int] = set()  # ranks whose loop ended through a planned stop
@@ -314,6 +315,7 @@ class RayWorkerGroup:
         self._rounds.round(timeout_s)
         beats: dict[int, Heartbeat | None] = dict.fromkeys(range(len(self._workers)))
         beats.update(self._rounds.take_heartbeats())
+        self._unheard = {rank for rank, beat in beats.items() if beat is None}
         return beats, self._rounds.take_failures()
 
     def request_boundary(self, request_id: int, kind: int) -> None:
@@ -324,7 +326,11 @@ class RayWorkerGroup:
         """Every rank's Python stacks: asked of the worker itself, and for a rank that does not answer
         (stopped, wedged outside Python) read from outside its process with py-spy, on its node."""
         refs = {worker.stacks.remote(): rank for rank, worker in enumerate(self._workers) if worker is not None}
-        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=min(timeout_s, 2.0))
+        # wait for the ranks heard in the last round; one silent since is read from outside at once
+        expected = [ref for ref, rank in refs.items() if rank not in self._unheard]
+        if expected:
+            ray.wait(expected, num_returns=len(expected), timeout=min(timeout_s, 2.0))
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
         out = {}
         for ref in ready:
             try:
