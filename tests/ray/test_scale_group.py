@@ -10,6 +10,7 @@ relayed by a real `NodeRelay` actor that asks its ranks over Ray, so that rank c
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 
@@ -63,18 +64,46 @@ def _take_rounds(group, rounds: int, seen: dict[int, list[int]]) -> list[dict]:
     return beats
 
 
+def _poll_until(group, seen: dict[int, list[int]], done, looked=None):
+    """Polls until `done(poll)` (at most 20), each rank's report steps appended to `seen`; with
+    `looked` (a CountingDict and a list), the run() entries each poll looked at appended to the list."""
+    for _ in range(20):
+        before = looked[0].looked_at if looked else 0
+        polled = group.poll(2.0)
+        if looked:
+            looked[1].append(looked[0].looked_at - before)
+        for report in polled.reports:
+            seen.setdefault(report.rank, []).append(report.seq)
+        if done(polled):
+            break
+    return polled
+
+
 def _in_order_without_gaps(seen: dict[int, list[int]]) -> bool:
     return all(steps == list(range(steps[0], steps[0] + len(steps))) for steps in seen.values())
 
 
-@pytest.mark.timeout(240)
-def test_a_round_makes_one_call_per_node_and_a_stopped_rank_holds_back_no_other(local_ray):
+@contextlib.contextmanager
+def _running_group(runs: CountingDict | None = None):
+    """A started group of RANKS hosted ranks, launched (into `runs` when given), two rounds taken:
+    yields it and each rank's report steps so far."""
     group = HostedRayWorkerGroup(RANKS, hosts=2, step_time_s=0.3)
     group.start()
     try:
+        if runs is not None:
+            group._run_refs = runs  # as launch() fills it
         group.launch(lambda: None, None)
-        scale_sim.CALLS.clear()
         seen: dict[int, list[int]] = {}
+        _take_rounds(group, 2, seen)
+        yield group, seen
+    finally:
+        group.shutdown()
+
+
+@pytest.mark.timeout(240)
+def test_a_round_makes_one_call_per_node_and_a_stopped_rank_holds_back_no_other(local_ray):
+    with _running_group() as (group, seen):
+        scale_sim.CALLS.clear()
         beats = _take_rounds(group, 3, seen)
         # one collect per node per round, whatever the ranks per node; every rank heard in every round
         assert scale_sim.CALLS["collect"] == 3 * RANKS // 8, scale_sim.CALLS
@@ -92,57 +121,29 @@ def test_a_round_makes_one_call_per_node_and_a_stopped_rank_holds_back_no_other(
         back = _take_rounds(group, 3, seen)
         assert back[-1][group.victim_rank] is not None  # heard again, and nothing it reported was lost
         assert _in_order_without_gaps(seen), {rank: seen[rank] for rank in (group.victim_rank, 0)}
-    finally:
-        group.shutdown()
 
 
 @pytest.mark.timeout(240)
 def test_a_killed_rank_is_a_failure_and_the_survivors_reports_are_kept(local_ray):
-    group = HostedRayWorkerGroup(RANKS, hosts=2, step_time_s=0.3)
-    group.start()
-    try:
-        group.launch(lambda: None, None)
-        seen: dict[int, list[int]] = {}
-        _take_rounds(group, 2, seen)
+    with _running_group() as (group, seen):
         os.kill(group.victim_pid, signal.SIGKILL)
-        for _ in range(20):
-            polled = group.poll(2.0)
-            for report in polled.reports:
-                seen.setdefault(report.rank, []).append(report.seq)
-            if polled.failures:
-                break
+        polled = _poll_until(group, seen, lambda polled: polled.failures)
         assert [f.rank for f in polled.failures] == [group.victim_rank], polled.failures
         assert polled.failures[0].kind is FailureKind.WORKER_DIED
         # the survivors' reports up to the failure reached the caller, in order
         assert _in_order_without_gaps(seen) and all(len(seen[rank]) >= 2 for rank in range(RANKS - 1))
-    finally:
-        group.shutdown()
 
 
 @pytest.mark.timeout(240)
 def test_a_planned_stop_goes_out_once_per_node_and_the_last_reports_come_with_the_finish(local_ray):
-    group = HostedRayWorkerGroup(RANKS, hosts=2, step_time_s=0.3)
-    group.start()
-    try:
-        runs = CountingDict()
-        group._run_refs = runs  # as launch() fills it
-        group.launch(lambda: None, None)
-        seen: dict[int, list[int]] = {}
-        _take_rounds(group, 2, seen)
+    runs = CountingDict()
+    with _running_group(runs) as (group, seen):
         scale_sim.CALLS.clear()
         group.request_boundary(1, BoundaryRequest.STOP)  # every rank saves at the next step and ends
         assert scale_sim.CALLS["request_boundary"] == RANKS // 8
         looked = []  # per poll: the run() entries it looked at
-        for _ in range(20):
-            before = runs.looked_at
-            polled = group.poll(2.0)
-            looked.append(runs.looked_at - before)
-            assert not polled.failures, polled.failures
-            for report in polled.reports:
-                seen.setdefault(report.rank, []).append(report.seq)
-            if polled.finished:
-                break
-        assert polled.finished and polled.stopped
+        polled = _poll_until(group, seen, lambda polled: polled.finished or polled.failures, (runs, looked))
+        assert polled.finished and polled.stopped, polled.failures
         assert max(looked) <= 2 * RANKS, looked  # one pass over the run() calls per poll, not one per rank
         # every rank's reports up to the step it stopped at came with the finish, in order
         beats, _ = group.heartbeats(2.0)
@@ -150,5 +151,3 @@ def test_a_planned_stop_goes_out_once_per_node_and_the_last_reports_come_with_th
         assert {rank: steps[-1] for rank, steps in seen.items()} == {
             rank: beat.handled.step for rank, beat in beats.items()}
         assert _in_order_without_gaps(seen) and group.poll(0.0).reports == []
-    finally:
-        group.shutdown()
