@@ -251,11 +251,11 @@ def scale_table() -> str:
                ("logic", "cpu_per_wall_s", "controller logic, cores", 1, ""),
                ("ray", "cpu_per_wall_s_at_real_rate", "controller process (b), cores", 1, ""),
                ("ray", "dead_detect_s", "dead rank detected", 1, "s"),
-               ("ray", "hang_detect_overhead_s", "hang: past the limit", 1, "s"),
+               ("ray", "hang_detect_s", "hang detected, limit 30 s", 1, "s"),
                ("grpc", "status_p99_s", "GetStatus p99", 1e3, "ms"),
                ("checkpoint", "commit_s", "commit", 1, "s"),
                ("checkpoint", "manifest_bytes", "manifest", 1e-6, "MB"),
-               ("checkpoint", "registry_scan_s", "registry, cold", 1, "s")]
+               ("checkpoint", "registry_scan_cpu_s", "registry, cold, CPU", 1, "s")]
     header = "| N | " + " | ".join(f"{name} ({unit})" if unit else name for _, _, name, _, unit in columns) + " |\n"
     header += "|---" * (len(columns) + 1) + "|\n"
     lines = []
