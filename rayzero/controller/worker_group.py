@@ -20,15 +20,21 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 from rayzero.config.run_settings import ScalingConfig
 from rayzero.controller.errors import ResourcesUnavailableError
 from rayzero.controller.failures import Failure, FailureKind
+from rayzero.controller.relay_rounds import RelayRounds
 from rayzero.workers.actor import NodeInfo, TrainWorker, WorkerOutcome
 from rayzero.workers.boundary import Heartbeat
 from rayzero.workers.errors import WorkerSetupError
+from rayzero.workers.relay import NodeRelay, ray_values
 from rayzero.workers.session import Report
 
 logger = logging.getLogger("rayzero.controller")
 
-# How long one worker-side poll waits for a report; bounds how late the controller sees a finish.
-_WORKER_POLL_S = 1.0
+# How long the last collect of finished ranks, or of the survivors of a failure, may take: an answer
+# takes milliseconds; the margin is for a loaded machine (a report not collected then is lost).
+_LAST_COLLECT_S = 15.0
+# After a failure, how long a survivor that has nothing queued is given to report: a loop often
+# reports right after the step in which another rank failed (the metrics the user wants to see).
+_SURVIVOR_GRACE_S = 1.0
 # Silent ranks whose stacks a hang report reads from outside (one py-spy task each).
 _MAX_OUTSIDE_READS = 16
 
@@ -159,15 +165,16 @@ class RayWorkerGroup:
         self._pg = None
         self._workers: list[Any] = []  # actor handles, index = rank once started
         self._infos: list[NodeInfo | None] = []  # where each rank runs (node, pid), index = rank
-        # Outstanding calls by rank, so each rank's bookkeeping is O(1) ([Note: per-rank calls]).
-        self._poll_refs: dict[int, Any] = {}  # rank -> outstanding poll() call
+        # Heartbeats and reports come through one relay per node ([Note: node relays]); run() calls are
+        # kept by rank, so each rank's bookkeeping is O(1) ([Note: per-rank calls]).
+        self._rounds: RelayRounds | None = None
+        self._unheard: set[int] = set()  # ranks without a heartbeat in the last round (stacks() waits not on them)
         self._run_refs: dict[int, Any] = {}  # rank -> outstanding run() call
         self._done: set[int] = set()
         self._stopped: set[int] = set()  # ranks whose loop ended through a planned stop
         self._preempted: set[int] = set()  # ranks whose process got SIGTERM
         self._save_stall_s = 0.0  # the most a finished rank's loop waited on saves (goodput)
         self._committed: tuple[int, str] | None = None  # the newest checkpoint a finished rank found on its disk
-        self._heartbeat_refs: dict[int, Any] = {}  # rank -> outstanding heartbeat() call
         self.placement_timeout_s = scaling.placement_timeout_s  # the controller shortens it for tries above min
 
     def start(self) -> dict[str, float]:
@@ -192,7 +199,7 @@ class RayWorkerGroup:
                 num_cpus=bundle.get("CPU", 0.0),
                 num_gpus=gpus,
                 resources=extra or None,
-                max_concurrency=4,  # run(), poll(), heartbeat() and a request at the same time
+                max_concurrency=4,  # run(), collect(), a request and stacks at the same time
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=i),
             ).remote()
             for i in range(self._num_workers)
@@ -239,9 +246,24 @@ class RayWorkerGroup:
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(node_gpus)
             rank_shards = {name: split[rank] for name, split in shards.items()}
             setups.append(actors[index].setup.remote(rank, env, backend, self._timeout_s, rank_shards))
-        ray.get(setups, timeout=self._timeout_s + 60)
+        self._rounds = self._start_relays()
+        ray.get(setups + [relay.ready.remote() for relay in self._rounds.relays], timeout=self._timeout_s + 60)
         timings["process_group_s"] = time.monotonic() - started
         return timings
+
+    def _start_relays(self) -> RelayRounds:
+        """One `NodeRelay` on each node of the group, for that node's ranks ([Note: node relays])."""
+        relay_class = ray.remote(NodeRelay)
+        by_node: dict[str, list[int]] = {}
+        for rank, info in enumerate(self._infos):
+            assert info is not None
+            by_node.setdefault(info.node_id, []).append(rank)
+        relays = [
+            relay_class.options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
+            .remote(node, {rank: self._workers[rank] for rank in ranks})
+            for node, ranks in by_node.items()
+        ]
+        return RelayRounds(relays, list(by_node.values()), list(by_node))
 
     def _split_datasets(self) -> dict[str, list[Any]]:
         # equal=True gives every rank the same number of rows, so no rank runs out of batches first
@@ -255,34 +277,29 @@ class RayWorkerGroup:
         loop_ref = ray.put(train_loop)  # one copy in the object store, not one per rank
         for rank, worker in enumerate(self._workers):
             self._run_refs[rank] = worker.run.remote(loop_ref, loop_config)
-            self._poll_refs[rank] = worker.poll.remote(_WORKER_POLL_S)
 
     def poll(self, timeout_s: float) -> GroupPoll:
         # [Note: per-rank calls]
-        # The group makes one Ray call per rank per poll answered and per heartbeat round, so a poll
-        # costs O(ranks) (ray.wait over every outstanding call) and must cost no more: what each
-        # answered call needs is looked up by rank, never by scanning the outstanding calls (which
-        # made a poll in which every rank answered O(ranks^2): about a second at 4,096 ranks), and
-        # ranks that finish together are collected in two batched waits, not one round trip each.
-        # bench/scale.py measures the whole pattern (docs/scale.md).
+        # The group holds one run() call per rank (a death or a loop's end is seen at once) and makes
+        # one collect call per node per heartbeat round ([Note: node relays]); a poll costs O(ranks)
+        # (ray.wait over the run() calls) and must cost no more: what each finished call needs is
+        # looked up by rank, never by scanning the outstanding calls (which made a poll in which every
+        # rank answered O(ranks^2): about a second at 4,096 ranks), and ranks that finish together
+        # are collected in one batched round of their relays. bench/scale.py measures the pattern.
+        assert self._rounds is not None, "start() must run before poll()"
         result = GroupPoll()
-        pending = [*self._poll_refs.values(), *self._run_refs.values()]
-        if not pending:
-            result.finished = len(self._done) == len(self._workers)
-            return result
-        ready, _ = ray.wait(pending, num_returns=1, timeout=timeout_s)
-        if ready:  # take everything else that is ready too, in one pass
-            ready, _ = ray.wait(pending, num_returns=len(pending), timeout=0)
-        ready_set = set(ready)
-        answered = [(rank, ref) for rank, ref in self._poll_refs.items() if ref in ready_set]
-        for (rank, _), value in zip(answered, _values([ref for _, ref in answered])):
-            del self._poll_refs[rank]  # reports before outcomes
-            if self._take_reports(value, rank, result) and rank in self._run_refs and rank not in self._done:
-                self._poll_refs[rank] = self._workers[rank].poll.remote(_WORKER_POLL_S)
-        finished = [(rank, ref) for rank, ref in self._run_refs.items() if ref in ready_set]
-        for rank, _ in finished:
-            del self._run_refs[rank]
-        self._finish_ranks(finished, result)
+        pending = list(self._run_refs.values())
+        if pending:
+            ready, _ = ray.wait(pending, num_returns=1, timeout=0.0 if self._rounds.has_news else timeout_s)
+            if ready:  # take everything else that is ready too, in one pass
+                ready, _ = ray.wait(pending, num_returns=len(pending), timeout=0)
+            ready_set = set(ready)
+            finished = [(rank, ref) for rank, ref in self._run_refs.items() if ref in ready_set]
+            for rank, _ in finished:
+                del self._run_refs[rank]
+            self._finish_ranks(finished, result)
+        result.reports = self._rounds.take_reports()  # reports before outcomes, each rank's in order
+        result.failures = self._rounds.take_failures() + result.failures
         if result.failures:
             self._drain_survivors(result)
         result.finished = not result.failures and len(self._done) == len(self._workers)
@@ -293,32 +310,27 @@ class RayWorkerGroup:
         return result
 
     def heartbeats(self, timeout_s: float) -> tuple[dict[int, Heartbeat | None], list[Failure]]:
-        for rank, worker in enumerate(self._workers):
-            if worker is not None and rank not in self._heartbeat_refs and rank not in self._done:
-                self._heartbeat_refs[rank] = worker.heartbeat.remote()
-        refs = {ref: rank for rank, ref in self._heartbeat_refs.items()}
-        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s) if refs else ([], [])
-        beats: dict[int, Heartbeat | None] = {rank: None for rank in range(len(self._workers))}
-        failures: list[Failure] = []
-        for ref, value in zip(ready, _values(ready)):
-            rank = refs[ref]
-            del self._heartbeat_refs[rank]
-            if isinstance(value, ray.exceptions.RayActorError):  # ActorUnavailableError too: a lost node
-                failures.append(_died(rank, value))
-            else:
-                beats[rank] = value
-        return beats, failures
+        """One round: a collect per node ([Note: node relays]); its reports wait for the next poll."""
+        assert self._rounds is not None, "start() must run before heartbeats()"
+        self._rounds.round(timeout_s)
+        beats: dict[int, Heartbeat | None] = dict.fromkeys(range(len(self._workers)))
+        beats.update(self._rounds.take_heartbeats())
+        self._unheard = {rank for rank, beat in beats.items() if beat is None}
+        return beats, self._rounds.take_failures()
 
     def request_boundary(self, request_id: int, kind: int) -> None:
-        for worker in self._workers:
-            if worker is not None:
-                worker.request_boundary.remote(request_id, int(kind))  # fire and forget: answered by heartbeats
+        if self._rounds is not None:
+            self._rounds.request_boundary(request_id, int(kind))
 
     def stacks(self, timeout_s: float) -> dict[int, str]:
         """Every rank's Python stacks: asked of the worker itself, and for a rank that does not answer
         (stopped, wedged outside Python) read from outside its process with py-spy, on its node."""
         refs = {worker.stacks.remote(): rank for rank, worker in enumerate(self._workers) if worker is not None}
-        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=min(timeout_s, 2.0))
+        # wait for the ranks heard in the last round; one silent since is read from outside at once
+        expected = [ref for ref, rank in refs.items() if rank not in self._unheard]
+        if expected:
+            ray.wait(expected, num_returns=len(expected), timeout=min(timeout_s, 2.0))
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
         out = {}
         for ref in ready:
             try:
@@ -336,8 +348,7 @@ class RayWorkerGroup:
                 outside[_py_spy_dump.options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(
                     info.node_id, soft=False)).remote(info.pid)] = rank
         ready, _ = ray.wait(list(outside), num_returns=len(outside), timeout=timeout_s) if outside else ([], [])
-        for ref in outside:
-            rank = outside[ref]
+        for ref, rank in outside.items():
             try:
                 out[rank] = ("(the process did not answer; read from outside with py-spy)\n" + ray.get(ref)
                              if ref in ready else "(the process did not answer, and py-spy found nothing in time)")
@@ -346,51 +357,30 @@ class RayWorkerGroup:
         return out
 
     def _drain_survivors(self, result: GroupPoll) -> None:
-        """A failure tears the group down next: first take what the other ranks already reported,
-        so metrics made before the failure still reach the driver, in order. Bounded: a rank with
-        nothing queued answers within one worker poll (_WORKER_POLL_S); a dead one raises at once."""
-        failed = {failure.rank for failure in result.failures}
-        refs = {self._poll_refs.pop(rank): rank for rank in list(self._poll_refs) if rank not in failed}
-        for rank, worker in enumerate(self._workers):
-            if worker is not None and rank not in failed:
-                refs[worker.poll.remote(0.0)] = rank  # after the outstanding one, per rank
-        # an answer takes milliseconds; the margin is for a loaded machine (a report lost here is gone)
-        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=_WORKER_POLL_S + 4.0)
-        ready_set = set(ready)
-        for ref in [r for r in refs if r in ready_set]:  # insertion order keeps each rank's order
-            try:
-                result.reports.extend(ray.get(ref))
-            except ray.exceptions.RayActorError:
-                pass  # a second casualty: the first failure is the one to blame
-
-    @staticmethod
-    def _take_reports(value: list[Report] | BaseException, rank: int, result: GroupPoll) -> bool:
-        """A poll's answer (see `_values`) into `result`; False when the rank's worker died."""
-        if isinstance(value, ray.exceptions.RayActorError):
-            result.failures.append(_died(rank, value))
-            return False
-        result.reports.extend(value)
-        return True
-
-    def _take_all(self, calls: list[tuple[Any, int]], result: GroupPoll) -> None:
-        """The reports of several poll calls, (ref, rank) in order, after one wait for all of them."""
-        if calls:
-            ray.wait([ref for ref, _ in calls], num_returns=len(calls))
-        for (_, rank), value in zip(calls, _values([ref for ref, _ in calls])):
-            self._take_reports(value, rank, result)
+        """A failure tears the group down next: first take what the other ranks reported until now,
+        so metrics made before the failure still reach the driver, in order. Bounded: a live rank
+        answers within milliseconds; a dead one fails its call at once."""
+        assert self._rounds is not None
+        relays = range(len(self._rounds.relays))
+        self._rounds.settle(relays, _LAST_COLLECT_S)
+        self._rounds.round(_LAST_COLLECT_S, relays, last=True, grace_s=_SURVIVOR_GRACE_S)
+        result.reports.extend(self._rounds.take_reports())
+        self._rounds.take_failures()  # a second casualty: the first failure is the one to blame
 
     def _finish_ranks(self, finished: list[tuple[int, Any]], result: GroupPoll) -> None:
         """Ranks whose run() returned, with that call: their outcomes and their last reports."""
+        assert self._rounds is not None
         outcomes: list[tuple[int, WorkerOutcome]] = []
-        for rank, run_ref in finished:
-            try:
-                outcomes.append((rank, ray.get(run_ref)))
-            except ray.exceptions.RayActorError as error:
-                result.failures.append(_died(rank, error))
-        # What the loops reported after the last poll: the outstanding polls first, then one last
-        # poll each once those answered (a rank's two drains must not overlap, or its order breaks).
-        self._take_all([(self._poll_refs.pop(rank), rank) for rank, _ in outcomes if rank in self._poll_refs], result)
-        self._take_all([(self._workers[rank].poll.remote(0.0), rank) for rank, _ in outcomes], result)
+        for rank, value in zip([rank for rank, _ in finished], ray_values([ref for _, ref in finished])):
+            if isinstance(value, ray.exceptions.RayActorError):
+                result.failures.append(_died(rank, value))
+            else:
+                outcomes.append((rank, value))
+        # What the loops reported since their relays' last answer: the outstanding collects first, then
+        # one fresh collect of each relay (two at once to one relay would break its ranks' order).
+        relays = {self._rounds.relay_of[rank] for rank, _ in outcomes}
+        self._rounds.settle(relays, _LAST_COLLECT_S)
+        self._rounds.round(_LAST_COLLECT_S, relays, last=True)
         for rank, outcome in outcomes:
             if outcome.error is None:
                 self._done.add(rank)
@@ -421,31 +411,13 @@ class RayWorkerGroup:
                 ray.get([w.shutdown.remote() for w in self._workers], timeout=10)
             except Exception as error:  # noqa: BLE001 - the actors are killed next either way
                 logger.debug("worker shutdown before kill failed: %s", error)
-        for worker in self._workers:
-            if worker is not None:
-                ray.kill(worker)
-        self._workers, self._poll_refs, self._run_refs, self._heartbeat_refs = [], {}, {}, {}
+        for handle in [*self._workers, *(self._rounds.relays if self._rounds is not None else [])]:
+            if handle is not None:
+                ray.kill(handle)
+        self._workers, self._run_refs, self._rounds = [], {}, None
         if self._pg is not None:
             remove_placement_group(self._pg)
             self._pg = None
-
-
-def _values(refs: list[Any]) -> list[Any]:
-    """The values of finished calls, in order, each call that failed as its RayActorError: one
-    `ray.get` for all of them while none failed (a get per call costs the caller ~0.07 ms, N times
-    per round: [Note: per-rank calls])."""
-    if not refs:
-        return []
-    try:
-        return ray.get(refs)
-    except ray.exceptions.RayActorError:
-        values: list[Any] = []
-        for ref in refs:
-            try:
-                values.append(ray.get(ref))
-            except ray.exceptions.RayActorError as error:
-                values.append(error)
-        return values
 
 
 def setup_failure(error: BaseException) -> Failure:

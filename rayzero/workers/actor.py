@@ -1,9 +1,10 @@
 """The worker actor: environment -> process group -> the user's loop -> reports. Deliberately thin.
 
 The controller creates one `TrainWorker` per placement-group bundle (see
-`rayzero.controller.worker_group`). It is a *threaded* actor with two slots: `run` blocks in one
-thread for the whole loop while `poll` is served in the other, so reports stream out while the loop
-runs without the loop ever waiting on the controller.
+`rayzero.controller.worker_group`). It is a *threaded* actor: `run` blocks in one thread for the
+whole loop while `collect` (asked by its node's relay, [Note: node relays] in relay.py) is served in
+another, so heartbeats and reports stream out while the loop runs without the loop ever waiting on
+the controller.
 """
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ import logging
 import os
 import signal
 import threading
-import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -79,18 +79,12 @@ def _takes_an_argument(function: Callable[..., Any]) -> bool:
         return True
 
 
-REPORT_BATCH_S = 0.1
-
-
 class TrainWorker:
     """One training process of a run (a Ray actor; created by the controller's worker group)."""
 
     def __init__(self) -> None:
         # Filled by setup(); the loop's report()/get_dataset_shard() reach it via session.activate.
         self._session: WorkerSession | None = None
-        # Set when run() returns so a poll waiting on an empty queue returns at once.
-        self._finished = threading.Event()
-        self._polled_at = 0.0  # when poll() last answered (REPORT_BATCH_S)
         # The node's own node-local directory (e.g. the Kubernetes operator mounts a volume and exports
         # RAYZERO_NODE_LOCAL_DIR in the pod), read before setup() overwrites the environment.
         self._node_local_root = NODE_LOCAL_DIR.get()
@@ -234,30 +228,18 @@ class TrainWorker:
             session_module.activate(None)
             if boundary is not None:
                 boundary.finished = True
-            self._finished.set()
-            self._session.reports.put(None)  # wake a poll blocked on an empty queue
 
-    def poll(self, timeout_s: float) -> list[Report]:
-        """Reports made since the last poll, waiting up to `timeout_s` for the first one."""
+    def collect(self, grace_s: float = 0.0) -> tuple[Heartbeat | None, list[Report]]:
+        """This rank's heartbeat now (None before setup) and every report its loop made since the
+        previous collect: what its node's relay asks once per heartbeat round ([Note: node relays]
+        in relay.py). Served while the loop runs; while it runs and has reported nothing, waits up to
+        `grace_s` for a first report (the survivors' last words after a failure)."""
         if self._session is None:
-            return []
-        # Batched like the controller's own poll (POLL_BATCH_S there): at most one answer per
-        # REPORT_BATCH_S while the loop runs, so a loop reporting every step costs the controller
-        # a few Ray calls a second per rank, not one per step.
-        pause = self._polled_at + REPORT_BATCH_S - time.monotonic()
-        if pause > 0 and not self._finished.is_set():
-            self._finished.wait(pause)
-        wait = 0.0 if self._finished.is_set() else timeout_s
-        try:
-            return self._session.drain(wait)
-        finally:
-            self._polled_at = time.monotonic()
-
-    def heartbeat(self) -> Heartbeat | None:
-        """This rank's progress now (None before setup). Served while the loop runs."""
-        if self._session is None or self._session.boundary is None:
-            return None
-        return self._session.boundary.heartbeat(peak_memory_bytes())
+            return None, []
+        # first: the heartbeat is at least as new as the reports
+        reports = self._session.drain(grace_s if self._running else 0.0)
+        boundary = self._session.boundary
+        return (boundary.heartbeat(peak_memory_bytes()) if boundary is not None else None), reports
 
     def request_boundary(self, request_id: int, kind: int) -> None:
         """Ask for a checkpoint (and a stop) at the next step boundary all ranks agree on."""

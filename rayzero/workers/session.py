@@ -145,7 +145,7 @@ class WorkerSession:
     dataset_shards: dict[str, Any] = field(default_factory=dict)
     """Ray Data iterators for this rank, by dataset name."""
     reports: queue.Queue[Report | None] = field(default_factory=queue.Queue)
-    """Reports not yet collected by the controller; `None` wakes a waiting poll at the end."""
+    """Reports not yet collected by the controller (through the node's relay)."""
     boundary: Any = None
     """The engine step-boundary hook of this worker (rayzero.workers.boundary.StepBoundary)."""
     attempt: int = field(default_factory=ATTEMPT.get)

@@ -1,17 +1,29 @@
-"""RayWorkerGroup's own work per poll is linear in the ranks ([Note: per-rank calls] in worker_group.py).
+"""RayWorkerGroup at many ranks: one collect per node per heartbeat round through the node relays
+([Note: node relays] in rayzero/workers/relay.py), and a poll whose work is linear in the ranks
+([Note: per-rank calls] in worker_group.py).
 
 The real group code, on the shared local Ray, against bench/scale_sim.py's `RankHost` actors, each
-hosting many simulated ranks that report once per simulated step, all together (as ranks of one
-data-parallel step do). The outstanding-call tables count the entries the group looks at.
+hosting many simulated ranks (whole nodes of 8) that report once per simulated step, all together (as
+ranks of one data-parallel step do). The last rank runs alone in its own process, and its node is
+relayed by a real `NodeRelay` actor that asks its ranks over Ray, so that rank can be stopped
+(SIGSTOP) or killed (SIGKILL) behind a live relay.
 """
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+
 import pytest
 
+from bench import scale_sim
 from bench.scale_sim import HostedRayWorkerGroup
+from rayzero.controller.failures import FailureKind
 from rayzero.workers.boundary import BoundaryRequest
 
 pytestmark = pytest.mark.ray
+
+RANKS = 96  # 12 nodes of 8
 
 
 class CountingDict(dict):
@@ -37,37 +49,105 @@ class CountingDict(dict):
         return self._count(super().items())
 
 
-@pytest.mark.timeout(240)
-def test_a_poll_many_ranks_answer_and_the_planned_stop_look_at_each_call_a_bounded_number_of_times(local_ray):
-    ranks = 96
-    group = HostedRayWorkerGroup(ranks, hosts=2, step_time_s=0.5)
+def _take_rounds(group, rounds: int, seen: dict[int, list[int]]) -> list[dict]:
+    """`rounds` heartbeat rounds, each followed by the poll that hands out their reports; each rank's
+    report steps appended to `seen`. Returns each round's heartbeats."""
+    beats = []
+    for _ in range(rounds):
+        round_beats, failures = group.heartbeats(2.0)
+        assert not failures, failures
+        polled = group.poll(0.0)
+        assert not polled.failures, polled.failures
+        for report in polled.reports:
+            seen.setdefault(report.rank, []).append(report.seq)
+        beats.append(round_beats)
+    return beats
+
+
+def _poll_until(group, seen: dict[int, list[int]], done, looked=None):
+    """Polls until `done(poll)` (at most 20), each rank's report steps appended to `seen`; with
+    `looked` (a CountingDict and a list), the run() entries each poll looked at appended to the list."""
+    for _ in range(20):
+        before = looked[0].looked_at if looked else 0
+        polled = group.poll(2.0)
+        if looked:
+            looked[1].append(looked[0].looked_at - before)
+        for report in polled.reports:
+            seen.setdefault(report.rank, []).append(report.seq)
+        if done(polled):
+            break
+    return polled
+
+
+def _in_order_without_gaps(seen: dict[int, list[int]]) -> bool:
+    return all(steps == list(range(steps[0], steps[0] + len(steps))) for steps in seen.values())
+
+
+@contextlib.contextmanager
+def _running_group(runs: CountingDict | None = None):
+    """A started group of RANKS hosted ranks, launched (into `runs` when given), two rounds taken:
+    yields it and each rank's report steps so far."""
+    group = HostedRayWorkerGroup(RANKS, hosts=2, step_time_s=0.3)
     group.start()
     try:
-        polls, calls = CountingDict(), CountingDict()
-        group._poll_refs, group._run_refs = polls, calls  # as launch() fills them
+        if runs is not None:
+            group._run_refs = runs  # as launch() fills it
         group.launch(lambda: None, None)
-        seen: list[tuple[int, int]] = []  # per poll: (reports it brought, entries looked at)
-        reports = 0
-        while reports < 4 * ranks:
-            before = polls.looked_at + calls.looked_at
-            polled = group.poll(2.0)
-            assert not polled.failures, polled.failures
-            reports += len(polled.reports)
-            seen.append((len(polled.reports), polls.looked_at + calls.looked_at - before))
-        busy = [looked for brought, looked in seen if brought >= 16]
-        assert busy, seen  # some polls brought many ranks' reports at once
-        # one pass over each table per poll (4 x ranks); was also one scan per answering rank
-        assert max(busy) <= 5 * ranks, seen
-
-        group.request_boundary(1, BoundaryRequest.STOP)  # every rank saves at the next step and ends
-        for _ in range(20):
-            before = polls.looked_at + calls.looked_at
-            polled = group.poll(2.0)
-            assert not polled.failures, polled.failures
-            if polled.finished:
-                break
-        assert polled.finished and polled.stopped
-        # every rank finished in this poll: their last reports were collected without a scan per rank
-        assert polls.looked_at + calls.looked_at - before <= 5 * ranks
+        seen: dict[int, list[int]] = {}
+        _take_rounds(group, 2, seen)
+        yield group, seen
     finally:
         group.shutdown()
+
+
+@pytest.mark.timeout(240)
+def test_a_round_makes_one_call_per_node_and_a_stopped_rank_holds_back_no_other(local_ray):
+    with _running_group() as (group, seen):
+        scale_sim.CALLS.clear()
+        beats = _take_rounds(group, 3, seen)
+        # one collect per node per round, whatever the ranks per node; every rank heard in every round
+        assert scale_sim.CALLS["collect"] == 3 * RANKS // 8, scale_sim.CALLS
+        assert all(all(beat is not None for beat in round_beats.values()) for round_beats in beats)
+        assert sorted(seen) == list(range(RANKS)) and _in_order_without_gaps(seen), seen
+
+        os.kill(group.victim_pid, signal.SIGSTOP)  # the rank's process stops; its node's relay does not
+        try:
+            stopped = _take_rounds(group, 2, seen)
+        finally:
+            os.kill(group.victim_pid, signal.SIGCONT)
+        for round_beats in stopped:  # silent: absent from the round; its node-mates are not held back
+            assert round_beats[group.victim_rank] is None
+            assert all(beat is not None for rank, beat in round_beats.items() if rank != group.victim_rank)
+        back = _take_rounds(group, 3, seen)
+        assert back[-1][group.victim_rank] is not None  # heard again, and nothing it reported was lost
+        assert _in_order_without_gaps(seen), {rank: seen[rank] for rank in (group.victim_rank, 0)}
+
+
+@pytest.mark.timeout(240)
+def test_a_killed_rank_is_a_failure_and_the_survivors_reports_are_kept(local_ray):
+    with _running_group() as (group, seen):
+        os.kill(group.victim_pid, signal.SIGKILL)
+        polled = _poll_until(group, seen, lambda polled: polled.failures)
+        assert [f.rank for f in polled.failures] == [group.victim_rank], polled.failures
+        assert polled.failures[0].kind is FailureKind.WORKER_DIED
+        # the survivors' reports up to the failure reached the caller, in order
+        assert _in_order_without_gaps(seen) and all(len(seen[rank]) >= 2 for rank in range(RANKS - 1))
+
+
+@pytest.mark.timeout(240)
+def test_a_planned_stop_goes_out_once_per_node_and_the_last_reports_come_with_the_finish(local_ray):
+    runs = CountingDict()
+    with _running_group(runs) as (group, seen):
+        scale_sim.CALLS.clear()
+        group.request_boundary(1, BoundaryRequest.STOP)  # every rank saves at the next step and ends
+        assert scale_sim.CALLS["request_boundary"] == RANKS // 8
+        looked = []  # per poll: the run() entries it looked at
+        polled = _poll_until(group, seen, lambda polled: polled.finished or polled.failures, (runs, looked))
+        assert polled.finished and polled.stopped, polled.failures
+        assert max(looked) <= 2 * RANKS, looked  # one pass over the run() calls per poll, not one per rank
+        # every rank's reports up to the step it stopped at came with the finish, in order
+        beats, _ = group.heartbeats(2.0)
+        assert all(beat is not None and beat.finished for beat in beats.values())
+        assert {rank: steps[-1] for rank, steps in seen.items()} == {
+            rank: beat.handled.step for rank, beat in beats.items()}
+        assert _in_order_without_gaps(seen) and group.poll(0.0).reports == []

@@ -16,6 +16,7 @@ import pytest
 REPOSITORY = pathlib.Path(__file__).resolve().parents[2]
 
 from bench import report
+from rayzero.config.run_settings import FailureConfig
 
 
 def test_model_state_formula_follows_the_zero_paper_with_fp32_sizes() -> None:
@@ -114,7 +115,8 @@ def test_the_scale_bench_runs_the_real_controller_over_simulated_ranks_and_fits_
     assert [row["n"] for row in document["rows"]] == [8, 16]
     for row in document["rows"]:
         assert "error" not in row["logic"] and "error" not in row["checkpoint"], row
-        assert row["logic"]["hang_detect_sim_s"] == 61.0  # the 60 s default limit, checked once a second
+        # the default limit a user gets (FailureConfig.hang_timeout_s, 55 s), checked once a second
+        assert row["logic"]["hang_detect_sim_s"] == FailureConfig().hang_timeout_s + 1.0 == 56.0
         assert row["checkpoint"]["manifest_bytes"] > 0 and row["metrics"]["part_rows"] == 5 * row["n"]
     assert "logic.heartbeat_round_cpu_s" in document["exponents"]
     assert any(target["target"].startswith("exponent of") for target in document["targets"])
