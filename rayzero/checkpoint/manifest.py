@@ -29,6 +29,7 @@ import time
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from rayzero.checkpoint.collector import collector_paused
 from rayzero.config.errors import RayZeroError, RayZeroValueError
 from rayzero.config.names import check_name, name_problem
 
@@ -255,7 +256,9 @@ def _fsync_dir(path: str) -> None:
 
 
 def commit(tag_dir: str, manifest: Manifest) -> None:
-    write_atomic(os.path.join(tag_dir, MANIFEST), manifest.to_json())
+    with collector_paused():  # serializing N ranks' entries ([see rayzero/checkpoint/collector.py])
+        text = manifest.to_json()
+    write_atomic(os.path.join(tag_dir, MANIFEST), text)
 
 
 def load_manifest(tag_dir: str) -> Manifest:

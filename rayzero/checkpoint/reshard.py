@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from rayzero.checkpoint.collector import collector_paused
 from rayzero.checkpoint.manifest import Piece, TensorEntry, shard_file_name
 from rayzero.checkpoint.shard_file import dtype_name
 from rayzero.checkpoint.types import ShardSpec
@@ -40,6 +41,12 @@ def build_tensor_entries(specs_by_rank: Sequence[Sequence[ShardSpec]],
     Raises ValueError when ranks disagree on a tensor's shape or dtype, or when the written ranges
     leave a hole: such a checkpoint could not be read back, so it must not be committed.
     """
+    with collector_paused():  # N ranks' pieces, no cycles ([see rayzero/checkpoint/collector.py])
+        return _tensor_entries(specs_by_rank, writers)
+
+
+def _tensor_entries(specs_by_rank: Sequence[Sequence[ShardSpec]],
+                    writers: Sequence[set[str]]) -> dict[str, TensorEntry]:
     shapes: dict[str, tuple[tuple[int, ...], str]] = {}
     pieces: dict[str, list[Piece]] = {}
     for rank, specs in enumerate(specs_by_rank):

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from rayzero.checkpoint import rng
+from rayzero.checkpoint.collector import collector_paused
 from rayzero.checkpoint.comm import CheckpointComm, Topology, Transfer, run_transfers
 from rayzero.checkpoint.direct_io import aligned_empty
 from rayzero.checkpoint.durable import DurableStore
@@ -413,12 +414,13 @@ class CheckpointSaver:
                 run_transfers(comm, transfers, in_tag, in_tag)
         job.timings.replicate = time.perf_counter() - phase
 
-        manifest = Manifest(
-            tag=job.tag, step=job.step, world_size=comm.world_size, stage=job.stage,
-            config_digest=job.config_digest, files=files, tensors=tensors,
-            rank_states=[{"rank": rank, "node": comm.node_ids[rank], "rng": state}
-                         for rank, (_, state) in enumerate(gathered)],
-            extra_state=job.extra_state, client_state=job.client_state, lineage=self.lineage())
+        with collector_paused():
+            manifest = Manifest(
+                tag=job.tag, step=job.step, world_size=comm.world_size, stage=job.stage,
+                config_digest=job.config_digest, files=files, tensors=tensors,
+                rank_states=[{"rank": rank, "node": comm.node_ids[rank], "rng": state}
+                             for rank, (_, state) in enumerate(gathered)],
+                extra_state=job.extra_state, client_state=job.client_state, lineage=self.lineage())
         phase = time.perf_counter()
         self._exchange(job.tag, "local", None, problems)  # every shard and replica is on disk everywhere: commit
         if leader:

@@ -16,18 +16,16 @@ rayzero/workers/boundary.py). What a loop reported only adds a place to look.
 """
 from __future__ import annotations
 
-import gc
 import json
 import logging
 import posixpath
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow.fs as pafs
 
+from rayzero.checkpoint.collector import collector_paused
 from rayzero.checkpoint.manifest import FORMAT, MANIFEST
 from rayzero.checkpoint.storage import filesystem_from_uri
 from rayzero.controller.status import CheckpointRecord
@@ -49,7 +47,7 @@ def _read_manifest(filesystem: pafs.FileSystem, path: str) -> tuple[int, float] 
     try:
         with filesystem.open_input_stream(path) as reader:
             text = reader.read()
-        with _collector_paused():  # the parsed JSON is freed inside too: no collection walks it after
+        with collector_paused():  # the parsed JSON is freed inside too: no collection walks it after
             return _summary(text)
     except OSError:
         return None
@@ -63,18 +61,6 @@ def _summary(text: bytes) -> tuple[int, float] | None:
         return int(body["step"]), float(body.get("created_unix", 0.0))
     except (ValueError, KeyError, TypeError, AttributeError):
         return None
-
-
-@contextmanager
-def _collector_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector off while a manifest is parsed ([Note: registry scans])."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _tier(location: str) -> str:

@@ -221,3 +221,41 @@ def test_status_calls_between_heartbeat_rounds_reuse_the_rank_table(monkeypatch)
     controller.step()  # a new round: the table follows it
     fresh = servicer._message(Target().status())
     assert len(converted) == 2 and fresh.ranks[63].step == 2
+
+
+def _collections_in_a_commit(ranks: int, directory) -> int:
+    """Collections started while the tensor table of `ranks` ranks is built and its manifest written."""
+    import torch
+
+    from rayzero.checkpoint.reshard import build_tensor_entries
+    from rayzero.checkpoint.types import ShardSpec
+
+    specs = [[ShardSpec(f"layer{layer}.weight", (ranks * 4,), torch.float32, rank * 4, rank * 4 + 4)
+              for layer in range(16)] for rank in range(ranks)]
+    writers = [{spec.name for spec in rank_specs} for rank_specs in specs]
+    manifest = _manifest(ranks)
+    collections = []
+
+    def count(phase, info):
+        if phase == "start":
+            collections.append(info["generation"])
+
+    gc.collect()
+    gc.callbacks.append(count)
+    try:
+        tensors = build_tensor_entries(specs, writers)
+        commit(str(directory), manifest)
+    finally:
+        gc.callbacks.remove(count)
+    assert len(tensors) == 16 and gc.isenabled()
+    return len(collections)
+
+
+def test_a_commit_builds_and_writes_the_manifest_without_the_garbage_collector_walking_it(tmp_path):
+    """The commit's side of [Note: registry scans] (rayzero/checkpoint/collector.py): the tensor table
+    of N ranks' specs and the manifest's serialization set off collections in proportion to N, each
+    walking everything made so far (the commit's CPU N^1.1 at 4,096 ranks in bench/scale.py). Paused,
+    what was made is walked once when the collector resumes, however many ranks there are."""
+    small = _collections_in_a_commit(64, tmp_path)
+    large = _collections_in_a_commit(1024, tmp_path)
+    assert small <= 2 and large <= 2, (small, large)  # 1 and 44 before the pause
