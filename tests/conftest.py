@@ -1,4 +1,13 @@
-"""Tier markers follow the directory: tests/unit -> unit, tests/dist -> dist, and so on."""
+"""Tier markers follow the directory: tests/unit -> unit, tests/dist -> dist, and so on.
+
+[Note: file order under xdist]
+`make test` runs the files on pytest-xdist workers (`--dist loadfile --no-loadscope-reorder`: each
+file whole on one worker, handed out in collection order). The longest files go first so the end of
+the run is many short files filling both workers, not one long file running alone: under xdist the
+workers collect tests/ray first (its files run for minutes: Ray clusters, restarts, a chaos soak),
+then tests/dist (spawned gloo groups), then the rest (unit, fuzz: seconds each). A serial run keeps
+the directory order.
+"""
 from __future__ import annotations
 
 import pathlib
@@ -6,6 +15,7 @@ import pathlib
 import pytest
 
 _TIERS = ("unit", "dist", "ray", "k8s", "gpu")
+_LONGEST_FIRST = ("ray", "dist")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -14,7 +24,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for tier in _TIERS:
             if tier in parts:
                 item.add_marker(getattr(pytest.mark, tier))
-
+    if hasattr(config, "workerinput"):  # an xdist worker: every worker sorts alike, so collections match
+        rank = {f"tests/{tier}/": index for index, tier in enumerate(_LONGEST_FIRST)}
+        # stable: each file's tests stay together and in order
+        items.sort(key=lambda item: next((index for prefix, index in rank.items() if item.nodeid.startswith(prefix)),
+                                         len(rank)))
 
 
 @pytest.fixture

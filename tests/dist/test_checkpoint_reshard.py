@@ -6,20 +6,17 @@ per world size runs every case for that size.
 """
 from __future__ import annotations
 
-import datetime
 import os
 import warnings
 import zlib
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from testkit.harness import spawn
 
 from rayzero.checkpoint.checkpointer import Checkpointer
 from rayzero.checkpoint.manifest import committed_tags, read_latest
 from rayzero.checkpoint.options import CheckpointOptions
 from rayzero.checkpoint.types import ShardedTensor, ShardSpec
-from rayzero.ports import free_port
 
 # name -> (shape, dtype, partitioned?)
 TENSORS = {
@@ -58,17 +55,13 @@ def shards_for(rank: int, world: int, step: int) -> list[ShardedTensor]:
             for spec in specs_for(rank, world)]
 
 
-def _entry(rank: int, world: int, port: int, body, args) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
-    try:
-        body(rank, world, *args)
-    finally:
-        dist.destroy_process_group()
+def _run_body(rank: int, world: int, payload) -> None:
+    body, args = payload
+    body(rank, world, *args)
 
 
 def run_group(world: int, body, *args) -> None:
-    mp.start_processes(_entry, args=(world, free_port(), body, args), nprocs=world, join=True, start_method="spawn")
+    spawn(world, _run_body, (body, args))
 
 
 def _assert_reads(loaded, rank: int, world: int, step: int, stage_partitions: bool) -> None:

@@ -15,13 +15,14 @@ from rayzero.driver.fit import controller_actor_name
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster
 from testkit import elastic_loop
+from testkit.local_ray import own_ports
 
 
 @pytest.fixture
 def two_nodes():
     if ray.is_initialized():
         ray.shutdown()
-    made = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    made = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False, **own_ports()})
     try:
         made.add_node(num_cpus=1)
         made.wait_for_nodes()

@@ -16,6 +16,7 @@ from rayzero.driver.fit import controller_actor_name
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster
 from testkit import elastic_loop
+from testkit.local_ray import own_ports
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +26,7 @@ def cluster(tmp_path_factory):
         ray.shutdown()
     node_root = tmp_path_factory.mktemp("node-local")
     os.environ["RAYZERO_NODE_LOCAL_DIR"] = str(node_root)  # inherited by the fake nodes' workers
-    made = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    made = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False, **own_ports()})
     try:
         nodes = [made.head_node] + [made.add_node(num_cpus=1) for _ in range(2)]
         made.wait_for_nodes()

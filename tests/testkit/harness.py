@@ -1,8 +1,9 @@
 """Reusable multi-process harness for engine parity tests (gloo on CPU).
 
-- `spawn(world_size, fn, payload)`: run `fn(rank, world_size, payload)` in `world_size` fresh
+- `spawn(world_size, fn, payload)`: run `fn(rank, world_size, payload)` in `world_size` new
   processes that share a gloo process group; returns each rank's (picklable) return value.
-  Spawning costs ~2-3 s, so callers run many cases per spawn.
+  The ranks fork from a server that has imported torch ([Note: ranks forked from a torch server]);
+  a group still costs its imports and group formation, so callers run many cases per spawn.
 - `ParityModel`: tied embeddings, a frozen layer, an unused parameter, odd sizes, a buffer.
 - `Case` / `run_cases` (inside the workers) / `reference_run` (single process, fp32 torch) and
   `assemble_masters` to gather the fp32 master pieces every rank reports via `state_shards()`.
@@ -38,8 +39,26 @@ def gloo_init(rank: int, world_size: int) -> None:
                                          timeout=datetime.timedelta(seconds=120))
 
 
+# [Note: ranks forked from a torch server]
+# A rank started as a new interpreter (start method "spawn") imports torch first: ~1.2 s of CPU per
+# rank, ~1.6-3.4 s per 2-rank group on this 2-core machine, and `make test` forms well over a hundred
+# groups. The ranks fork instead from one server process (start method "forkserver", one server per
+# pytest process) that has imported torch and nothing else: not rayzero, not a test module, and no
+# CUDA (torch initialises it lazily, so a forked rank can still use it, as a spawned one could); a
+# 2-rank group then starts in ~0.05 s. multiprocessing still hands each rank the parent's sys.path
+# and working directory; a fork would not refresh the environment (the server's is from when it
+# started), so `_entry` applies the parent's, as it is at `spawn`, before anything else runs. What the
+# C library reads once at process start cannot be handed over that way: with a MALLOC_* variable set
+# (the memory tests set MALLOC_MMAP_THRESHOLD_ for the ranks) the ranks are new interpreters again.
+_FORKED = multiprocessing.get_context("forkserver")
+_FORKED.set_forkserver_preload(["torch"])
+_NEW_INTERPRETER = multiprocessing.get_context("spawn")
+
+
 def _entry(rank: int, world_size: int, port: int, fn: Callable, payload: Any, out_dir: str,
-           init: Callable[[int, int], None]) -> None:
+           init: Callable[[int, int], None], environment: dict[str, str]) -> None:
+    os.environ.clear()
+    os.environ.update(environment)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       RAYZERO_COLLECTIVE_TIMEOUT_S="120")  # a hung peer fails the test, not the suite
@@ -62,10 +81,12 @@ def spawn(world_size: int, fn: Callable, payload: Any = None, timeout_s: float =
     `init(rank, world_size)` forms the group in each rank (module-level, so it pickles), with
     RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT already in the environment.
     """
-    context = multiprocessing.get_context("spawn")  # CUDA cannot be used in forked children
+    environment = dict(os.environ)
+    read_at_start = any(key.startswith("MALLOC_") for key in environment)
+    context = _NEW_INTERPRETER if read_at_start else _FORKED  # [Note: ranks forked from a torch server]
     port = free_port()
     with tempfile.TemporaryDirectory() as out_dir:
-        procs = [context.Process(target=_entry, args=(r, world_size, port, fn, payload, out_dir, init))
+        procs = [context.Process(target=_entry, args=(r, world_size, port, fn, payload, out_dir, init, environment))
                  for r in range(world_size)]
         for proc in procs:
             proc.start()

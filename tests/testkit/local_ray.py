@@ -1,0 +1,60 @@
+"""Local Ray clusters for the tests, each on ports of its own.
+
+[Note: one dashboard-agent port per Ray]
+Ray 2.60 gives every node's dashboard agent the fixed HTTP port 52365, and `ray.init` has no argument
+to change it. A second Ray on the machine (a `rayzero run` subprocess while the tests' shared Ray is
+up, or the other pytest-xdist worker's Ray) cannot bind it: its agent retries for ~3.4 s, gives its
+HTTP server up, and only then does the raylet register, so that start-up is ~3.4 s slower (measured
+in the agent and raylet logs; nothing fails: rayzero never talks to the agent's HTTP server). The
+clusters the tests start themselves take a free port instead (`ray.cluster_utils.Cluster` passes
+the argument on), so 52365 stays free for what the product starts with `ray.init(address="local")`.
+
+A head started this way is otherwise what `ray.init(address="local")` starts: token authentication
+turned on the same way (Ray's own two calls: RAY_AUTH_MODE=token in this process's environment,
+which subprocesses inherit, and a token in ~/.ray/auth_token), the object store Ray's default
+would be here at least (`Cluster` alone would give 150 MiB).
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from rayzero.ports import free_ports
+
+STARTUP_TRIES = 2
+"""Ray bounds a node's start-up at 30 s (node.py: raylet_start_wait_time_s); on a loaded 2-core machine
+it can miss that once (seen in one of two full xdist runs: one raylet never started, and every test
+of that worker then failed on the shared fixture). One more try with fresh processes, said aloud."""
+
+
+def own_ports() -> dict[str, int]:
+    """Node arguments for the ports Ray would otherwise fix (see [Note: one dashboard-agent port per Ray])."""
+    (agent,) = free_ports(1)
+    return {"dashboard_agent_listen_port": agent}
+
+
+def start_cluster(num_cpus: int, *, object_store_memory: int = 2 * 1024**3, **head_args: Any):
+    """A `ray.cluster_utils.Cluster` with its head started (not connected): `num_cpus` logical CPUs,
+    the dashboard off unless `head_args` say otherwise, and its own ports."""
+    from ray._private.authentication.authentication_token_setup import (
+        enable_token_auth_by_default,
+        ensure_token_if_auth_enabled,
+    )
+    from ray.cluster_utils import Cluster
+
+    enable_token_auth_by_default()  # what ray.init(address="local") does first
+    ensure_token_if_auth_enabled(None, create_token_if_missing=True)
+    args = {"num_cpus": num_cpus, "include_dashboard": False, "object_store_memory": object_store_memory,
+            **own_ports(), **head_args}
+    for attempt in range(1, STARTUP_TRIES + 1):
+        cluster = Cluster()
+        try:
+            cluster.add_node(**args)
+            return cluster
+        except Exception as error:  # Ray raises a bare Exception on a start-up timeout
+            if attempt == STARTUP_TRIES or "timed out during startup" not in str(error):
+                raise
+            print(f"[tests] a local Ray missed its start-up ({error}); starting a fresh one", flush=True)
+            time.sleep(1.0)
+    raise AssertionError("unreachable")
+
