@@ -8,8 +8,12 @@ same module (or one of its submodules) again:
     first still owns and both would train; `engine.close()` first, or keep using it.
   - it was closed: `close()` handed the module back (stage 3 leaves its parameters gathered, every
     hook removed), so wrapping it again is an ordinary first wrap.
-  - it was dropped without `close()` (garbage-collected, or only in a reference cycle): its
-    strategy is still alive, kept by the hooks it left on the module, and at stage 3 the module's
+  - it was dropped without `close()` at stages 0-2: it is freed like any object, strategy and
+    offload scratch too, since its gradient hooks hold it weakly ([Note: gradient hooks hold their
+    engine weakly]); the hooks it left on the parameters do nothing, the parameters keep their
+    values, and wrapping again is a first wrap.
+  - it was dropped without `close()` at stage 3 (garbage-collected, or only in a reference cycle):
+    its strategy is still alive, kept by the forward hooks it left on the module, and the module's
     parameters are 0-element placeholders whose values live in its partitions. The new
     `initialize` closes that strategy first — hooks removed, partitions gathered back into whole
     parameters, offload scratch (swap files, the CPU-step thread) released — and then wraps the

@@ -37,14 +37,20 @@ def _train_and_drop(zero: dict) -> dict[str, weakref.ref]:
 
 
 def survivors(rank: int, world: int, payload: None) -> dict[str, list[str]]:
+    import os
+    import threading
+
+    os.environ["RAYZERO_OFFLOAD_OVERLAP_STEP"] = "1"  # the offload cases' CPU-step thread runs on CPU too
     out = {}
     for name, zero in CONFIGS.items():
         refs = _train_and_drop(zero)
         gc.collect()
         out[name] = sorted(what for what, ref in refs.items() if ref() is not None)
+        out[name] += [thread.name for thread in threading.enumerate() if thread.name.startswith("rayzero-")]
     return out
 
 
 def test_an_engine_dropped_without_close_frees_its_model_and_state() -> None:
+    """...and stops its threads (the CPU step's thread once held its stepper through its initializer)."""
     (result,) = H.spawn(1, survivors)
     assert result == {name: [] for name in CONFIGS}, result

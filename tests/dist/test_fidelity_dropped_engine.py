@@ -16,6 +16,7 @@ import os
 import tempfile
 import threading
 import traceback
+import weakref
 from collections.abc import Iterator
 
 import pytest
@@ -106,17 +107,19 @@ def _one_case(rank: int, world: int, name: str) -> dict:
         H.train_steps(engine, rank, world, first, 0, FIRST)
         if first.stage != case.stage:
             engine.self_reference = engine
+        strategy = weakref.ref(engine.strategy)
         del engine, optimizer  # dropped without close(): no reference to it is left
         with _warnings("rayzero.engine.wrapping") as warned:
             again, _, _, _ = rayzero.initialize(model=model, config=case.config(),
                                                 model_parameters=_groups(model))
+        first_freed = strategy() is None
         losses = H.train_steps(again, rank, world, case, FIRST, FIRST + SECOND)
         masters = H.master_pieces(again)
         again.close()
         threads = sorted(t.name for t in threading.enumerate() if t.ident not in threads_before)
         module = {n: p.detach().clone().reshape(-1) for n, p in model.named_parameters() if p.requires_grad}
         return {"losses": losses, "masters": masters, "module": module, "threads_left": threads,
-                "warned": warned,
+                "warned": warned, "first_freed": first_freed,
                 "leftover_files": [os.path.join(d, f) for d, _, files in os.walk(nvme) for f in files]}
 
 
@@ -162,4 +165,8 @@ def test_a_dropped_engine_does_not_change_what_the_next_one_trains(name: str) ->
         assert module_worst <= 1e-5, f"{name}: the module's weights differ from torch by {module_worst:.2e}"
         assert rank[name]["leftover_files"] == [], "both engines' swap files are removed"
         assert rank[name]["threads_left"] == [], "both engines' threads (the CPU step's) are stopped"
-        assert any("dropped without engine.close()" in message for message in rank[name]["warned"]), name
+        closed_by_the_next = any("dropped without engine.close()" in message for message in rank[name]["warned"])
+        if _pair(name)[0].stage == 3:  # its forward hooks on the module keep it: the next initialize closes it
+            assert closed_by_the_next, name
+        else:  # nothing keeps it ([Note: gradient hooks hold their engine weakly]): freed, nothing to close
+            assert rank[name]["first_freed"] and not closed_by_the_next, name

@@ -28,7 +28,9 @@ turns it off. Decided in engine/api.py and host.py; bucketed/strategy.py and sta
 """
 from __future__ import annotations
 
+import threading
 import time
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -63,6 +65,19 @@ def run_step(stepper: BackgroundStepper | None, offload, optimizer: torch.optim.
         raise RayZeroRuntimeError(f"internal: {stepped} of {pieces} {what} stepped during backward")
 
 
+def _init_thread(threads: int) -> None:
+    if threads > 0:
+        torch.set_num_threads(threads)  # this thread's OpenMP team only
+
+
+def _stop_pool(pool: ThreadPoolExecutor) -> None:
+    """Shut `pool` down and join its thread, unless this runs on that thread (a collection there)."""
+    pool.shutdown(wait=False)
+    for thread in list(getattr(pool, "_threads", ())):  # CPython's executor keeps its threads here
+        if thread is not threading.current_thread():
+            thread.join()
+
+
 class _Pending:
     """An `_inflight` entry of the flat strategy: `wait()` returns once the bucket was stepped."""
 
@@ -82,16 +97,17 @@ class BackgroundStepper:
         self._step_subset = step_subset  # (optimizer, [master]) -> seconds; None: finish only
         self.can_step = step_subset is not None
         self._threads = threads
+        # the initializer must not hold `self`: the thread keeps it for its whole life
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rayzero-cpu-step",
-                                        initializer=self._init_thread)
+                                        initializer=_init_thread, initargs=(threads,))
+        # An engine dropped without close() is freed ([Note: gradient hooks hold their engine
+        # weakly]): its thread stops then, not at some later point of the executor's own clean-up.
+        weakref.finalize(self, _stop_pool, self._pool)
         self.stepped = 0  # buckets stepped since the strategy last consumed them
         self._optimizer: torch.optim.Optimizer | None = None
         self._hyper: list[dict] | None = None  # the groups' hyperparameters the early steps used
         self._spans: list[tuple[float, float]] = []  # perf_counter (start, end) of each bucket's step
 
-    def _init_thread(self) -> None:
-        if self._threads > 0:
-            torch.set_num_threads(self._threads)  # this thread's OpenMP team only
 
     def submit(self, optimizer: torch.optim.Optimizer, master: torch.Tensor, master_grad: torch.Tensor,
                work, finish, step: bool) -> tuple[_Pending, object]:
