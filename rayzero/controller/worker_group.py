@@ -316,7 +316,11 @@ class RayWorkerGroup:
         beats: dict[int, Heartbeat | None] = dict.fromkeys(range(len(self._workers)))
         beats.update(self._rounds.take_heartbeats())
         self._unheard = {rank for rank, beat in beats.items() if beat is None}
-        return beats, self._rounds.take_failures()
+        # A death this round found stays with the rounds: the next poll (which then does not wait)
+        # hands it out after the reports made before it and takes the survivors' last reports first.
+        # Handed out here, the group was torn down with those reports still queued (a rank's metrics
+        # of a whole attempt lost when its node-mate died between two polls).
+        return beats, []
 
     def request_boundary(self, request_id: int, kind: int) -> None:
         if self._rounds is not None:
