@@ -32,7 +32,6 @@ import json
 import os
 import pathlib
 import platform
-import statistics
 import sys
 import tempfile
 import time
@@ -40,7 +39,7 @@ from typing import Any
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # `bench` as a package
 
-from bench.engine import FORK_SERVER_PRELOAD, run_job
+from bench.engine import FORK_SERVER_PRELOAD, merge_rounds, run_job
 
 STAGES = (0, 1, 2, 3)
 PINNED_CPU = {"device": "cpu", "pin_memory": True}
@@ -112,30 +111,13 @@ def plan(args: argparse.Namespace, scratch: pathlib.Path) -> list[dict[str, Any]
 
 
 def merge(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per (system, model): the median over rounds of each round's median step time."""
-    grouped: dict[tuple, list[dict[str, Any]]] = {}
-    for row in rows:
-        grouped.setdefault((row["system"], row["model"]), []).append(row)
-    merged = []
-    for group in grouped.values():
-        good = [row for row in group if "error" not in row]
-        if not good:
-            merged.append({key: group[0].get(key) for key in ("system", "model", "section", "error", "traceback")})
-            continue
-        medians = [row["step_time_median_s"] for row in good]
-        last = good[-1]
-        merged.append({
-            "system": last["system"], "model": last["model"], "section": last["section"],
-            "precision": last["precision"], "world_size": last["world_size"], "rounds": len(good),
-            "trainable_parameters": last["trainable_parameters"],
-            "step_time_median_s": statistics.median(medians),
-            "step_time_round_medians_s": medians,
-            "step_time_round_spread": round((max(medians) - min(medians)) / statistics.median(medians), 4),
-            "peak_gpu_memory_bytes": max((row.get("peak_gpu_memory_bytes") or 0) for row in good) or None,
-            "losses": last["losses"],
-            "offload_breakdown": last.get("offload_breakdown"),
-            "setup_s": last.get("setup_s"),
-        })
+    """One row per (system, model): bench/engine.py's merge (the median over rounds of each round's
+    median step), with the largest peak memory of the rounds."""
+    merged = merge_rounds(rows)
+    for row in merged:
+        peaks = [r.get("peak_gpu_memory_bytes") or 0 for r in rows
+                 if (r["system"], r["model"]) == (row["system"], row["model"]) and "error" not in r]
+        row["peak_gpu_memory_bytes"] = max(peaks, default=0) or None
     return merged
 
 
