@@ -9,7 +9,6 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-import time
 
 import rayzero
 from rayzero.driver.metrics_store import read_metrics
@@ -87,14 +86,19 @@ def test_a_gone_cluster_that_was_asked_for_is_reported_in_seconds(tmp_path):
 
 
 def restarting_loop(config):
+    import torch.distributed as dist
+
     context = rayzero.get_context()
     first = 0 if context.attempt == 0 else 2  # as if the checkpoint were at step 2
     for step in range(first, 5):
         rayzero.report({"step": step, "attempt_seen": context.attempt})
+        # each step ends in a collective, as a training step does: rank 1 crashes after both ranks
+        # reported step 3 (and rank 0 then waits in step 4's, as a real run does). Without it rank 1
+        # could run to its crash before rank 0 reported anything, and rank 0's reports made after the
+        # failure went down with the group (CI saw metrics_history [2, 3, 4]).
+        dist.barrier()
         if context.attempt == 0 and step == 3 and context.rank == 1:
             raise RuntimeError("simulated crash after step 3")
-        if context.attempt == 0 and step == 3:
-            time.sleep(1.0)  # rank 0 stops here too, in a real run inside the collective
 
 
 def test_re_run_steps_appear_once_in_metrics_history_and_the_log(local_ray, tmp_path, capsys):
