@@ -174,7 +174,7 @@ def test_the_operator_reads_status_and_drives_checkpoint_scale_and_suspend_over_
                           "checkpoint-now carried out")
         assert len(run.checkpoints) == 1 and status["lastCheckpointStep"] == run.checkpoints[0].step
         assert os.path.isfile(os.path.join(status["lastCheckpoint"], "manifest.json"))
-        assert any(event.reason == "CheckpointCommitted" for event in cluster.events("ctl"))
+        assert cluster.event("ctl", "CheckpointCommitted")
 
         cluster.patch_job("ctl", {"spec": {"workers": {"replicas": 3}}})
         wait_for(lambda: run.scaled_to == [3], 30, "Scale(3) to reach the run")
@@ -188,7 +188,7 @@ def test_the_operator_reads_status_and_drives_checkpoint_scale_and_suspend_over_
         assert run.state == "finished" and run.checkpoints[-1].step > seen and len(run.checkpoints) == 2
         status = wait_for(lambda: (s := cluster.status("ctl")).get("phase") == "Suspended" and s, 30, "Suspended")
         assert status["lastCheckpointStep"] == run.checkpoints[-1].step
-        assert any(event.reason == "StoppedForSuspend" for event in cluster.events("ctl"))
+        assert cluster.event("ctl", "StoppedForSuspend")
     finally:
         run.kill("test over")
         server.close(grace_s=0.5)

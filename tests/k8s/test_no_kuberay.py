@@ -39,7 +39,7 @@ def test_no_kuberay_is_reported_and_the_job_starts_once_it_is_installed(bare_clu
     wait_for(lambda: cluster.condition("early", "Ready").get("reason") == "KubeRayNotInstalled",
              what="the KubeRayNotInstalled condition")
     assert cluster.status("early")["phase"] == "Pending"
-    events = [event for event in cluster.events("early") if event.reason == "KubeRayNotInstalled"]
+    events = cluster.event("early", "KubeRayNotInstalled")
     assert len(events) == 1 and "install KubeRay" in events[0].message
 
     kuberay_crds.install(admin)

@@ -78,7 +78,7 @@ def test_a_rayzerojob_becomes_the_expected_rayjob(cluster, operator):
 
     status = wait_for(cluster.phase_is("llm", "Pending"), what="phase Pending")
     assert (status["rayJobName"], status["workers"], status["restarts"]) == ("llm-attempt-1", 4, 0)
-    assert any(event.reason == "RayJobCreated" for event in cluster.events("llm"))
+    assert cluster.event("llm", "RayJobCreated")
 
 
 def test_kuberay_schema_is_really_enforced(cluster, release):
@@ -157,8 +157,7 @@ def test_a_failure_with_restarts_left_starts_exactly_one_resuming_rayjob(cluster
     assert status["restarts"] == 1
     cluster.reconciled_again("retry")
     assert len(cluster.ray_jobs("retry")) == 2
-    assert any(event.reason == "RestartsExhausted" and event.type == "Warning"
-               for event in cluster.events("retry"))
+    assert any(event.type == "Warning" for event in cluster.event("retry", "RestartsExhausted"))
 
 
 def test_no_restarts_means_a_failure_is_final(cluster, operator):

@@ -171,6 +171,12 @@ class Cluster:
                                                 field_selector=f"involvedObject.name={name}")
         return list(found.items)
 
+    def event(self, name: str, reason: str, timeout: float = 20.0) -> list[client.CoreV1Event]:
+        """The events of `reason` on `name`, waited for: the operator posts a pass's events after its
+        status patch, so a test that has just seen the status may list the events a moment early."""
+        return wait_for(lambda: [event for event in self.events(name) if event.reason == reason], timeout,
+                        f"a {reason} event on {name}")
+
     def reconciled_again(self, name: str, passes: int = 2, timeout: float = 30.0) -> dict[str, Any]:
         """Return once the operator has reconciled `name` `passes` more times, each seeing the job as
         it is now; the job's status then. What proves "nothing more happens" without sleeping on the
