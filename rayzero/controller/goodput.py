@@ -22,6 +22,14 @@ calls are nobody's wall time). Every second of it lands in exactly one bucket:
 - `shutdown`: after the loops' last step: the final save's commit beyond the measured stall, the
   group's teardown.
 
+A call that ends without saying so (its driver killed) left totals in which the steps its last
+attempt ran past the newest checkpoint are productive, but the rerun runs them again. So the snapshot
+also carries `unkept`: for each step the last attempt reported since its newest checkpoint (at most
+`_MAX_UNKEPT` of them, evenly thinned), the productive seconds from that step's report to the last
+one; the rerun's first attempt moves the figure for the step it resumes from (its largest step at or
+below it; `all` when it resumes from no checkpoint) from the carried productive time to `redone steps`.
+A call that ended itself (`ended()`) or whose attempt's redone part was already counted leaves none.
+
 goodput = productive / wall. The accountant is fed by the controller at its transitions and with
 rank 0's reports; it keeps O(steps since the newest checkpoint) step times for the redone
 computation, so its memory does not grow with the run.
@@ -36,6 +44,7 @@ CAUSES = ("start-up", "restart", "failure detection", "redone steps", "checkpoin
           "shutdown")
 _PLANNED = ("preemption", "resize")
 _MAX_STEP_TIMES = 1_000_000  # a loop that never checkpoints: older step times are thinned past this
+_MAX_UNKEPT = 256  # steps in a snapshot's `unkept` (a thinned entry counts a little more as redone)
 
 
 def _bucket_for(cause: str) -> str:
@@ -56,6 +65,8 @@ class Goodput:
         self._seconds: dict[str, float] = defaultdict(float, {
             key: float(value) for key, value in (carried.get("seconds") or {}).items()})
         self._start = now
+        self._carried_unkept: dict[str, Any] | None = carried.get("unkept")  # the previous call's tail
+        self._ended = False
         self._bucket, self._since = "start-up", now
         self._per_attempt: dict[int, dict[str, float]] = {}  # this call's attempts
         self._attempt = 0
@@ -68,6 +79,8 @@ class Goodput:
 
     # ---- the controller's events ------------------------------------------------------------
     def attempt_began(self, attempt: int, cause: str, now: float, resumed_step: int | None) -> None:
+        if self._carried_unkept is not None:  # this call's first attempt redoes what the last one did not keep
+            self._redo_carried(resumed_step)
         if attempt and self._first_report is not None:
             self._redo(resumed_step)  # the previous attempt's steps past the checkpoint run again
         self._switch(_bucket_for(cause), now)
@@ -129,6 +142,7 @@ class Goodput:
     def ended(self, now: float, kept_step: int | None, failed: bool) -> None:
         """The run ended; on a failure, what the newest checkpoint (`kept_step`) does not keep is lost;
         after the loops finished, the time from the last step on is shutdown (or a stall, measured)."""
+        self._ended = True
         if failed and self._first_report is not None:
             self._redo(kept_step)
         elif self._bucket == "productive" and self._last_report is not None:
@@ -148,7 +162,8 @@ class Goodput:
         wall = self._wall_before + max(0.0, (now if self._bucket != "ended" else self._since) - self._start)
         productive = max(0.0, seconds.pop("productive", 0.0))
         badput = {cause: round(max(0.0, seconds.get(cause, 0.0)), 3) for cause in CAUSES}
-        return {"wall_s": round(wall, 3), "productive_s": round(productive, 3),
+        unkept = None if self._ended else self._unkept()
+        return {"wall_s": round(wall, 3), "productive_s": round(productive, 3), "unkept": unkept,
                 "goodput": round(productive / wall, 4) if wall > 0 else None, "badput_s": badput,
                 "seconds": {**badput, "productive": round(productive, 3)},
                 "attempts": {str(attempt): {bucket: round(value, 3) for bucket, value in buckets.items()
@@ -174,6 +189,33 @@ class Goodput:
     def _per_attempt_add(self, bucket: str, seconds: float) -> None:
         buckets = self._per_attempt.setdefault(self._attempt, defaultdict(float))
         buckets[bucket] += seconds
+
+    def _unkept(self) -> dict[str, Any] | None:
+        """What a rerun would run again of the current attempt, by the step it resumes from."""
+        if self._last_report is None or self._first_report is None:
+            return None
+        last, stalls = self._last_report, self._stalls
+
+        def redone(since: float) -> float:
+            return round(max(0.0, last - since - sum(seconds for when, seconds in stalls if when > since)), 3)
+
+        count = len(self._steps)
+        picked = sorted({round(i * (count - 1) / (_MAX_UNKEPT - 1)) for i in range(_MAX_UNKEPT)}) \
+            if count > _MAX_UNKEPT else range(count)
+        return {"all": redone(self._first_report),
+                "steps": [[self._steps[i], redone(self._times[i])] for i in picked]}
+
+    def _redo_carried(self, resumed_step: int | None) -> None:
+        """Move the previous call's unkept productive seconds (see the note) to `redone steps`."""
+        unkept, self._carried_unkept = self._carried_unkept or {}, None
+        steps = unkept.get("steps") or []
+        seconds = float(unkept.get("all") or 0.0)
+        if resumed_step is not None and steps and resumed_step >= steps[0][0]:
+            index = bisect.bisect_right([step for step, _ in steps], float(resumed_step)) - 1
+            seconds = float(steps[index][1])
+        moved = max(0.0, min(seconds, self._seconds.get("productive", 0.0)))
+        self._seconds["productive"] -= moved
+        self._seconds["redone steps"] += moved
 
     def _redo(self, resumed_step: int | None) -> None:
         """Move the current attempt's time after `resumed_step`'s report out of productive."""

@@ -70,3 +70,45 @@ def test_a_run_that_ends_on_a_failure_loses_what_its_newest_checkpoint_does_not_
     g.ended(6.0, None, failed=True)  # no checkpoint: nothing of it is kept
     snapshot = g.snapshot(6.0)
     assert snapshot["productive_s"] == pytest.approx(0.0) and snapshot["badput_s"]["redone steps"] == pytest.approx(4.0)
+
+
+def _killed_driver_call() -> dict:
+    """A call whose driver was killed at 13.5 s: rank 0 reported steps 1-10 (4-13 s), a checkpoint at
+    step 5 committed, a 2 s save stall at 10.5 s; its totals are what goodput.json last held."""
+    g = Goodput(0.0)
+    g.attempt_began(0, "start", 0.0, None)
+    for step in range(1, 11):
+        g.reported(step, 3.0 + step)
+        if step == 5:
+            g.checkpointed(5)
+    g.save_stalled(2.0, 10.5)
+    return g.snapshot(13.5)
+
+
+@pytest.mark.parametrize("resumed, redone", [(5, 13.0 - 8.0 - 2.0), (8, 13.0 - 11.0), (10, 0.0), (None, 13.0 - 4.0 - 2.0)])
+def test_a_rerun_after_a_killed_driver_counts_the_steps_it_runs_again_as_redone(resumed, redone):
+    before = _killed_driver_call()
+    assert before["badput_s"]["redone steps"] == 0.0 and before["unkept"] is not None
+    g = Goodput(1000.0, carried=before)
+    g.attempt_began(0, "rerun" if resumed is not None else "start", 1000.0, resumed)
+    snapshot = g.snapshot(1000.0)
+    assert snapshot["badput_s"]["redone steps"] == pytest.approx(redone)
+    assert snapshot["productive_s"] == pytest.approx(before["productive_s"] - redone)
+    assert snapshot["wall_s"] == pytest.approx(before["wall_s"])
+    # counted once: the rerun's own later snapshots carry no second move
+    g.reported(resumed or 1, 1003.0)
+    assert g.snapshot(1004.0)["badput_s"]["redone steps"] == pytest.approx(redone)
+
+
+def test_a_call_that_ended_leaves_nothing_unkept_and_a_long_tail_is_thinned():
+    assert _run().snapshot(30.0)["unkept"] is None
+    g = Goodput(0.0)
+    g.attempt_began(0, "start", 0.0, None)
+    for step in range(1, 5001):
+        g.reported(step, float(step))
+    unkept = g.snapshot(5000.0)["unkept"]
+    assert len(unkept["steps"]) == 256 and unkept["steps"][0] == [1.0, 4999.0] and unkept["steps"][-1] == [5000.0, 0.0]
+    rerun = Goodput(6000.0, carried=g.snapshot(5000.0))
+    rerun.attempt_began(0, "rerun", 6000.0, 2500)  # thinned: the nearest kept step at or below 2500
+    moved = rerun.snapshot(6000.0)["badput_s"]["redone steps"]
+    assert 5000.0 - 2500.0 <= moved <= 5000.0 - 2500.0 + 5000.0 / 255
