@@ -31,7 +31,12 @@ def main() -> int:
         if not builder.is_compatible(verbose=False):
             print(f"build_deepspeed_ops: {builder.NAME} cannot build here; the tests that need it say so")
             continue
-        builder.load(verbose=False)
+        try:
+            builder.load(verbose=False)
+        except Exception as error:  # noqa: BLE001 - the test that needs the op fails with the build's own error
+            print(f"build_deepspeed_ops: {builder.NAME} did not build ({type(error).__name__}: {error}); "
+                  "the tests that use it will build it again and report why")
+            continue
         print(f"build_deepspeed_ops: {builder.NAME} ready in {time.monotonic() - started:.1f}s")
     return 0
 
