@@ -31,7 +31,7 @@ below it; `all` when it resumes from no checkpoint) from the carried productive 
 A call that ended itself (`ended()`) or whose attempt's redone part was already counted leaves none.
 
 goodput = productive / wall. The accountant is fed by the controller at its transitions and with
-rank 0's reports; it keeps O(steps since the newest checkpoint) step times for the redone
+rank 0's reports (or, for a loop that makes none, rank 0's engine steps from its heartbeats); it keeps O(steps since the newest checkpoint) step times for the redone
 computation, so its memory does not grow with the run.
 """
 from __future__ import annotations
@@ -72,6 +72,8 @@ class Goodput:
         self._attempt = 0
         self._last_report: float | None = None  # rank 0's newest report of the current attempt
         self._first_report: float | None = None
+        self._reporting = False  # rank 0 reported in this attempt (else its engine's steps are the signal)
+        self._engine_last: tuple[int, float] | None = None  # (step, when) of its newest engine step seen
         self._steps: list[float] = []  # rank 0's reported steps in this attempt since the newest checkpoint
         self._times: list[float] = []  # ... and when they were reported
         self._stall_seen = 0.0  # the current attempt's cumulative save stall already counted
@@ -86,6 +88,7 @@ class Goodput:
         self._switch(_bucket_for(cause), now)
         self._attempt = attempt
         self._last_report = self._first_report = None
+        self._reporting, self._engine_last = False, None
         self._steps, self._times, self._stall_seen, self._stalls = [], [], 0.0, []
 
     def placement_waited(self, seconds: float, now: float) -> None:
@@ -98,6 +101,26 @@ class Goodput:
 
     def reported(self, step: Any, now: float) -> None:
         """One of rank 0's reports (its `step` metric when numeric)."""
+        if not self._reporting and self._engine_last is not None:
+            self._steps, self._times = [], []  # the engine's step numbers; the loop's own from here
+        self._reporting = True
+        self._progressed(step, now)
+
+    def engine_stepped(self, step: int, now: float) -> None:
+        """Rank 0's engine has completed optimizer step `step` (its heartbeat): the progress signal of
+        a loop that makes no reports (a DeepSpeed, Accelerate or Lightning script). It counts from the
+        second heartbeat round that shows a new step with no report of the attempt yet (a reporting
+        loop's first report is on its way by then), from the first such round's time."""
+        if self._reporting or (self._engine_last is not None and step <= self._engine_last[0]):
+            return
+        previous, self._engine_last = self._engine_last, (step, now)
+        if previous is None:
+            return
+        if self._first_report is None:
+            self._progressed(*previous)
+        self._progressed(step, now)
+
+    def _progressed(self, step: Any, now: float) -> None:
         if self._first_report is None:
             self._first_report = now
             self._switch("productive", now)

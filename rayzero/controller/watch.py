@@ -117,6 +117,9 @@ class Watch:
         if latest is not None and latest.step != self._goodput_checkpoint:
             self._goodput_checkpoint = latest.step
             self.goodput.checkpointed(latest.step)
+        first = self.heartbeats.get(0)
+        if first is not None and first.stepped:  # a loop that makes no reports still shows its steps
+            self.goodput.engine_stepped(first.step, time.time())
         stalls = [beat.save_stall_s for beat in self.heartbeats.values() if beat is not None]
         if stalls:
             self.interval.saved(self.goodput.save_stalled(max(stalls), time.time()))

@@ -112,3 +112,40 @@ def test_a_call_that_ended_leaves_nothing_unkept_and_a_long_tail_is_thinned():
     rerun.attempt_began(0, "rerun", 6000.0, 2500)  # thinned: the nearest kept step at or below 2500
     moved = rerun.snapshot(6000.0)["badput_s"]["redone steps"]
     assert 5000.0 - 2500.0 <= moved <= 5000.0 - 2500.0 + 5000.0 / 255
+
+
+def test_a_loop_that_makes_no_reports_is_productive_from_its_engine_steps():
+    g = Goodput(0.0)
+    g.attempt_began(0, "start", 0.0, None)
+    g.engine_stepped(1, 5.0)                # first round with a step: a report may still be on its way
+    assert g.snapshot(5.5)["productive_s"] == 0.0
+    g.engine_stepped(3, 6.0)                # the next round, still no report: productive since 5 s
+    g.engine_stepped(3, 6.5)                # no new step: nothing
+    g.engine_stepped(5, 7.0)
+    g.checkpointed(3)
+    g.failed(9.0)                           # last step seen at 7 s: 2 s of detection
+    g.attempt_began(1, "worker died", 9.0, 3)   # steps 4-5 run again: 6-7 s
+    g.engine_stepped(4, 12.0)
+    g.engine_stepped(6, 13.0)
+    g.ended(14.0, 6, failed=False)
+    snapshot = g.snapshot(14.0)
+    badput = snapshot["badput_s"]
+    assert badput["start-up"] == pytest.approx(5.0) and badput["failure detection"] == pytest.approx(2.0)
+    assert badput["redone steps"] == pytest.approx(1.0) and badput["restart"] == pytest.approx(3.0)
+    assert badput["shutdown"] == pytest.approx(1.0)
+    assert snapshot["productive_s"] == pytest.approx((7.0 - 5.0 - 1.0) + (13.0 - 12.0))
+    assert sum(badput.values()) + snapshot["productive_s"] == pytest.approx(14.0)
+
+
+def test_a_reporting_loop_is_timed_by_its_reports_not_its_heartbeats():
+    g = Goodput(0.0)
+    g.attempt_began(0, "start", 0.0, None)
+    g.engine_stepped(1, 5.0)                # the heartbeat came first
+    g.reported(1, 5.2)
+    g.engine_stepped(3, 6.0)                # ignored: the loop reports
+    g.reported(2, 6.2)
+    g.reported(3, 7.2)
+    g.ended(8.2, 3, failed=False)
+    snapshot = g.snapshot(8.2)
+    assert snapshot["badput_s"]["start-up"] == pytest.approx(5.2)
+    assert snapshot["productive_s"] == pytest.approx(2.0) and snapshot["badput_s"]["shutdown"] == pytest.approx(1.0)
