@@ -95,6 +95,7 @@ class TrainWorker:
         # still applies.
         self.preempted = False
         self._running = False
+        self._loop_ended = False  # run() returned: nothing more will be reported
         if threading.current_thread() is threading.main_thread():
             self._previous_sigterm = signal.getsignal(signal.SIGTERM)
             signal.signal(signal.SIGTERM, self._on_sigterm)
@@ -221,6 +222,7 @@ class TrainWorker:
             return WorkerOutcome(rank, f"{type(error).__name__}: {error}", traceback.format_exc())
         finally:
             self._running = False
+            self._loop_ended = True
             set_step_boundary_hook(None)
             from rayzero.engine.offload.backend import release_scratch
 
@@ -232,12 +234,13 @@ class TrainWorker:
     def collect(self, grace_s: float = 0.0) -> tuple[Heartbeat | None, list[Report]]:
         """This rank's heartbeat now (None before setup) and every report its loop made since the
         previous collect: what its node's relay asks once per heartbeat round ([Note: node relays]
-        in relay.py). Served while the loop runs; while it runs and has reported nothing, waits up to
-        `grace_s` for a first report (the survivors' last words after a failure)."""
+        in relay.py). Served while the loop runs; until its loop has ended, with nothing reported,
+        waits up to `grace_s` for a first report (the survivors' last words after a failure; a rank
+        whose run() call has not begun yet, on a loaded machine, is waited for too)."""
         if self._session is None:
             return None, []
         # first: the heartbeat is at least as new as the reports
-        reports = self._session.drain(grace_s if self._running else 0.0)
+        reports = self._session.drain(0.0 if self._loop_ended else grace_s)
         boundary = self._session.boundary
         return (boundary.heartbeat(peak_memory_bytes()) if boundary is not None else None), reports
 

@@ -159,8 +159,11 @@ def test_datasets_are_split_across_workers(local_ray, tmp_path):
 
 
 def flaky_loop(config):
+    import torch.distributed as dist
+
     context = rayzero.get_context()
     rayzero.report({"attempt": context.attempt, "resume_from": context.resume_from})
+    dist.barrier()  # a step ends in a collective: rank 1 fails after rank 0 reported, never before it
     if context.attempt == 0 and context.rank == 1:
         raise RuntimeError("simulated crash on the first attempt")
 

@@ -13,16 +13,17 @@ pytest.importorskip("matplotlib")
 
 
 def restarting_loop(config):
+    import torch.distributed as dist
+
     context = rayzero.get_context()
     first = 0 if context.attempt == 0 else 3  # as if the checkpoint were at step 3
     for step in range(first, 6):
         time.sleep(0.05)
         rayzero.report({"step": step, "loss": 5.0 - 0.5 * step, "lr": 1e-3 * (step + 1),
                         "samples": 8 * (step + 1)})
-        if context.attempt == 0 and step == 4:
-            if context.rank == 1:
-                raise RuntimeError("simulated crash after step 4")
-            time.sleep(1.0)
+        dist.barrier()  # a step ends in a collective: rank 0 cannot lag behind rank 1's crash
+        if context.attempt == 0 and step == 4 and context.rank == 1:
+            raise RuntimeError("simulated crash after step 4")
 
 
 def test_plot_renders_a_real_run_with_its_restart_marked(local_ray, tmp_path, capsys):
