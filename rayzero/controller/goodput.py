@@ -31,8 +31,9 @@ below it; `all` when it resumes from no checkpoint) from the carried productive 
 A call that ended itself (`ended()`) or whose attempt's redone part was already counted leaves none.
 
 goodput = productive / wall. The accountant is fed by the controller at its transitions and with
-rank 0's reports (or, for a loop that makes none, rank 0's engine steps from its heartbeats); it keeps O(steps since the newest checkpoint) step times for the redone
-computation, so its memory does not grow with the run.
+rank 0's reports (or, for a loop that makes none, rank 0's engine steps from its heartbeats); it
+keeps O(steps since the newest checkpoint) step times for the redone computation, so its memory
+does not grow with the run.
 """
 from __future__ import annotations
 
@@ -66,7 +67,6 @@ class Goodput:
             key: float(value) for key, value in (carried.get("seconds") or {}).items()})
         self._start = now
         self._carried_unkept: dict[str, Any] | None = carried.get("unkept")  # the previous call's tail
-        self._ended = False
         self._bucket, self._since = "start-up", now
         self._per_attempt: dict[int, dict[str, float]] = {}  # this call's attempts
         self._attempt = 0
@@ -165,7 +165,6 @@ class Goodput:
     def ended(self, now: float, kept_step: int | None, failed: bool) -> None:
         """The run ended; on a failure, what the newest checkpoint (`kept_step`) does not keep is lost;
         after the loops finished, the time from the last step on is shutdown (or a stall, measured)."""
-        self._ended = True
         if failed and self._first_report is not None:
             self._redo(kept_step)
         elif self._bucket == "productive" and self._last_report is not None:
@@ -185,7 +184,7 @@ class Goodput:
         wall = self._wall_before + max(0.0, (now if self._bucket != "ended" else self._since) - self._start)
         productive = max(0.0, seconds.pop("productive", 0.0))
         badput = {cause: round(max(0.0, seconds.get(cause, 0.0)), 3) for cause in CAUSES}
-        unkept = None if self._ended else self._unkept()
+        unkept = None if self._bucket == "ended" else self._unkept()
         return {"wall_s": round(wall, 3), "productive_s": round(productive, 3), "unkept": unkept,
                 "goodput": round(productive / wall, 4) if wall > 0 else None, "badput_s": badput,
                 "seconds": {**badput, "productive": round(productive, 3)},
@@ -217,16 +216,17 @@ class Goodput:
         """What a rerun would run again of the current attempt, by the step it resumes from."""
         if self._last_report is None or self._first_report is None:
             return None
-        last, stalls = self._last_report, self._stalls
-
-        def redone(since: float) -> float:
-            return round(max(0.0, last - since - sum(seconds for when, seconds in stalls if when > since)), 3)
-
         count = len(self._steps)
         picked = sorted({round(i * (count - 1) / (_MAX_UNKEPT - 1)) for i in range(_MAX_UNKEPT)}) \
             if count > _MAX_UNKEPT else range(count)
-        return {"all": redone(self._first_report),
-                "steps": [[self._steps[i], redone(self._times[i])] for i in picked]}
+        return {"all": round(self._run_since(self._first_report), 3),
+                "steps": [[self._steps[i], round(self._run_since(self._times[i]), 3)] for i in picked]}
+
+    def _run_since(self, since: float) -> float:
+        """Seconds the current attempt trained from `since` to its last report, less its save stalls."""
+        assert self._last_report is not None
+        stalled = sum(seconds for when, seconds in self._stalls if when > since)  # already counted as stall
+        return max(0.0, self._last_report - since - stalled)
 
     def _redo_carried(self, resumed_step: int | None) -> None:
         """Move the previous call's unkept productive seconds (see the note) to `redone steps`."""
@@ -249,8 +249,7 @@ class Goodput:
         else:
             index = bisect.bisect_right(self._steps, float(resumed_step)) - 1
             since = self._times[index] if index >= 0 else self._first_report
-        stalled = sum(seconds for when, seconds in self._stalls if when > since)  # already counted as stall
-        redone = max(0.0, min(self._last_report - since - stalled, self._seconds.get("productive", 0.0)))
+        redone = max(0.0, min(self._run_since(since), self._seconds.get("productive", 0.0)))
         self._seconds["productive"] -= redone
         self._per_attempt_add("productive", -redone)
         self._add("redone steps", redone)
