@@ -38,7 +38,7 @@ class RelayRounds:
         """Ask each relay (all, or `relays`) with no collect outstanding, then wait up to `timeout_s`
         for every outstanding one of them. `last`: the ranks' last words (their loops ended, or the
         group goes down): fresh answers ([Note: node relays]), each rank waited for as long as
-        `timeout_s` allows, a running one given `grace_s` to report; the caller `settle`s the
+        `timeout_s` allows, one whose loop has not ended given `grace_s` to report; the caller `settle`s the
         outstanding calls first."""
         chosen = [index for index in (range(len(self.relays)) if relays is None else relays)
                   if index not in self._dead]

@@ -86,7 +86,7 @@ class NodeRelay:
     def collect(self, wait_s: float = RELAY_WAIT_S, fresh: bool = False, grace_s: float = 0.0) -> NodeRound:
         """Every rank's heartbeat and reports that arrive within `wait_s`; with `fresh`, ranks whose
         answer came from a call made before this collect are asked once more. `grace_s`: how long a
-        running rank that has nothing queued waits for a report (`TrainWorker.collect`)."""
+        rank whose loop has not ended and has nothing queued waits for a report (`TrainWorker.collect`)."""
         out = NodeRound(self._node_id)
         asked_now = self._ask(set(self._workers), grace_s)
         answered = self._take(wait_s, out)
