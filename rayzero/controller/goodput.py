@@ -31,7 +31,9 @@ below it; `all` when it resumes from no checkpoint) from the carried productive 
 A call that ended itself (`ended()`) or whose attempt's redone part was already counted leaves none.
 
 goodput = productive / wall. The accountant is fed by the controller at its transitions and with
-rank 0's reports (or, for a loop that makes none, rank 0's engine steps from its heartbeats); it
+rank 0's reports (or, for a loop that makes none, rank 0's engine steps from its heartbeats; when an
+attempt's first report comes after the engine steps had started its productive time, that time goes
+back to the bucket the attempt opened in, so a reporting loop is timed by its reports alone); it
 keeps O(steps since the newest checkpoint) step times for the redone computation, so its memory
 does not grow with the run.
 """
@@ -72,6 +74,7 @@ class Goodput:
         self._attempt = 0
         self._last_report: float | None = None  # rank 0's newest report of the current attempt
         self._first_report: float | None = None
+        self._opening = "start-up"  # the bucket the current attempt was in before its first step
         self._reporting = False  # rank 0 reported in this attempt (else its engine's steps are the signal)
         self._engine_last: tuple[int, float] | None = None  # (step, when) of its newest engine step seen
         self._steps: list[float] = []  # rank 0's reported steps in this attempt since the newest checkpoint
@@ -101,10 +104,23 @@ class Goodput:
 
     def reported(self, step: Any, now: float) -> None:
         """One of rank 0's reports (its `step` metric when numeric)."""
-        if not self._reporting and self._engine_last is not None:
-            self._steps, self._times = [], []  # the engine's step numbers; the loop's own from here
+        if not self._reporting and self._first_report is not None:
+            self._engine_gave_way(now)
         self._reporting = True
         self._progressed(step, now)
+
+    def _engine_gave_way(self, now: float) -> None:
+        """The attempt's first report came after its engine steps had started the productive time: a
+        reporting loop is timed by its reports, so the time since the engine's start goes back to the
+        bucket the attempt opened in (under load two heartbeat rounds can beat the first report)."""
+        self._flush(now)
+        stalled = sum(seconds for when, seconds in self._stalls if when >= self._first_report)
+        spent = self._per_attempt.get(self._attempt, {}).get("productive", 0.0)
+        moved = max(0.0, min(now - self._first_report - stalled, spent))
+        self._add("productive", -moved)
+        self._add(self._opening, moved)
+        self._first_report = self._last_report = None
+        self._steps, self._times = [], []  # the engine's step numbers; the loop's own from here
 
     def engine_stepped(self, step: int, now: float) -> None:
         """Rank 0's engine has completed optimizer step `step` (its heartbeat): the progress signal of
@@ -123,6 +139,8 @@ class Goodput:
     def _progressed(self, step: Any, now: float) -> None:
         if self._first_report is None:
             self._first_report = now
+            if self._bucket != "productive":
+                self._opening = self._bucket
             self._switch("productive", now)
         self._last_report = now
         if isinstance(step, (int, float)) and not isinstance(step, bool):

@@ -149,3 +149,28 @@ def test_a_reporting_loop_is_timed_by_its_reports_not_its_heartbeats():
     snapshot = g.snapshot(8.2)
     assert snapshot["badput_s"]["start-up"] == pytest.approx(5.2)
     assert snapshot["productive_s"] == pytest.approx(2.0) and snapshot["badput_s"]["shutdown"] == pytest.approx(1.0)
+
+
+def test_a_first_report_slower_than_two_heartbeat_rounds_still_times_the_loop_by_its_reports():
+    """CI: under load two heartbeat rounds with engine steps came before the first report; the
+    engine's head start (the end of step 1's loop body) was counted productive in each attempt."""
+    g = Goodput(0.0)
+    g.attempt_began(0, "start", 0.0, None)
+    g.engine_stepped(1, 5.0)
+    g.engine_stepped(2, 5.4)                # two rounds, no report yet: productive since 5 s for now
+    g.save_stalled(0.1, 5.5)                # a stall seen in that window stays a stall
+    g.reported(1, 6.0)                      # the report arrives: the loop is timed by its reports
+    g.reported(2, 7.0)
+    g.failed(8.0)
+    g.attempt_began(1, "worker died", 8.0, None)
+    g.engine_stepped(1, 10.0)
+    g.engine_stepped(2, 10.5)
+    g.reported(1, 11.0)
+    g.reported(2, 12.0)
+    g.ended(12.0, 2, failed=False)
+    snapshot = g.snapshot(12.0)
+    badput = snapshot["badput_s"]
+    assert badput["start-up"] == pytest.approx(6.0 - 0.1) and badput["checkpoint stall"] == pytest.approx(0.1)
+    assert badput["restart"] == pytest.approx(3.0) and badput["redone steps"] == pytest.approx(1.0)
+    assert snapshot["productive_s"] == pytest.approx(1.0)
+    assert sum(badput.values()) + snapshot["productive_s"] == pytest.approx(12.0)
