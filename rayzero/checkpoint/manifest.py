@@ -221,17 +221,43 @@ def _parse(body: dict[str, Any]) -> Manifest:
 
 def write_atomic(path: str, text: str) -> None:
     """Write a small text file so readers see the old or the new content, never a torn one."""
+    publish(stage(path, text))
+
+
+@dataclass(frozen=True)
+class Staged:
+    """A small file written (and fsynced) under a temporary name beside `path`, not yet visible."""
+
+    tmp: str
+    path: str
+
+    def discard(self) -> None:
+        _remove_quietly(self.tmp)
+
+
+def stage(path: str, text: str) -> Staged:
+    """The first half of write_atomic: every byte written where it will live, the name unchanged.
+    What can fail for space fails here ([Note: a commit that space cannot tear] in saver.py)."""
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         with open(tmp, "w") as out:
             out.write(text)
             out.flush()
             os.fsync(out.fileno())
-        os.replace(tmp, path)
     except BaseException:
         _remove_quietly(tmp)  # a full disk must not leave the temporary behind
         raise
-    _fsync_dir(os.path.dirname(path) or ".")
+    return Staged(tmp, path)
+
+
+def publish(staged: Staged) -> None:
+    """The second half: the rename that makes it visible (no data block to allocate)."""
+    try:
+        os.replace(staged.tmp, staged.path)
+    except BaseException:
+        staged.discard()
+        raise
+    _fsync_dir(os.path.dirname(staged.path) or ".")
 
 
 def _remove_quietly(path: str) -> None:
@@ -256,9 +282,14 @@ def _fsync_dir(path: str) -> None:
 
 
 def commit(tag_dir: str, manifest: Manifest) -> None:
+    publish(stage_manifest(tag_dir, manifest))
+
+
+def stage_manifest(tag_dir: str, manifest: Manifest) -> Staged:
+    """The manifest written but not yet committed (`publish` commits it)."""
     with collector_paused():  # serializing N ranks' entries ([see rayzero/checkpoint/collector.py])
         text = manifest.to_json()
-    write_atomic(os.path.join(tag_dir, MANIFEST), text)
+    return stage(os.path.join(tag_dir, MANIFEST), text)
 
 
 def load_manifest(tag_dir: str) -> Manifest:

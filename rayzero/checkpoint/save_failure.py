@@ -11,7 +11,8 @@ again. Three things make that so:
     same `CheckpointSaveError` at the same point, so no rank waits at a barrier for a rank that
     left (which would hang the job until the checkpoint group's timeout).
   - nothing half-done stays. The manifest is written only after the exchange that follows the
-    shards; a failure after some locations committed un-commits them and puts `latest` back. The
+    shards, and made visible only once every location has written it and `latest` ([Note: a commit
+    that space cannot tear] in saver.py); a failure after that un-commits and puts `latest` back. The
     leader then removes the partial tag directory (its lineage's marker proves it is ours), which
     also gives the space back. A durable upload that fails is removed from the durable copy the
     same way; the durable `latest` is written only after every upload and the manifest.

@@ -25,6 +25,16 @@ mid-write: the newest checkpoint would silently never commit. Three things close
 away as it returns) and at interpreter exit; and `wait_for_pending_saves()` waits for every save
 in flight in this process, for a runner to call after the loop whatever still references the engine.
 The thread itself is not a daemon, so a plain script's interpreter joins it before exiting.
+
+[Note: a commit that space cannot tear]
+Once a manifest is visible, anything that lists checkpoints (the ranks' heartbeats, the controller,
+`rayzero status`, another process's loader) may take the checkpoint as committed, so it must never
+be taken back. What can still fail for space (a disk filling up mid-save) therefore fails before
+anything is visible: each location's leader first writes both small files under temporary names
+(the manifest in the tag directory, `latest` in the save directory, fsynced), the ranks exchange
+their problems, and only if none had one does each leader rename them into place, the manifest
+first. A rename allocates no data block. Before, the manifest was visible while `latest` could
+still fail: the chaos soak saw a status list step 400 as committed, then the save's undo remove it.
 """
 from __future__ import annotations
 
@@ -48,10 +58,13 @@ from rayzero.checkpoint.manifest import (
     MANIFEST,
     FileEntry,
     Manifest,
-    commit,
+    Staged,
+    publish,
     read_latest,
     set_latest,
     shard_file_name,
+    stage,
+    stage_manifest,
 )
 from rayzero.checkpoint.options import CheckpointOptions
 from rayzero.checkpoint.reshard import build_tensor_entries, choose_writers
@@ -423,15 +436,28 @@ class CheckpointSaver:
                 extra_state=job.extra_state, client_state=job.client_state, lineage=self.lineage())
         phase = time.perf_counter()
         self._exchange(job.tag, "local", None, problems)  # every shard and replica is on disk everywhere: commit
+        # [Note: a commit that space cannot tear]
+        staged: list[Staged] = []
         if leader:
             job.previous_latest = read_latest(job.root)
             with noting(problems, comm.rank, os.path.join(tag_dir, MANIFEST)):
-                commit(tag_dir, manifest)
-        self._exchange(job.tag, "local", None, problems)  # committed at every location, or nowhere
-        if leader:
-            with noting(problems, comm.rank, os.path.join(job.root, LATEST)):
-                set_latest(job.root, job.tag)
-                job.latest_moved = True
+                staged.append(stage_manifest(tag_dir, manifest))
+            if not problems:
+                with noting(problems, comm.rank, os.path.join(job.root, LATEST)):
+                    staged.append(stage(os.path.join(job.root, LATEST), job.tag + "\n"))
+        try:
+            self._exchange(job.tag, "local", None, problems)  # both written at every location: make them visible
+        except CheckpointSaveError:
+            for written in staged:
+                written.discard()
+            raise
+        for written in staged:
+            if problems:  # a manifest not made visible: `latest` must not name it
+                written.discard()
+                continue
+            with noting(problems, comm.rank, written.path):
+                publish(written)
+                job.latest_moved = job.latest_moved or written.path == os.path.join(job.root, LATEST)
         self._exchange(job.tag, "local", None, problems)  # load_checkpoint right after save_checkpoint sees the commit
         job.timings.commit = time.perf_counter() - phase
         job.timings.total = time.perf_counter() - job.started

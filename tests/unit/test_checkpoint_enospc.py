@@ -139,3 +139,47 @@ def test_a_full_durable_disk_keeps_the_durable_copy_and_latest_intact(small_disk
         assert [tag for _, tag in committed_tags(str(durable))] == ["global_step3", "global_step1"]
     finally:
         engine.close()
+
+
+def test_a_save_whose_latest_cannot_be_written_never_shows_its_manifest(tmp_path):
+    """[Note: a commit that space cannot tear]: the chaos soak's disk filled up between the manifest
+    and `latest`; the manifest had been visible (a status listed the checkpoint as committed), then
+    the save's undo removed it. Here `latest` cannot be written for a real reason (its temporary
+    name is taken by a directory); every rename is watched through Python's audit events."""
+    import sys
+
+    root = tmp_path / "ckpt"
+    renamed: list[str] = []
+    watching = [False]
+
+    def audit(event: str, args: tuple) -> None:
+        if watching[0] and event in ("os.rename", "os.replace"):
+            renamed.append(str(args[1]))
+
+    sys.addaudithook(audit)
+    engine = _engine(keep_last=3, async_save=True)
+    try:
+        _train(engine)
+        engine.save_checkpoint(str(root))
+        engine.wait_for_checkpoint()
+        obstacle = root / f"latest.tmp{os.getpid()}"
+        obstacle.mkdir()
+        watching[0] = True
+        _train(engine)
+        engine.save_checkpoint(str(root))
+        with pytest.raises(CheckpointSaveError, match="global_step2 was not saved") as raised:
+            engine.wait_for_checkpoint()
+        watching[0] = False
+        [problem] = raised.value.problems
+        assert problem.path.startswith(str(root / "latest")), problem
+        assert not [path for path in renamed if path.endswith("manifest.json")], renamed  # never visible
+        assert read_latest(str(root)) == "global_step1" and [tag for _, tag in committed_tags(str(root))] == ["global_step1"]
+        obstacle.rmdir()
+        assert sorted(os.listdir(root)) == ["global_step1", "latest"] and _leftovers(str(root)) == []
+        _train(engine)
+        engine.save_checkpoint(str(root))  # the obstacle gone: the next save commits
+        engine.wait_for_checkpoint()
+        assert read_latest(str(root)) == "global_step3" and _intact(str(root), "global_step3")
+    finally:
+        watching[0] = False
+        engine.close()
