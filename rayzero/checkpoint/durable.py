@@ -161,14 +161,29 @@ class DurableStore:
             log.warning("could not remove %s: %s", self.location(tag), error)
 
     def commit(self, manifest: Manifest) -> None:
-        """The manifest, then `latest`; if `latest` cannot be written the manifest is taken back,
-        so the durable copy is committed with its `latest` or not at all."""
-        self._write_text(self._path(manifest.tag, MANIFEST), manifest.to_json())
+        """[Note: a commit that space cannot tear] in saver.py: the manifest and `latest` are both
+        written under temporary names first (what a full disk or a quota refuses is refused there,
+        before anything is visible), then moved into place, the manifest (the commit) first. A
+        manifest once visible stays: a `latest` that cannot be moved after it is left naming the
+        previous checkpoint, and said (readers list manifests; `latest` is for people and tools)."""
+        manifest_path, latest_path = self._path(manifest.tag, MANIFEST), self._path(LATEST)
+        staged: list[str] = []
         try:
-            self._write_text(self._path(LATEST), manifest.tag + "\n")
+            for path, text in ((manifest_path, manifest.to_json()), (latest_path, manifest.tag + "\n")):
+                staged.append(path + ".tmp")
+                with self.filesystem.open_output_stream(path + ".tmp") as writer:
+                    writer.write(text.encode())
+            self.filesystem.move(manifest_path + ".tmp", manifest_path)
         except BaseException:
-            self._delete_quietly(self._path(manifest.tag, MANIFEST))
+            for path in staged:
+                self._delete_quietly(path)
             raise
+        try:
+            self.filesystem.move(latest_path + ".tmp", latest_path)
+        except OSError as error:
+            self._delete_quietly(latest_path + ".tmp")
+            log.warning("the durable copy of %s is committed, but %s could not be moved into place (%s): it "
+                        "still names the previous checkpoint", manifest.tag, self.location(LATEST), error)
 
     def read_manifest(self, tag: str) -> Manifest | None:
         text = self._read_small(self._path(tag, MANIFEST))

@@ -183,3 +183,27 @@ def test_a_save_whose_latest_cannot_be_written_never_shows_its_manifest(tmp_path
     finally:
         watching[0] = False
         engine.close()
+
+
+def test_a_durable_manifest_once_moved_into_place_is_never_taken_back(tmp_path, caplog):
+    """The durable copy's side of the same note: `latest` is blocked (a non-empty directory holds its
+    name, so the move fails after the manifest's). The copy stays committed, `latest` names the
+    previous checkpoint, and that is said; before, the manifest was deleted again."""
+    durable, root = tmp_path / "durable", str(tmp_path / "local")
+    engine = _engine(keep_last=3, async_save=True, durable_uri=durable.as_uri())
+    try:
+        _train(engine)
+        engine.save_checkpoint(root)
+        engine.wait_for_checkpoint()
+        (durable / "latest").unlink()
+        (durable / "latest").mkdir()
+        (durable / "latest" / "someone's file").write_text("x")
+        _train(engine)
+        with caplog.at_level(logging.WARNING, logger="rayzero.checkpoint.durable"):
+            engine.save_checkpoint(root)
+            engine.wait_for_checkpoint()  # no failure: the durable copy committed
+        assert [tag for _, tag in committed_tags(str(durable))] == ["global_step2", "global_step1"]
+        assert _intact(str(durable), "global_step2") and not (durable / "latest.tmp").exists()
+        assert any("durable copy of global_step2 is committed, but" in record.getMessage() for record in caplog.records)
+    finally:
+        engine.close()
