@@ -101,10 +101,18 @@ class DurableStore:
 
     def _write_text(self, path: str, text: str) -> None:
         # Write then move: a reader never sees a torn manifest (object stores PUT atomically anyway).
+        self._stage(path, text)
+        try:
+            self.filesystem.move(path + ".tmp", path)
+        except BaseException:
+            self._delete_quietly(path + ".tmp")
+            raise
+
+    def _stage(self, path: str, text: str) -> None:
+        """`text` written at `path`.tmp (removed again if the write fails)."""
         try:
             with self.filesystem.open_output_stream(path + ".tmp") as writer:
                 writer.write(text.encode())
-            self.filesystem.move(path + ".tmp", path)
         except BaseException:
             self._delete_quietly(path + ".tmp")
             raise
@@ -167,16 +175,13 @@ class DurableStore:
         manifest once visible stays: a `latest` that cannot be moved after it is left naming the
         previous checkpoint, and said (readers list manifests; `latest` is for people and tools)."""
         manifest_path, latest_path = self._path(manifest.tag, MANIFEST), self._path(LATEST)
-        staged: list[str] = []
+        self._stage(manifest_path, manifest.to_json())
         try:
-            for path, text in ((manifest_path, manifest.to_json()), (latest_path, manifest.tag + "\n")):
-                staged.append(path + ".tmp")
-                with self.filesystem.open_output_stream(path + ".tmp") as writer:
-                    writer.write(text.encode())
+            self._stage(latest_path, manifest.tag + "\n")
             self.filesystem.move(manifest_path + ".tmp", manifest_path)
         except BaseException:
-            for path in staged:
-                self._delete_quietly(path)
+            self._delete_quietly(manifest_path + ".tmp")
+            self._delete_quietly(latest_path + ".tmp")
             raise
         try:
             self.filesystem.move(latest_path + ".tmp", latest_path)

@@ -457,7 +457,7 @@ class CheckpointSaver:
                 continue
             with noting(problems, comm.rank, written.path):
                 publish(written)
-                job.latest_moved = job.latest_moved or written.path == os.path.join(job.root, LATEST)
+        job.latest_moved = bool(staged) and not problems  # the manifest, then `latest`: both or not `latest`
         self._exchange(job.tag, "local", None, problems)  # load_checkpoint right after save_checkpoint sees the commit
         job.timings.commit = time.perf_counter() - phase
         job.timings.total = time.perf_counter() - job.started

@@ -114,7 +114,7 @@ class Goodput:
         reporting loop is timed by its reports, so the time since the engine's start goes back to the
         bucket the attempt opened in (under load two heartbeat rounds can beat the first report)."""
         self._flush(now)
-        stalled = sum(seconds for when, seconds in self._stalls if when >= self._first_report)
+        stalled = self._stalled_after(self._first_report)
         spent = self._per_attempt.get(self._attempt, {}).get("productive", 0.0)
         moved = max(0.0, min(now - self._first_report - stalled, spent))
         self._add("productive", -moved)
@@ -187,7 +187,7 @@ class Goodput:
             self._redo(kept_step)
         elif self._bucket == "productive" and self._last_report is not None:
             self._flush(now)
-            stalled = sum(seconds for when, seconds in self._stalls if when > self._last_report)
+            stalled = self._stalled_after(self._last_report)
             tail = max(0.0, min(now - self._last_report - stalled, self._seconds.get("productive", 0.0)))
             self._add("productive", -tail)
             self._add("shutdown", tail)
@@ -243,8 +243,11 @@ class Goodput:
     def _run_since(self, since: float) -> float:
         """Seconds the current attempt trained from `since` to its last report, less its save stalls."""
         assert self._last_report is not None
-        stalled = sum(seconds for when, seconds in self._stalls if when > since)  # already counted as stall
-        return max(0.0, self._last_report - since - stalled)
+        return max(0.0, self._last_report - since - self._stalled_after(since))
+
+    def _stalled_after(self, since: float) -> float:
+        """Save-stall seconds seen after `since` (already counted as stall, not productive)."""
+        return sum(seconds for when, seconds in self._stalls if when > since)
 
     def _redo_carried(self, resumed_step: int | None) -> None:
         """Move the previous call's unkept productive seconds (see the note) to `redone steps`."""
