@@ -185,6 +185,9 @@ class CheckpointTracker:
         self.reported: dict[str, None] = {}
         self.latest: CheckpointRecord | None = None  # the newest known, for Result and status()
         self._from_heartbeats: CheckpointRecord | None = None  # newest a rank's heartbeat found on its disk
+        # the save directory of the newest checkpoint a heartbeat named outside the run's own directory
+        # (a script's choice, such as an HF Trainer's checkpoint-N): listed like a reported one
+        self._heartbeat_dir: str | None = None
         self.manifests = ManifestCache()  # each manifest parsed once ([Note: registry scans])
 
     def note_reported(self, location: str) -> None:
@@ -202,10 +205,12 @@ class CheckpointTracker:
                 self.latest = self._from_heartbeats
         elif self.latest is None or committed[0] > self.latest.step:
             self.latest = CheckpointRecord("durable", committed[1], committed[0], time.time())
+            self._heartbeat_dir = _save_directory(committed[1])
 
     def locations(self) -> list[str]:
-        """Where to list: the configured locations, then each reported tag directory's save directory."""
-        return list(self._locations) + list(self.reported)
+        """Where to list: the configured locations, then each reported tag directory's save directory,
+        then the one of the newest checkpoint a heartbeat named."""
+        return list(self._locations) + list(self.reported) + ([self._heartbeat_dir] if self._heartbeat_dir else [])
 
     def refresh(self) -> CheckpointRecord | None:
         """List the locations again; the newest committed checkpoint known afterwards."""

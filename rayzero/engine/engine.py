@@ -19,6 +19,7 @@ import contextlib
 import enum
 import logging
 import math
+import os
 import resource
 import time
 from collections.abc import Callable, Iterator
@@ -59,6 +60,10 @@ class StepBoundaryHook(Protocol):
     saving: bool  # set while the loop waits on a save: the runtime must not call that a hang
 
     def save_stalled(self, seconds: float) -> None: ...
+
+    def saving_into(self, save_dir: str) -> None:
+        """The loop saves a checkpoint into `save_dir`, a directory of its own choosing (an HF
+        Trainer's `checkpoint-N`): the runtime lists it for committed checkpoints too."""
 
 
 _STEP_BOUNDARY_HOOK: StepBoundaryHook | None = None  # process-wide, like the default process group
@@ -395,6 +400,10 @@ class ZeroEngine(DeepSpeedAccessors):
             logger.warning("save_checkpoint(save_latest=False) is ignored: rayzero moves `latest` to every "
                            "committed checkpoint (it only ever names a complete one); pass a tag to "
                            "load_checkpoint to load another")
+        save_dir = kwargs.get("save_dir", args[0] if args else None)
+        hook = _STEP_BOUNDARY_HOOK
+        if save_dir is not None and hook is not None:
+            hook.saving_into(os.fspath(save_dir))
         with _stall_counted():
             return checkpoint_io.save_checkpoint(self, *args, **kwargs)
 

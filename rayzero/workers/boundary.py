@@ -91,7 +91,8 @@ class Heartbeat:
     preempted: bool = False
     """The process got SIGTERM: the group stops at the next boundary and regroups."""
     committed: tuple[int, str] | None = None
-    """(step, tag directory) of the newest checkpoint committed in this rank's checkpoint directory."""
+    """(step, tag directory) of the newest checkpoint committed in this rank's checkpoint directory,
+    or in a directory its loop saved into (`StepBoundary.saving_into`)."""
     in_step: bool = False
     """Inside an engine step (forward called, optimizer step not yet done): in a hang, such a rank is
     usually blocked in a collective waiting for one that is not."""
@@ -127,7 +128,10 @@ class StepBoundary:
     def __init__(self, rank: int, node_id: str, group: Any = None, checkpoint_dir: str | None = None) -> None:
         self.rank = rank
         self._checkpoint_dir = checkpoint_dir  # listed for `Heartbeat.committed` (local paths only)
-        self._committed_cache: tuple[float, tuple[int, str] | None] = (-1.0, None)  # (dir mtime, result)
+        # directories the loop chose to save into (an HF Trainer's checkpoint-N), newest last: the
+        # newest commit is in one of the last few, so listing costs the same at any step
+        self._save_dirs: deque[str] = deque(maxlen=3)
+        self._committed_cache: dict[str, tuple[float, tuple[int, str] | None]] = {}  # dir -> (mtime, result)
         self.node_id = node_id
         self._group = group  # a gloo group for the agreement (None: the default group, when gloo)
         self._lock = threading.Lock()  # requests and heartbeats come from other actor threads
@@ -278,19 +282,36 @@ class StepBoundary:
             save_stall_s=self.save_stall_s,
         )
 
+    def saving_into(self, save_dir: str) -> None:
+        """The loop saves into `save_dir` (a directory of its choosing): list it for `newest_committed`."""
+        if save_dir != self._checkpoint_dir:
+            with self._lock:
+                if save_dir in self._save_dirs:
+                    self._save_dirs.remove(save_dir)
+                self._save_dirs.append(save_dir)
+
     def newest_committed(self) -> tuple[int, str] | None:
-        """(step, tag directory) of the newest checkpoint committed in this rank's checkpoint directory."""
-        directory = self._checkpoint_dir
+        """(step, tag directory) of the newest checkpoint committed in this rank's checkpoint directory
+        or in a directory the loop saved into itself (an HF Trainer's `output_dir/checkpoint-N`)."""
+        with self._lock:
+            directories = [self._checkpoint_dir, *self._save_dirs]
+        found = [newest for newest in map(self._newest_in, directories) if newest is not None]
+        cache = self._committed_cache
+        self._committed_cache = {directory: cache[directory] for directory in directories if directory in cache}
+        return max(found, key=lambda item: item[0]) if found else None
+
+    def _newest_in(self, directory: str | None) -> tuple[int, str] | None:
         if not directory or "://" in directory:
             return None
         try:
             mtime = os.stat(directory).st_mtime
-        except OSError:
+        except OSError:  # not made yet, or removed (a Trainer's save_total_limit)
             return None
-        if mtime != self._committed_cache[0]:  # a commit moves `latest`: the directory changes
+        cached = self._committed_cache.get(directory)
+        if cached is None or mtime != cached[0]:  # a commit moves `latest`: the directory changes
             from rayzero.checkpoint.manifest import committed_tags
 
             tags = committed_tags(directory)
-            newest = (tags[0][0], os.path.join(directory, tags[0][1])) if tags else None
-            self._committed_cache = (mtime, newest)
-        return self._committed_cache[1]
+            cached = (mtime, (tags[0][0], os.path.join(directory, tags[0][1])) if tags else None)
+            self._committed_cache[directory] = cached
+        return cached[1]
