@@ -43,15 +43,20 @@ def gloo_init(rank: int, world_size: int) -> None:
 # A rank started as a new interpreter (start method "spawn") imports torch first: ~1.2 s of CPU per
 # rank, ~1.6-3.4 s per 2-rank group on this 2-core machine, and `make test` forms well over a hundred
 # groups. The ranks fork instead from one server process (start method "forkserver", one server per
-# pytest process) that has imported torch and nothing else: not rayzero, not a test module, and no
+# pytest process) that has imported torch and nothing else of ours or of the tests': not rayzero, not a test module, and no
 # CUDA (torch initialises it lazily, so a forked rank can still use it, as a spawned one could); a
 # 2-rank group then starts in ~0.05 s. multiprocessing still hands each rank the parent's sys.path
 # and working directory; a fork would not refresh the environment (the server's is from when it
 # started), so `_entry` applies the parent's, as it is at `spawn`, before anything else runs. What the
 # C library reads once at process start cannot be handed over that way: with a MALLOC_* variable set
 # (the memory tests set MALLOC_MMAP_THRESHOLD_ for the ranks) the ranks are new interpreters again.
+# The server also imports torch._dynamo, torch's own module that every torch optimizer's constructor
+# imports (torch.optim.Optimizer.__init__ -> torch._compile): ~0.8 s of CPU in each rank that builds
+# an engine otherwise. With it preloaded, three engine/checkpoint test files took 17.5-17.9 CPU-s
+# instead of 29.4-32.4 (tests/dist/test_engine_state.py, test_fidelity_engine.py,
+# test_checkpoint_engine.py, all their processes counted).
 _FORKED = multiprocessing.get_context("forkserver")
-_FORKED.set_forkserver_preload(["torch"])
+_FORKED.set_forkserver_preload(["torch", "torch._dynamo"])
 _NEW_INTERPRETER = multiprocessing.get_context("spawn")
 
 
