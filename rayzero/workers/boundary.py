@@ -303,15 +303,16 @@ class StepBoundary:
     def _newest_in(self, directory: str | None) -> tuple[int, str] | None:
         if not directory or "://" in directory:
             return None
+        from rayzero.checkpoint.manifest import committed_tags
+
         try:
             mtime = os.stat(directory).st_mtime
-        except OSError:  # not made yet, or removed (a Trainer's save_total_limit)
-            return None
-        cached = self._committed_cache.get(directory)
-        if cached is None or mtime != cached[0]:  # a commit moves `latest`: the directory changes
-            from rayzero.checkpoint.manifest import committed_tags
-
+            cached = self._committed_cache.get(directory)
+            if cached is not None and mtime == cached[0]:  # a commit moves `latest`: the directory changes
+                return cached[1]
             tags = committed_tags(directory)
-            cached = (mtime, (tags[0][0], os.path.join(directory, tags[0][1])) if tags else None)
-            self._committed_cache[directory] = cached
-        return cached[1]
+        except OSError:  # not made yet, or removed meanwhile (a Trainer's save_total_limit)
+            return None
+        newest = (tags[0][0], os.path.join(directory, tags[0][1])) if tags else None
+        self._committed_cache[directory] = (mtime, newest)
+        return newest
