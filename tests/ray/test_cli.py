@@ -60,8 +60,8 @@ def test_run_a_file_target_imports_it_on_each_worker_with_its_args_and_the_train
         local_ray, tmp_path, capsys):
     """One `rayzero run file.py:loop --trainer ... -- --steps 4` on two workers proves:
     - without `--trainer`, every unresolved HF "auto" is named in one round (exit 2);
-    - the loop's arguments after `--` reach it, and a module next to the file imports there (rank 0
-      reports scale(step) for 4 steps) and the run's end says how many reports came;
+    - the loop's arguments after `--` reach it and a module next to the file imports there (rank 0
+      reports scale(step) for 4 steps); the run's last line counts the reports;
     - the file is imported on each worker, not pickled: its module-level lock could not be pickled,
       and its module level ran in the worker's own process on both ranks;
     - `--trainer` arguments fill the HF autos (micro batch, global batch, learning rate)."""
