@@ -22,6 +22,33 @@ LOOP = textwrap.dedent(
 )
 
 
+FILE_TARGET = textwrap.dedent(
+    """
+    import os
+    import threading
+
+    import torch
+
+    import rayzero
+    from helper_module import scale
+    from rayzero.engine.config_resolution import resolve_config
+
+    LOCK = threading.Lock()  # cannot be pickled: rayzero.fit(loop) would refuse it by name
+    IMPORTED_IN = os.getpid()
+
+
+    def loop(config):
+        steps = int(config["argv"][config["argv"].index("--steps") + 1])
+        resolved = resolve_config(None, 2, torch.nn.Linear(4, 4))  # the run's config, its "auto"s filled
+        for step in range(steps):
+            with LOCK:
+                rayzero.report({"step": step, "value": scale(step), "imported_here": IMPORTED_IN == os.getpid(),
+                                "micro": resolved.train_micro_batch_size_per_gpu,
+                                "batch": resolved.train_batch_size, "lr": resolved.optimizer.params["lr"]})
+    """
+)
+
+
 def _project(tmp_path):
     (tmp_path / "helper_module.py").write_text("def scale(x):\n    return 10 * x\n")
     (tmp_path / "train.py").write_text(LOOP)
@@ -29,21 +56,41 @@ def _project(tmp_path):
     return tmp_path
 
 
-def test_run_a_file_target_with_loop_args(local_ray, tmp_path, capsys):
+def test_run_a_file_target_imports_it_on_each_worker_with_its_args_and_the_trainer_s_facts(
+        local_ray, tmp_path, capsys):
+    """One `rayzero run file.py:loop --trainer ... -- --steps 4` on two workers proves:
+    - without `--trainer`, every unresolved HF "auto" is named in one round (exit 2);
+    - the loop's arguments after `--` reach it and a module next to the file imports there (rank 0
+      reports scale(step) for 4 steps); the run's last line counts the reports;
+    - the file is imported on each worker, not pickled: its module-level lock could not be pickled,
+      and its module level ran in the worker's own process on both ranks;
+    - `--trainer` arguments fill the HF autos (micro batch, global batch, learning rate)."""
     project = _project(tmp_path)
-    code = cli.main([f"{project}/train.py:loop", "--config", str(project / "ds.json"), "--workers", "2",
-                     "--storage", (tmp_path / "runs").as_uri(), "--name", "cli", "--", "--steps", "4"])
+    (project / "target.py").write_text(FILE_TARGET)
+    (project / "auto.json").write_text(json.dumps({
+        "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+        "train_batch_size": "auto", "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}))
+    argv = [f"{project}/target.py:loop", "--config", str(project / "auto.json"), "--workers", "2",
+            "--storage", (tmp_path / "runs").as_uri(), "--name", "cli"]
+    assert cli.main(argv + ["--", "--steps", "4"]) == 2  # without the trainer arguments: every unresolved auto
+    err = capsys.readouterr().err
+    assert "train_micro_batch_size_per_gpu" in err and "optimizer.params.lr" in err and "--trainer" in err
+
+    code = cli.main(argv + ["--trainer", "per_device_train_batch_size=3", "--trainer", "learning_rate=0.01",
+                            "--trainer", "gradient_accumulation_steps=2", "--", "--steps", "4"])
     assert code == 0, capsys.readouterr().err
+    assert "[rayzero] finished: 4 report(s)" in capsys.readouterr().out
     table = read_metrics(str(tmp_path / "runs" / "cli")).to_pydict()
     rank0 = [v for r, v in zip(table["rank"], table["value"]) if r == 0]
     assert rank0 == [0, 10, 20, 30]
-    assert "[rayzero] finished: 4 report(s)" in capsys.readouterr().out
+    assert sorted(table["rank"]) == [0] * 4 + [1] * 4 and all(table["imported_here"]), table
+    assert set(zip(table["micro"], table["batch"], table["lr"])) == {(3, 12, 0.01)}
 
 
 def test_run_a_module_target_from_the_working_directory(local_ray, tmp_path, monkeypatch, capsys):
     project = _project(tmp_path)
     monkeypatch.chdir(project)
-    code = cli.main(["train:loop", "--config", "ds.json", "--workers", "2", "--", "--steps", "2"])
+    code = cli.main(["train:loop", "--config", "ds.json", "--workers", "1", "--", "--steps", "2"])
     assert code == 0, capsys.readouterr().err
     assert list((project / "runs").glob("rayzero-*/metrics.parquet"))  # default storage: ./runs
 
@@ -90,53 +137,3 @@ def test_input_errors_are_one_line_naming_the_flag_or_file_and_line(tmp_path, ca
     err = capsys.readouterr().err.strip()
     assert err == (f"rayzero run: {project}/raising.py:3: importing it raised ModuleNotFoundError: "
                    "No module named 'no_such_module_here'")
-
-
-def test_trainer_arguments_fill_the_hf_autos(local_ray, tmp_path, capsys):
-    project = _project(tmp_path)
-    (project / "auto.json").write_text(json.dumps({
-        "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-        "train_batch_size": "auto", "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}))
-    (project / "check.py").write_text(
-        "import rayzero\n\n\ndef loop(config):\n    cfg = rayzero.get_context().config\n"
-        "    from rayzero.engine.config_resolution import resolve_config\n"
-        "    import torch\n"
-        "    resolved = resolve_config(None, 2, torch.nn.Linear(4, 4))\n"
-        "    rayzero.report({'step': 0, 'micro': resolved.train_micro_batch_size_per_gpu,\n"
-        "                    'batch': resolved.train_batch_size, 'lr': resolved.optimizer.params['lr']})\n")
-    argv = [f"{project}/check.py:loop", "--config", str(project / "auto.json"), "--workers", "2",
-            "--storage", (tmp_path / "runs").as_uri(), "--name", "hf"]
-    assert cli.main(argv) == 2  # without the trainer arguments: every unresolved auto, one round
-    err = capsys.readouterr().err
-    assert "train_micro_batch_size_per_gpu" in err and "optimizer.params.lr" in err and "--trainer" in err
-    code = cli.main(argv + ["--trainer", "per_device_train_batch_size=3", "--trainer", "learning_rate=0.01",
-                            "--trainer", "gradient_accumulation_steps=2"])
-    assert code == 0, capsys.readouterr().err
-    table = read_metrics(str(tmp_path / "runs" / "hf")).to_pydict()
-    assert (table["micro"][0], table["batch"][0], table["lr"][0]) == (3, 12, 0.01)
-
-
-def test_a_file_target_is_imported_on_the_workers_not_pickled(local_ray, tmp_path, capsys):
-    # A module-level lock cannot be pickled: rayzero.fit(loop) would refuse it by name, but
-    # `rayzero run file.py:loop` imports the file on each worker, as `python file.py` would.
-    (tmp_path / "locked.py").write_text(textwrap.dedent(
-        """
-        import os
-        import threading
-
-        import rayzero
-
-        LOCK = threading.Lock()
-        IMPORTED_IN = os.getpid()
-
-
-        def loop(config):
-            with LOCK:
-                rayzero.report({"step": 0, "imported_here": IMPORTED_IN == os.getpid()})
-        """))
-    (tmp_path / "ds.json").write_text(json.dumps({"train_micro_batch_size_per_gpu": 1}))
-    code = cli.main([f"{tmp_path}/locked.py:loop", "--config", str(tmp_path / "ds.json"), "--workers", "2",
-                     "--storage", (tmp_path / "runs").as_uri(), "--name", "locked"])
-    assert code == 0, capsys.readouterr().err
-    table = read_metrics(str(tmp_path / "runs" / "locked")).to_pydict()
-    assert table["imported_here"] == [True, True]

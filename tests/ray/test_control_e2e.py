@@ -5,6 +5,7 @@ rerunning the same name resumes; a call without the token is UNAUTHENTICATED. Pr
 (status round trip, watch interval, checkpoint-now to commit, stop to exit) against the step time."""
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import statistics
@@ -19,10 +20,10 @@ from testkit import control_driver
 
 def _cli(*args: str, env: dict) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "rayzero.cli", *args], env=env, capture_output=True, text=True,
-                          timeout=300)
+                          timeout=300, check=False)
 
 
-def test_status_checkpoint_now_stop_and_resume_from_other_processes(local_ray, tmp_path, monkeypatch):
+def test_status_checkpoint_now_stop_and_resume_from_other_processes(local_ray, tmp_path, monkeypatch, capsys):
     storage = (tmp_path / "runs").as_uri()
     # The controller's local token file goes here, where the CLI processes (same "node") find it.
     monkeypatch.setenv("RAYZERO_CONTROL_TOKEN_DIR", str(tmp_path / "tokens"))
@@ -57,9 +58,8 @@ def test_status_checkpoint_now_stop_and_resume_from_other_processes(local_ray, t
         assert "token" not in info and len(list((tmp_path / "tokens").iterdir())) == 1
         from rayzero.control_api.v1 import control_pb2, control_pb2_grpc
 
-        with grpc.insecure_channel(info["address"]) as channel:
-            with pytest.raises(grpc.RpcError) as refused:
-                control_pb2_grpc.ControlStub(channel).GetStatus(control_pb2.GetStatusRequest(), timeout=10)
+        with grpc.insecure_channel(info["address"]) as channel, pytest.raises(grpc.RpcError) as refused:
+            control_pb2_grpc.ControlStub(channel).GetStatus(control_pb2.GetStatusRequest(), timeout=10)
         assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
         # latencies, in-process client
@@ -77,7 +77,7 @@ def test_status_checkpoint_now_stop_and_resume_from_other_processes(local_ray, t
             started = time.monotonic()
             client.checkpoint_now(timeout_s=120)
             checkpoint_in_process_s = time.monotonic() - started
-        watch_gaps = [later - earlier for earlier, later in zip(arrivals, arrivals[1:])]
+        watch_gaps = [later - earlier for earlier, later in itertools.pairwise(arrivals)]
         assert max(watch_gaps) <= 1.5, watch_gaps
 
         seen = _cli("status", "e2e", "--storage", storage, "--json", env=env)
@@ -109,14 +109,17 @@ def test_status_checkpoint_now_stop_and_resume_from_other_processes(local_ray, t
             driver.kill()
             driver.wait(30)
 
-    rerun = subprocess.run([sys.executable, str(control_driver.PATH), "e2e", storage, str(final_step + 3)], env=env,
-                           capture_output=True, text=True, timeout=300)
-    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
-    second = control_driver.result(rerun.stdout)
+    # The rerun in this process, a fresh driver for run "e2e" like the subprocess above (same settings;
+    # an interpreter and its imports cheaper): it must resume from the stop's checkpoint.
+    monkeypatch.setenv("RAYZERO_CONTROL_HOST", "127.0.0.1")
+    monkeypatch.delenv("RAYZERO_CONTROL_TOKEN", raising=False)
+    capsys.readouterr()
+    control_driver.main("e2e", storage, str(final_step + 3))
+    second = control_driver.result(capsys.readouterr().out)
     assert second["started_at"] == final_step, second  # resumed from the stop's checkpoint
 
     times = first["step_times"]
-    step_s = statistics.median([b - a for a, b in zip(times, times[1:])]) if len(times) > 2 else float("nan")
+    step_s = statistics.median([b - a for a, b in itertools.pairwise(times)]) if len(times) > 2 else float("nan")
     figures = {"step_s": step_s, "status_round_trip_ms_median": 1000 * statistics.median(round_trips),
                "watch_interval_s_max": max(watch_gaps), "checkpoint_now_cli_s": checkpoint_s,
                "checkpoint_now_to_commit_s": checkpoint_in_process_s,

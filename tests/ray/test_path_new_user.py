@@ -18,6 +18,9 @@ pytest.importorskip("matplotlib")
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "hf_causal_lm"
 GUIDE = EXAMPLE.parent
+STEPS = 15
+"""The loss falls below 3.0 at step 11 (4.88 at the start, 2.24 at step 15, the same for ZeRO-2 and -3);
+step 10's save is asynchronous, mid-run, and the run's last one at step 15 is what consolidates."""
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -34,11 +37,11 @@ def test_the_hf_guide_auto_config_trains_consolidates_and_plots(local_ray, tmp_p
     code = cli.main([f"{EXAMPLE}/train.py:train", "--config", str(config), "--workers", "2",
                      "--storage", str(runs), "--name", "hf",
                      "--trainer", "per_device_train_batch_size=4", "--trainer", "learning_rate=3e-3",
-                     "--trainer", "warmup_steps=5", "--", "--steps", "25"])
+                     "--trainer", "warmup_steps=5", "--", "--steps", str(STEPS)])
     assert code == 0, capsys.readouterr().err
     out = capsys.readouterr().out
     final = json.loads(out.split("last metrics ")[1].splitlines()[0].replace("'", '"'))
-    assert final["step"] == 25 and final["loss"] < 3.0  # ln(128) = 4.85 at the start
+    assert final["step"] == STEPS and final["loss"] < 3.0  # ln(128) = 4.85 at the start
     assert final["lr"] == pytest.approx(3e-3)  # WarmupLR reached the trainer's learning rate
 
     model_dir = tmp_path / "model"
@@ -58,5 +61,5 @@ def test_the_hf_guide_auto_config_trains_consolidates_and_plots(local_ray, tmp_p
         assert again["loss"] < 3.0  # starts where the first run ended, not from random weights
 
     picture = plot.plot_run(str(runs / "hf"), str(tmp_path / "hf.png"))
-    assert picture.series["loss"]["loss"][0] == [float(step) for step in range(1, 26)]
+    assert picture.series["loss"]["loss"][0] == [float(step) for step in range(1, STEPS + 1)]
     assert (tmp_path / "hf.png").stat().st_size > 10_000

@@ -6,7 +6,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 import torch
@@ -33,7 +32,8 @@ def test_a_module_level_torch_distributed_alias_ships(local_ray, tmp_path):
 def test_an_hf_model_from_a_module_level_config_ships_and_resolves_the_model_autos(local_ray, tmp_path):
     config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": "auto"}},
               "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"}}
-    result = _fit(path_loops.hf_model_loop, tmp_path, workers=2, config=config,
+    # one worker: the autos come from model.config, not from the world size
+    result = _fit(path_loops.hf_model_loop, tmp_path, config=config,
                   trainer={"learning_rate": 1e-3, "per_device_train_batch_size": 2})
     assert result.metrics["hidden"] == 32
     assert result.metrics["reduce_bucket_size"] == 32 * 32  # "auto" = hidden_size², from model.config
@@ -60,7 +60,6 @@ def test_torch_ops_a_module_level_tokenizer_lambdas_and_closures_ship(local_ray,
 
 
 def test_an_unpicklable_global_is_named_before_any_worker_starts(local_ray, tmp_path):
-    time.monotonic()
     with pytest.raises(UnshippableLoopError) as raised:
         _fit(path_loops.locked_loop, tmp_path)
     message = str(raised.value)
@@ -102,12 +101,15 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def test_the_issue_s_script_run_as_main_ships(tmp_path):
+def test_the_issue_s_script_run_as_main_ships(local_ray, tmp_path):
     # The exact shape from the issue: a __main__ script aliasing torch.distributed, reading an HF
-    # model's config and touching torch.ops; it starts its own Ray (nothing asked it to join one).
+    # model's config and touching torch.ops. It joins the tests' Ray through RAY_ADDRESS: the loop is
+    # pickled before Ray is located, the same either way; starting a Ray of its own is what
+    # test_first_hour and test_path_cluster prove.
     script = tmp_path / "train.py"
     script.write_text(SCRIPT.replace("STORAGE", repr(tmp_path.as_uri())))
-    env = {key: value for key, value in os.environ.items() if key not in ("RAY_ADDRESS", "RAYZERO_ADDRESS")}
+    env = {key: value for key, value in os.environ.items() if key != "RAYZERO_ADDRESS"}
+    env["RAY_ADDRESS"] = local_ray.get_runtime_context().gcs_address
     done = subprocess.run([sys.executable, str(script)], check=False, capture_output=True, text=True, timeout=240,
                           cwd=tmp_path, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
