@@ -30,9 +30,12 @@ def _free_port() -> int:
 
 
 @pytest.fixture
-def s3_ray(monkeypatch, tmp_path):
-    """moto's S3 server on 127.0.0.1 and a Ray started with the AWS variables pointing at it (its
-    workers and the controller inherit them); the shared Ray is restarted by the next test needing it."""
+def s3_ray(monkeypatch, tmp_path, _session_cluster):
+    """moto's S3 server on 127.0.0.1, and this process connected to the shared Ray with the AWS
+    variables pointing at it, in this process and as the job's runtime_env: the controller, the relays
+    and the workers inherit them, as they would a node's environment (Ray merges env_vars down to
+    every actor; a Ray of its own started with them cost a whole Ray start-up). Disconnected after the
+    test, so the next test that needs the shared Ray joins it without them."""
     import ray
 
     port = _free_port()
@@ -48,9 +51,9 @@ def s3_ray(monkeypatch, tmp_path):
             except OSError:
                 assert server.poll() is None and time.monotonic() < deadline, (tmp_path / "moto.log").read_text()
                 time.sleep(0.1)
-        for key, value in {"AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "testing",
-                           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1",
-                           "AWS_EC2_METADATA_DISABLED": "true"}.items():
+        aws = {"AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "testing",
+               "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}
+        for key, value in aws.items():
             monkeypatch.setenv(key, value)
         import pyarrow.fs as pafs
 
@@ -58,7 +61,7 @@ def s3_ray(monkeypatch, tmp_path):
                           allow_bucket_creation=True).create_dir(BUCKET)
         if ray.is_initialized():
             ray.shutdown()
-        ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="WARNING")
+        ray.init(address=_session_cluster.address, logging_level="WARNING", runtime_env={"env_vars": aws})
         yield ray
     finally:
         if ray.is_initialized():

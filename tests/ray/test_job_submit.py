@@ -14,6 +14,7 @@ import sys
 import tempfile
 import textwrap
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -71,6 +72,17 @@ def _our_leftovers(marker: str) -> list[int]:
     return pids
 
 
+def _answers(address: str, token: str) -> bool:
+    """Whether the head's job API answers: the request `ray job list` makes, sent from this process
+    (a `ray` CLI probe every 2 s cost an interpreter, ~1.5 CPU-s, each time)."""
+    request = urllib.request.Request(f"{address}/api/jobs/", headers={"Authorization": f"Bearer {token}"})
+    try:
+        with urllib.request.urlopen(request, timeout=5) as response:
+            return response.status == 200
+    except OSError:  # refused, reset, timed out, or an HTTP error while the head comes up
+        return False
+
+
 @pytest.fixture(scope="module")
 def ray_head(tmp_path_factory):
     """A private Ray head with token auth, shared by this module's tests (start-up ~30 s);
@@ -103,15 +115,10 @@ def ray_head(tmp_path_factory):
     address = f"http://127.0.0.1:{dashboard}"
     try:
         deadline = time.monotonic() + 120
-        while True:
-            probe = subprocess.run([str(BIN / "ray"), "job", "list", "--address", address], check=False, env=env,
-                                   capture_output=True, text=True)
-            if probe.returncode == 0:
-                break
+        while not _answers(address, token_file.read_text()):
             if head.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the test head did not come up:\n{(tmp_path / 'head.log').read_text()}"
-                                   f"\n{probe.stderr[-2000:]}")
-            time.sleep(2)
+                raise RuntimeError(f"the test head did not come up:\n{(tmp_path / 'head.log').read_text()}")
+            time.sleep(0.5)
         yield address, env
     finally:
         try:
@@ -131,45 +138,36 @@ def ray_head(tmp_path_factory):
         log.close()
 
 
-def test_ray_job_submit_runs_rayzero_run_to_success(ray_head, tmp_path):
+def _job(ray_head, project, prefix: str, entrypoint: list[str], *options: str) -> tuple[str, str, str]:
+    """(submission id, stdout, the end of stderr) of `ray job submit --working-dir project [options] -- entrypoint`.
+
+    Without --no-wait the CLI streams the job's whole log (from its first line until the job ends)
+    and then prints the job's final status through the function `ray job status` uses, so its output
+    holds both (a `ray job status` and a `ray job logs` call cost an interpreter each)."""
     address, env = ray_head
+    submission = f"{prefix}-{secrets.token_hex(3)}"
+    submit = subprocess.run([str(BIN / "ray"), "job", "submit", "--address", address, "--submission-id", submission,
+                             "--working-dir", str(project), *options, "--", *entrypoint],
+                            check=False, env=env, capture_output=True, text=True, timeout=300)
+    return submission, submit.stdout, submit.stderr[-3000:]
+
+
+def test_ray_job_submit_runs_rayzero_run_to_success(ray_head, tmp_path):
     project = tmp_path / "project"
     project.mkdir()
     (project / "train.py").write_text(TRAIN_FILE)
     (project / "ds.json").write_text(json.dumps({"train_micro_batch_size_per_gpu": 8}))
-    submission = f"rayzero-e2e-{secrets.token_hex(3)}"
-    submit = subprocess.run(
-        [str(BIN / "ray"), "job", "submit", "--address", address, "--submission-id", submission,
-         "--working-dir", str(project),
-         # as the Kubernetes operator does for a mounted volume: the node's own node-local root
-         "--runtime-env-json", json.dumps({"env_vars": {"RAYZERO_NODE_LOCAL_DIR": str(tmp_path / "mnt")}}),
-         "--", "rayzero", "run", "train.py:loop", "--config", "ds.json", "--workers", "2",
+    submission, output, errors = _job(
+        ray_head, project, "rayzero-e2e",
+        ["rayzero", "run", "train.py:loop", "--config", "ds.json", "--workers", "2",
          "--storage", (tmp_path / "runs").as_uri(), "--name", "e2e", "--", "--steps", "5"],
-        check=False, env=env, capture_output=True, text=True, timeout=300,
-    )
-    status = subprocess.run([str(BIN / "ray"), "job", "status", "--address", address, submission],
-                            check=False, env=env, capture_output=True, text=True, timeout=60)
-    logs = subprocess.run([str(BIN / "ray"), "job", "logs", "--address", address, submission],
-                          check=False, env=env, capture_output=True, text=True, timeout=60).stdout
-    assert f"Job '{submission}' succeeded" in status.stdout, f"{status.stdout}\n{submit.stdout[-3000:]}\n{submit.stderr[-3000:]}"
-    assert "JOB-LOOP-DONE world_size=2 steps=5" in logs
-    assert "[rayzero] finished: 5 report(s)" in logs
-    assert f"NODE-LOCAL-DIR={tmp_path / 'mnt'}/" in logs  # <node root>/<node id>
+        # as the Kubernetes operator does for a mounted volume: the node's own node-local root
+        "--runtime-env-json", json.dumps({"env_vars": {"RAYZERO_NODE_LOCAL_DIR": str(tmp_path / "mnt")}}))
+    assert f"Job '{submission}' succeeded" in output, f"{output[-3000:]}\n{errors}"
+    assert "JOB-LOOP-DONE world_size=2 steps=5" in output
+    assert "[rayzero] finished: 5 report(s)" in output
+    assert f"NODE-LOCAL-DIR={tmp_path / 'mnt'}/" in output  # <node root>/<node id>
     assert (tmp_path / "runs" / "e2e" / "metrics.parquet").exists()
-
-
-def _job(ray_head, project, prefix: str, entrypoint: list[str]) -> tuple[str, str, str]:
-    """(submission id, `ray job status` output, the job's logs) of `ray job submit --working-dir project`."""
-    address, env = ray_head
-    submission = f"{prefix}-{secrets.token_hex(3)}"
-    subprocess.run([str(BIN / "ray"), "job", "submit", "--address", address, "--submission-id", submission,
-                    "--working-dir", str(project), "--", *entrypoint],
-                   check=False, env=env, capture_output=True, text=True, timeout=300)
-    status = subprocess.run([str(BIN / "ray"), "job", "status", "--address", address, submission],
-                            check=False, env=env, capture_output=True, text=True, timeout=60)
-    logs = subprocess.run([str(BIN / "ray"), "job", "logs", "--address", address, submission],
-                          check=False, env=env, capture_output=True, text=True, timeout=60).stdout
-    return submission, status.stdout, logs
 
 
 def test_ray_job_submit_reports_a_bad_config_as_a_failed_job(ray_head, tmp_path):
@@ -177,10 +175,11 @@ def test_ray_job_submit_reports_a_bad_config_as_a_failed_job(ray_head, tmp_path)
     project.mkdir()
     (project / "train.py").write_text(TRAIN_FILE)
     (project / "ds.json").write_text(json.dumps({"zero_optimization": {"stage": 9}}))
-    submission, status, logs = _job(ray_head, project, "rayzero-bad", [
+    submission, output, errors = _job(ray_head, project, "rayzero-bad", [
         "rayzero", "run", "train.py:loop", "--config", "ds.json", "--workers", "2", "--", "--steps", "5"])
-    assert f"Job '{submission}' failed" in status, status
-    assert "zero_optimization.stage" in logs and "no worker was started" in logs
+    assert f"Job '{submission}' failed" in output, f"{output[-3000:]}\n{errors}"
+    assert "zero_optimization.stage" in output and "no worker was started" in output
+
 
 SCRIPT_FILE = textwrap.dedent(
     """
@@ -211,10 +210,10 @@ def test_ray_job_submit_runs_a_script_target(ray_head, tmp_path):
     project = tmp_path / "project"
     project.mkdir()
     (project / "train.py").write_text(SCRIPT_FILE)
-    submission, status, logs = _job(ray_head, project, "rayzero-script", [
+    submission, output, errors = _job(ray_head, project, "rayzero-script", [
         "rayzero", "run", "train.py", "--workers", "2", "--storage", (tmp_path / "runs").as_uri(), "--name", "script",
         "--", "--steps", "3"])
-    assert f"Job '{submission}' succeeded" in status, f"{status}\n{logs[-3000:]}"
+    assert f"Job '{submission}' succeeded" in output, f"{output[-3000:]}\n{errors}"
     for rank in (0, 1):  # each rank's own line, labelled by rayzero only (no "(TrainWorker pid=...)")
-        assert f"\n[rank {rank}] JOB-SCRIPT rank={rank} sum=6 argv=['train.py', '--steps', '3']" in logs, logs
-    assert "[rayzero] finished: 3 report(s)" in logs
+        assert f"\n[rank {rank}] JOB-SCRIPT rank={rank} sum=6 argv=['train.py', '--steps', '3']" in output, output
+    assert "[rayzero] finished: 3 report(s)" in output
