@@ -76,9 +76,9 @@ def test_driver_sigterm_is_a_planned_stop_a_killed_driver_loses_only_uncommitted
     output = "".join(lines) + out
     assert driver.returncode == 0, output
     assert "FIT RETURNED" in output and "stopped: checkpoint" in output, output
-    committed = sorted(p.name for p in (run / "checkpoints").iterdir() if (p / "manifest.json").exists())
-    assert len(committed) == 1, committed  # the loop never saves: this is the boundary save
-    stopped_at = int(committed[0].removeprefix("global_step"))
+    boundary = sorted(p.name for p in (run / "checkpoints").iterdir() if (p / "manifest.json").exists())
+    assert len(boundary) == 1, boundary  # the loop never saves: this is the boundary save
+    stopped_at = int(boundary[0].removeprefix("global_step"))
     assert stopped_at >= 3
 
     driver = _start_driver(local_ray, tmp_path, "stopped", {"steps": 10_000, "sleep": 0.05, "save_every": 2})
@@ -87,7 +87,7 @@ def test_driver_sigterm_is_a_planned_stop_a_killed_driver_loses_only_uncommitted
     driver.communicate(timeout=60)
     output = "".join(lines)
     resuming = next((line for line in lines if "resuming from its checkpoint" in line), "")
-    assert committed[0] in resuming and resuming.endswith(f"(step {stopped_at})\n"), output
+    assert boundary[0] in resuming and resuming.endswith(f"(step {stopped_at})\n"), output
     # with progress_interval_s=0 every report of rank 0 prints; those of steps carry the loss
     reported = [int(line.split()[2]) for line in lines if line.startswith("[rayzero] step ") and "| loss " in line]
     assert reported == list(range(stopped_at + 1, stopped_at + 6)), output  # going on from the boundary save
