@@ -28,72 +28,72 @@ def _steps(result) -> list[dict]:
     return [m for m in result.metrics_history if "step" in m]
 
 
-def test_driver_sigterm_is_a_planned_stop_and_a_rerun_with_the_same_name_resumes(local_ray, tmp_path):
-    script = tmp_path / "driver.py"
-    script.write_text(textwrap.dedent(f"""
-        import rayzero
-        from testkit import elastic_loop
-        rayzero.fit(elastic_loop.train, config=elastic_loop.config(),
-                    scaling=rayzero.ScalingConfig(num_workers=2),
-                    run=rayzero.RunConfig(name="sigterm", storage={tmp_path.as_uri()!r}, progress_interval_s=0),
-                    train_loop_config={{"steps": 10_000, "sleep": 0.05}})
-        print("FIT RETURNED", flush=True)
-    """))
+# A driver of its own, so the test can signal it: argv = run name, storage, the loop's config as JSON.
+DRIVER = textwrap.dedent("""
+    import json, sys
+    import rayzero
+    from testkit import elastic_loop
+    rayzero.fit(elastic_loop.train, config=elastic_loop.config(), scaling=rayzero.ScalingConfig(num_workers=2),
+                run=rayzero.RunConfig(name=sys.argv[1], storage=sys.argv[2], progress_interval_s=0),
+                train_loop_config=json.loads(sys.argv[3]))
+    print("FIT RETURNED", flush=True)
+""")
+
+
+def _start_driver(local_ray, storage: Path, name: str, loop_config: dict) -> subprocess.Popen:
+    script = storage / "driver.py"
+    script.write_text(DRIVER)
     env = subprocess_env(RAY_ADDRESS=local_ray.get_runtime_context().gcs_address)
-    driver = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, env=env)
-    lines: list[str] = []
-    for line in driver.stdout:  # wait until training is under way
+    return subprocess.Popen([sys.executable, str(script), name, storage.as_uri(), json.dumps(loop_config)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def _read_until(driver: subprocess.Popen, text: str) -> list[str]:
+    """The driver's lines up to the first that contains `text` (all of them if it ends first)."""
+    lines = []
+    for line in driver.stdout:
         lines.append(line)
-        if "step 3 " in line:
+        if text in line:
             break
+    return lines
+
+
+def test_driver_sigterm_is_a_planned_stop_a_killed_driver_loses_only_uncommitted_steps_and_reruns_resume(
+        local_ray, tmp_path):
+    """One run ended twice by its driver, each time run again with the same name and storage:
+    - SIGTERM to the driver is a planned stop: `fit` returns, and the loop, which never saves, leaves
+      exactly one committed checkpoint, the boundary save;
+    - the rerun resumes from exactly that step; its driver is then killed (SIGKILL: no stop, no save)
+      while the loop saves every 2 steps;
+    - the next rerun loses only the steps after the newest committed checkpoint: it resumes from that
+      one, keeps it, appends to the metrics log and ends with plain SGD's weights (which it could not
+      if either resume had gone wrong)."""
+    run = tmp_path / "stopped"
+    driver = _start_driver(local_ray, tmp_path, "stopped", {"steps": 10_000, "sleep": 0.05})
+    lines = _read_until(driver, "step 3 ")  # training is under way
     driver.send_signal(signal.SIGTERM)
     out, _ = driver.communicate(timeout=120)
     output = "".join(lines) + out
     assert driver.returncode == 0, output
     assert "FIT RETURNED" in output and "stopped: checkpoint" in output, output
-    committed = sorted(p.name for p in (tmp_path / "sigterm" / "checkpoints").iterdir() if (p / "manifest.json").exists())
-    assert len(committed) == 1, committed  # the loop never saves: this is the boundary save
-    stopped_at = int(committed[0].removeprefix("global_step"))
+    boundary = sorted(p.name for p in (run / "checkpoints").iterdir() if (p / "manifest.json").exists())
+    assert len(boundary) == 1, boundary  # the loop never saves: this is the boundary save
+    stopped_at = int(boundary[0].removeprefix("global_step"))
     assert stopped_at >= 3
 
-    # Rerun: same name and storage -> resumes from that checkpoint, appends to the metrics log.
-    rows_before = read_metrics(str(tmp_path / "sigterm")).num_rows
-    result = rayzero.fit(elastic_loop.train, config=elastic_loop.config(), scaling=rayzero.ScalingConfig(num_workers=2),
-                         run=rayzero.RunConfig(name="sigterm", storage=tmp_path.as_uri(), progress_interval_s=0),
-                         train_loop_config={"steps": stopped_at + 3})
-    steps = _steps(result)
-    assert steps[0]["started_at"] == stopped_at and [m["step"] for m in steps] == list(range(stopped_at + 1, stopped_at + 4))
-    weights, final_step = _finals(result)
-    assert final_step == stopped_at + 3
-    assert weights == pytest.approx(elastic_loop.reference_weights(stopped_at + 3), abs=1e-5)
-    assert read_metrics(str(tmp_path / "sigterm")).num_rows > rows_before
-    # the rerun kept the checkpoint it resumed from (retention keeps the newest three)
-    assert (tmp_path / "sigterm" / "checkpoints" / committed[0] / "manifest.json").exists()
-
-
-def test_a_killed_driver_loses_only_uncommitted_steps_and_the_rerun_resumes(local_ray, tmp_path):
-    script = tmp_path / "driver.py"
-    script.write_text(textwrap.dedent(f"""
-        import rayzero
-        from testkit import elastic_loop
-        rayzero.fit(elastic_loop.train, config=elastic_loop.config(),
-                    scaling=rayzero.ScalingConfig(num_workers=2),
-                    run=rayzero.RunConfig(name="killed", storage={tmp_path.as_uri()!r}, progress_interval_s=0),
-                    train_loop_config={{"steps": 10_000, "sleep": 0.05, "save_every": 2}})
-    """))
-    env = subprocess_env(RAY_ADDRESS=local_ray.get_runtime_context().gcs_address)
-    driver = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, env=env)
-    for line in driver.stdout:
-        if "step 5 " in line:
-            break
+    driver = _start_driver(local_ray, tmp_path, "stopped", {"steps": 10_000, "sleep": 0.05, "save_every": 2})
+    lines = _read_until(driver, f"step {stopped_at + 5} | loss")
     driver.kill()  # SIGKILL: no stop, no checkpoint; the controller and workers go with the driver
     driver.communicate(timeout=60)
-    checkpoints = tmp_path / "killed" / "checkpoints"
+    output = "".join(lines)
+    resuming = next((line for line in lines if "resuming from its checkpoint" in line), "")
+    assert boundary[0] in resuming and resuming.endswith(f"(step {stopped_at})\n"), output
+    # with progress_interval_s=0 every report of rank 0 prints; those of steps carry the loss
+    reported = [int(line.split()[2]) for line in lines if line.startswith("[rayzero] step ") and "| loss " in line]
+    assert reported == list(range(stopped_at + 1, stopped_at + 6)), output  # going on from the boundary save
 
     def newest() -> int:
-        return max(int(p.name.removeprefix("global_step")) for p in checkpoints.glob("global_step*")
+        return max(int(p.name.removeprefix("global_step")) for p in (run / "checkpoints").glob("global_step*")
                    if (p / "manifest.json").exists())
 
     # Ray ends the dead driver's actors shortly after; until then its workers may still commit.
@@ -102,13 +102,18 @@ def test_a_killed_driver_loses_only_uncommitted_steps_and_the_rerun_resumes(loca
         time.sleep(0.2)
         if newest() != committed:
             committed, stable_since = newest(), time.monotonic()
+    rows_before = read_metrics(str(run)).num_rows
     result = rayzero.fit(elastic_loop.train, config=elastic_loop.config(), scaling=rayzero.ScalingConfig(num_workers=2),
-                         run=rayzero.RunConfig(name="killed", storage=tmp_path.as_uri(), progress_interval_s=30),
+                         run=rayzero.RunConfig(name="stopped", storage=tmp_path.as_uri(), progress_interval_s=30),
                          train_loop_config={"steps": committed + 2})
     steps = _steps(result)
     assert steps[0]["started_at"] == committed and [m["step"] for m in steps] == [committed + 1, committed + 2]
     weights, final_step = _finals(result)
+    assert final_step == committed + 2
     assert weights == pytest.approx(elastic_loop.reference_weights(final_step), abs=1e-5)
+    assert read_metrics(str(run)).num_rows > rows_before
+    # the rerun kept the checkpoint it resumed from (retention keeps the newest three)
+    assert (run / "checkpoints" / f"global_step{committed}" / "manifest.json").exists()
 
 
 def _fit_in_thread(**kwargs):
