@@ -19,6 +19,13 @@ from rayzero.controller import throughput
 from rayzero.workers.session import Report
 
 
+def _position(report: Report) -> str:
+    """Where rank 0 is: its reported `step`, else the report's number (never a sequence number that
+    reads as a step: a loop's first report after a resume may carry no step)."""
+    step = report.metrics.get("step")
+    return f"step {step}" if step is not None else f"report {report.seq}"
+
+
 def _human_duration(seconds: float) -> str:
     minutes, secs = divmod(int(round(seconds)), 60)
     hours, minutes = divmod(minutes, 60)
@@ -67,7 +74,7 @@ class Progress:
         self._first: Report | None = None  # rank 0's first report: rates are measured from it
         self._last: Report | None = None
         self._printed_at = float("-inf")  # the first report prints at once
-        self._resumed_from: object = None  # the step rank 0 went back to, until a line has said so
+        self._resumed_from: str | None = None  # where rank 0 went back to ("step 3"), until a line has said so
         self.checkpoint_step: int | None = None  # the newest committed checkpoint's step (set by the driver)
         self._resumed_checkpoint: int | None = None  # what the restart resumed from, until said
         self._said = ""  # the last line emitted (the summary does not repeat it)
@@ -86,7 +93,7 @@ class Progress:
             self._first = item
         resumed = self._first is item and self._last is not None
         if resumed:
-            self._resumed_from = item.metrics.get("step", item.seq)
+            self._resumed_from = _position(item)
             self._resumed_checkpoint = self.checkpoint_step  # a restart resumes from the newest one
         self._last = item
         now = time.monotonic()
@@ -103,11 +110,11 @@ class Progress:
         if self._last is None:
             return "[rayzero] waiting for the first report"
         metrics = self._last.metrics
-        parts = [f"step {metrics.get('step', self._last.seq)}"]
+        parts = [_position(self._last)]
         if self._resumed_from is not None:
             parts[0] += (f" (restarted: resumed from the checkpoint of step {self._resumed_checkpoint})"
                          if self._resumed_checkpoint is not None else
-                         f" (restarted: no checkpoint known, the loop went back to step {self._resumed_from})")
+                         f" (restarted: no checkpoint known, the loop went back to {self._resumed_from})")
             self._resumed_from = None
         loss = metrics.get("loss")
         if isinstance(loss, (int, float)):

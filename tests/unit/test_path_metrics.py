@@ -92,3 +92,15 @@ def test_the_progress_line_says_where_offloaded_state_lives():
     offloaded = {"device_bytes": 3 << 20, "host_bytes": 5 << 30, "nvme_bytes": 7 << 30}
     progress.observe(Report(rank=0, seq=1, time=2.0, metrics={"step": 2}, placement=offloaded))
     assert lines[-1].endswith("state r0 device 3MiB host 5.0GiB nvme 7.0GiB"), lines[-1]
+
+
+def test_a_report_without_a_step_is_not_shown_as_one():
+    lines: list[str] = []
+    progress = Progress(None, interval_s=0, phase_keys=False, emit=lines.append)
+    progress.observe(Report(rank=0, seq=0, time=1.0, metrics={"step": 40, "loss": 1.0}))
+    # a loop's first report after a resume may carry no step (elastic_loop's {"loaded_step": ...}):
+    # its sequence number is not a step
+    progress.observe(Report(rank=0, seq=0, time=2.0, metrics={"loaded_step": 40}))
+    assert lines[-1].startswith("[rayzero] report 0 (restarted: no checkpoint known, the loop went back to report 0)")
+    progress.observe(Report(rank=0, seq=1, time=3.0, metrics={"step": 41}))
+    assert lines[-1].startswith("[rayzero] step 41 |"), lines
