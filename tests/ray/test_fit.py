@@ -80,26 +80,53 @@ def test_reports_in_order_with_the_worker_environment_a_split_dataset_and_the_wa
 
 
 def failing_loop(config):
+    """Rank 1 fails in every attempt, each time another way: 0, before rank 0 has reported; 1, after
+    rank 0's report; 2, deep inside its own code."""
+    import torch.distributed as dist
+
     context = rayzero.get_context()
-    for step in range(5):
-        rayzero.report({"step": step})
-        if context.rank == 1 and step == 3:
-            raise_deep_inside(step)
+    if context.attempt == 0 and context.rank == 1:
+        raise RuntimeError("simulated crash before rank 0 has reported")
+    if context.attempt == 0:
+        time.sleep(0.5)  # rank 0 reports after rank 1 has already failed
+    rayzero.report({"attempt": context.attempt, "resume_from": context.resume_from})
+    if context.attempt == 0:
+        return
+    dist.barrier()  # a step ends in a collective: rank 1 fails after rank 0 reported, never before it
+    if context.rank == 1 and context.attempt == 1:
+        raise RuntimeError("simulated crash after rank 0 has reported")
+    if context.rank == 1:
+        raise_deep_inside(3)
 
 
 def raise_deep_inside(step):
     raise ValueError(f"boom at step {step}")
 
 
-def test_a_worker_exception_names_its_rank_and_carries_its_traceback(local_ray, tmp_path):
-    time.monotonic()
+def test_failures_within_the_budget_restart_the_group_and_the_one_past_it_names_its_rank_and_traceback(
+        local_ray, tmp_path):
+    """max_failures=2, three failures of rank 1: attempt 0's comes before rank 0 reports (rank 0's report,
+    made while the failure is handled, still reaches the driver); attempt 1's after rank 0's report;
+    each restart resumes from the given checkpoint (nothing newer was committed). Attempt 2's, past the
+    budget, fails the run with an error that names rank 1 and carries its traceback."""
+    given = tmp_path / "given-checkpoints"
+    given.mkdir()
+    (given / "latest").write_text("global_step3")
     with pytest.raises(rayzero.TrainingFailedError) as raised:
-        rayzero.fit(failing_loop, config=CONFIG, scaling=_two(), run=_run(tmp_path),
-                    failure=rayzero.FailureConfig(max_failures=0))
+        rayzero.fit(failing_loop, config=CONFIG, scaling=_two(),
+                    run=_run(tmp_path, name="failing", resume_from=given.as_uri()),
+                    failure=rayzero.FailureConfig(max_failures=2, backoff_s=0))
     error = raised.value
     assert error.rank == 1
     assert "rank 1" in str(error) and "ValueError: boom at step 3" in str(error)
     assert "raise_deep_inside" in error.traceback_text and "raise_deep_inside" in str(error)
+    # rank 0's reports as `Result.metrics_history` holds them (the same log); attempt 2's report may
+    # or may not have been collected before its failure ended the run
+    table = read_metrics(str(tmp_path / "failing")).to_pydict()
+    rows = [(attempt, resume_from) for rank, attempt, resume_from
+            in zip(table["rank"], table["attempt"], table["resume_from"]) if rank == 0]
+    assert [attempt for attempt, _ in rows] in ([0, 1], [0, 1, 2]), rows
+    assert {resume_from for _, resume_from in rows} == {str(given)}
 
 
 def test_an_impossible_resource_request_fails_within_the_bounded_wait(local_ray, tmp_path):
@@ -154,34 +181,3 @@ def test_nvme_offload_without_a_path_is_rejected_before_any_worker_starts(local_
                     train_loop_config={"marker": str(marker)})
     assert [problem.path for problem in raised.value.problems] == ["zero_optimization.offload_param.nvme_path"]
     assert not marker.exists()
-
-
-def twice_failing_loop(config):
-    import torch.distributed as dist
-
-    context = rayzero.get_context()
-    if context.attempt == 0:
-        if context.rank == 1:
-            raise RuntimeError("simulated crash before rank 0 has reported")
-        time.sleep(0.5)  # rank 0 reports after rank 1 has already failed
-        rayzero.report({"attempt": context.attempt, "resume_from": context.resume_from})
-        return
-    rayzero.report({"attempt": context.attempt, "resume_from": context.resume_from})
-    dist.barrier()  # a step ends in a collective: rank 1 fails after rank 0 reported, never before it
-    if context.attempt == 1 and context.rank == 1:
-        raise RuntimeError("simulated crash after rank 0 has reported")
-
-
-def test_failures_within_the_budget_restart_the_group_and_reports_made_meanwhile_reach_the_driver(
-        local_ray, tmp_path):
-    """Two failures, two restarts from the given checkpoint: attempt 0's rank 1 fails before rank 0
-    reports (rank 0's report, made while the failure is handled, still reaches the driver); attempt 1's
-    rank 1 fails after rank 0 reported; attempt 2 finishes."""
-    given = tmp_path / "given-checkpoints"
-    given.mkdir()
-    (given / "latest").write_text("global_step3")
-    result = rayzero.fit(twice_failing_loop, scaling=_two(), run=_run(tmp_path, resume_from=given.as_uri()),
-                         failure=rayzero.FailureConfig(max_failures=2, backoff_s=0))
-    assert [m["attempt"] for m in result.metrics_history] == [0, 1, 2]
-    # nothing newer was committed in between: each restart resumes from the given point again
-    assert [m["resume_from"] for m in result.metrics_history] == [str(given)] * 3
