@@ -30,17 +30,27 @@ def reporting_loop(config):
     dist.all_reduce(total)  # proves the process group spans both workers
     for step in range(config["steps"]):
         rayzero.report({"step": step, "rank": context.rank, "sum_of_ranks": total.item()})
+    shard = rayzero.get_dataset_shard("train")
+    ids = [int(value) for batch in shard.iter_batches(batch_size=8) for value in batch["id"]]
     env = {key: os.environ.get(key) for key in (
         "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
         "RAYZERO_CONFIG", "RAYZERO_CHECKPOINT_DIR", "RAYZERO_NODE_ID", "RAYZERO_NODE_LOCAL_DIR")}
     rayzero.report({"env": env, "node_local_exists": os.path.isdir(env["RAYZERO_NODE_LOCAL_DIR"]),
                     "run_name": context.run_name, "storage": context.storage,
-                    "config_micro_batch": context.config["train_micro_batch_size_per_gpu"]})
+                    "config_micro_batch": context.config["train_micro_batch_size_per_gpu"],
+                    "count": len(ids), "total": sum(ids)})
 
 
-def test_reports_reach_the_driver_in_order_with_the_worker_environment(local_ray, tmp_path):
-    result = rayzero.fit(reporting_loop, config=CONFIG, scaling=_two(), run=_run(tmp_path, name="order"),
-                         train_loop_config={"steps": 40})
+def test_reports_in_order_with_the_worker_environment_a_split_dataset_and_the_wall_clock_phases(
+        local_ray, tmp_path, capsys):
+    """One run proves: every report of rank 0 reaches the driver in order and every rank's lands in the
+    Parquet log; the workers see the run's environment and config; a dataset is split equally across
+    the workers; `wall_clock_breakdown` prints the driver's phase timings."""
+    import ray.data
+
+    config = dict(CONFIG, wall_clock_breakdown=True)
+    result = rayzero.fit(reporting_loop, config=config, scaling=_two(), run=_run(tmp_path, name="order"),
+                         train_loop_config={"steps": 40}, datasets={"train": ray.data.range(64)})
     steps = [m["step"] for m in result.metrics_history if "step" in m]
     assert steps == list(range(40))  # rank 0's reports, every one, in order
     assert all(m["rank"] == 0 and m["sum_of_ranks"] == 3.0 for m in result.metrics_history if "step" in m)
@@ -58,29 +68,65 @@ def test_reports_reach_the_driver_in_order_with_the_worker_environment(local_ray
         seqs = [s for r, s in zip(table["rank"], table["seq"]) if r == rank]
         assert seqs == list(range(41))
     assert result.timings["fit_to_first_report_s"] > 0
+    # the dataset: equal shares (no rank waits on another at the end), every row once
+    counts = [count for count in table["count"] if count is not None]
+    assert counts == [32, 32]
+    assert sum(total for total in table["total"] if total is not None) == sum(range(64))
+    assert last["count"] == 32
+    out = capsys.readouterr().out
+    assert "wall clock breakdown" in out
+    for phase in ("placement_group_s", "worker_start_s", "process_group_s", "fit_to_first_report_s"):
+        assert phase in out
 
 
 def failing_loop(config):
+    """Rank 1 fails in every attempt, each time another way: 0, before rank 0 has reported; 1, after
+    rank 0's report; 2, deep inside its own code."""
+    import torch.distributed as dist
+
     context = rayzero.get_context()
-    for step in range(5):
-        rayzero.report({"step": step})
-        if context.rank == 1 and step == 3:
-            raise_deep_inside(step)
+    if context.attempt == 0 and context.rank == 1:
+        raise RuntimeError("simulated crash before rank 0 has reported")
+    if context.attempt == 0:
+        time.sleep(0.5)  # rank 0 reports after rank 1 has already failed
+    rayzero.report({"attempt": context.attempt, "resume_from": context.resume_from})
+    if context.attempt == 0:
+        return
+    dist.barrier()  # a step ends in a collective: rank 1 fails after rank 0 reported, never before it
+    if context.rank == 1 and context.attempt == 1:
+        raise RuntimeError("simulated crash after rank 0 has reported")
+    if context.rank == 1:
+        raise_deep_inside(3)
 
 
 def raise_deep_inside(step):
     raise ValueError(f"boom at step {step}")
 
 
-def test_a_worker_exception_names_its_rank_and_carries_its_traceback(local_ray, tmp_path):
-    time.monotonic()
+def test_failures_within_the_budget_restart_the_group_and_the_one_past_it_names_its_rank_and_traceback(
+        local_ray, tmp_path):
+    """max_failures=2, three failures of rank 1: attempt 0's comes before rank 0 reports (rank 0's report,
+    made while the failure is handled, still reaches the driver); attempt 1's after rank 0's report;
+    each restart resumes from the given checkpoint (nothing newer was committed). Attempt 2's, past the
+    budget, fails the run with an error that names rank 1 and carries its traceback."""
+    given = tmp_path / "given-checkpoints"
+    given.mkdir()
+    (given / "latest").write_text("global_step3")
     with pytest.raises(rayzero.TrainingFailedError) as raised:
-        rayzero.fit(failing_loop, config=CONFIG, scaling=_two(), run=_run(tmp_path),
-                    failure=rayzero.FailureConfig(max_failures=0))
+        rayzero.fit(failing_loop, config=CONFIG, scaling=_two(),
+                    run=_run(tmp_path, name="failing", resume_from=given.as_uri()),
+                    failure=rayzero.FailureConfig(max_failures=2, backoff_s=0))
     error = raised.value
     assert error.rank == 1
     assert "rank 1" in str(error) and "ValueError: boom at step 3" in str(error)
     assert "raise_deep_inside" in error.traceback_text and "raise_deep_inside" in str(error)
+    # rank 0's reports as `Result.metrics_history` holds them (the same log); attempt 2's report may
+    # or may not have been collected before its failure ended the run
+    table = read_metrics(str(tmp_path / "failing")).to_pydict()
+    rows = [(attempt, resume_from) for rank, attempt, resume_from
+            in zip(table["rank"], table["attempt"], table["resume_from"]) if rank == 0]
+    assert [attempt for attempt, _ in rows] in ([0, 1], [0, 1, 2]), rows
+    assert {resume_from for _, resume_from in rows} == {str(given)}
 
 
 def test_an_impossible_resource_request_fails_within_the_bounded_wait(local_ray, tmp_path):
@@ -135,70 +181,3 @@ def test_nvme_offload_without_a_path_is_rejected_before_any_worker_starts(local_
                     train_loop_config={"marker": str(marker)})
     assert [problem.path for problem in raised.value.problems] == ["zero_optimization.offload_param.nvme_path"]
     assert not marker.exists()
-
-
-def dataset_loop(config):
-    shard = rayzero.get_dataset_shard("train")
-    ids = [int(row["id"]) for batch in shard.iter_batches(batch_size=8) for row in _rows(batch)]
-    rayzero.report({"count": len(ids), "total": sum(ids)})
-
-
-def _rows(batch):
-    return [{"id": value} for value in batch["id"]]
-
-
-def test_datasets_are_split_across_workers(local_ray, tmp_path):
-    import ray.data
-
-    result = rayzero.fit(dataset_loop, scaling=_two(), run=_run(tmp_path, name="data"),
-                         datasets={"train": ray.data.range(64)})
-    table = read_metrics(str(tmp_path / "data")).to_pydict()
-    assert table["count"] == [32, 32]  # equal shares: no rank waits on another at the end
-    assert sum(table["total"]) == sum(range(64))
-    assert result.metrics["count"] == 32
-
-
-def flaky_loop(config):
-    import torch.distributed as dist
-
-    context = rayzero.get_context()
-    rayzero.report({"attempt": context.attempt, "resume_from": context.resume_from})
-    dist.barrier()  # a step ends in a collective: rank 1 fails after rank 0 reported, never before it
-    if context.attempt == 0 and context.rank == 1:
-        raise RuntimeError("simulated crash on the first attempt")
-
-
-def test_a_failure_within_the_budget_restarts_the_group(local_ray, tmp_path):
-    given = tmp_path / "given-checkpoints"
-    given.mkdir()
-    (given / "latest").write_text("global_step3")
-    result = rayzero.fit(flaky_loop, scaling=_two(), run=_run(tmp_path, resume_from=given.as_uri()),
-                         failure=rayzero.FailureConfig(max_failures=1))
-    assert [m["attempt"] for m in result.metrics_history] == [0, 1]
-    # nothing newer was committed in between: the restart resumes from the given point again
-    assert [m["resume_from"] for m in result.metrics_history] == [str(given)] * 2
-
-
-def late_report_loop(config):
-    context = rayzero.get_context()
-    if context.attempt == 0 and context.rank == 1:
-        raise RuntimeError("simulated crash before rank 0 has reported")
-    if context.attempt == 0:
-        time.sleep(0.5)  # rank 0 reports after rank 1 has already failed
-    rayzero.report({"attempt": context.attempt})
-
-
-def test_reports_made_while_a_failure_is_handled_still_reach_the_driver(local_ray, tmp_path):
-    result = rayzero.fit(late_report_loop, scaling=_two(), run=_run(tmp_path),
-                         failure=rayzero.FailureConfig(max_failures=1))
-    assert [m["attempt"] for m in result.metrics_history] == [0, 1]
-
-
-def test_wall_clock_breakdown_prints_the_phases(local_ray, tmp_path, capsys):
-    config = dict(CONFIG, wall_clock_breakdown=True)
-    rayzero.fit(reporting_loop, config=config, scaling=_two(), run=_run(tmp_path),
-                train_loop_config={"steps": 2})
-    out = capsys.readouterr().out
-    assert "wall clock breakdown" in out
-    for phase in ("placement_group_s", "worker_start_s", "process_group_s", "fit_to_first_report_s"):
-        assert phase in out

@@ -22,7 +22,13 @@ def _losses(result) -> list[float]:
     return [m["loss"] for m in result.metrics_history if "loss" in m]
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def _check_falling(losses: list[float], steps: int) -> None:
+    assert len(losses) == steps
+    assert losses[0] > 4.0  # ln(128) = 4.85: an untrained model
+    assert sum(losses[-3:]) / 3 < losses[0] - 0.8, losses
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])  # stage 3: the first run of the resume test below
 def test_two_workers_report_a_falling_loss_at_every_stage(local_ray, tmp_path, stage):
     result = rayzero.fit(
         train_loop,
@@ -31,18 +37,18 @@ def test_two_workers_report_a_falling_loss_at_every_stage(local_ray, tmp_path, s
         run=rayzero.RunConfig(storage=tmp_path.as_uri(), progress_interval_s=30),
         train_loop_config=dict(SMALL, steps=15, save_checkpoint=False),
     )
-    losses = _losses(result)
-    assert len(losses) == 15
-    assert losses[0] > 4.0  # ln(128) = 4.85: an untrained model
-    assert sum(losses[-3:]) / 3 < losses[0] - 0.8, losses
+    _check_falling(_losses(result), 15)
 
 
-def test_a_run_resumes_from_the_checkpoint_of_the_previous_one(local_ray, tmp_path, capsys):
+def test_a_stage_3_run_learns_and_the_next_resumes_from_its_checkpoint(local_ray, tmp_path, capsys):
+    """Stage 3's falling loss (the parametrized test's fourth stage), its checkpoint at the end, a second
+    run resumed from it with trained weights, and `wall_clock_breakdown`'s per-phase timings."""
     first = rayzero.fit(
         train_loop, config=_config(3), scaling=rayzero.ScalingConfig(num_workers=2),
         run=rayzero.RunConfig(storage=tmp_path.as_uri(), name="first", progress_interval_s=30),
-        train_loop_config=dict(SMALL, steps=10),
+        train_loop_config=dict(SMALL, steps=15),
     )
+    _check_falling(_losses(first), 15)
     assert first.checkpoint == str(tmp_path / "first" / "checkpoints")
     assert (tmp_path / "first" / "checkpoints" / "latest").exists()
     second = rayzero.fit(
@@ -51,9 +57,9 @@ def test_a_run_resumes_from_the_checkpoint_of_the_previous_one(local_ray, tmp_pa
         # the run directory, as the Kubernetes operator passes it: its checkpoints/ is used
         run=rayzero.RunConfig(storage=tmp_path.as_uri(), name="second", resume_from=first.path,
                               progress_interval_s=0),
-        train_loop_config=dict(SMALL, steps=13, save_checkpoint=False),
+        train_loop_config=dict(SMALL, steps=18, save_checkpoint=False),
     )
-    assert [m["step"] for m in second.metrics_history] == [11, 12, 13]
+    assert [m["step"] for m in second.metrics_history] == [16, 17, 18]
     # trained weights came back: far below the untrained loss of the first run's first step
     assert _losses(second)[0] < _losses(first)[0] - 0.8
     # wall_clock_breakdown: per-phase timings reported, and shown on the progress line
