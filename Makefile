@@ -13,8 +13,10 @@ PYTEST_ARGS ?=
 # machine, `pytest -m "not k8s"` (1231 passed, 77 skipped), 1-minute load average alongside:
 # serially 2245 s (9-12) before; on 2 workers, with the forked test ranks of testkit.harness,
 # 1335 s (11-27) and 1129 s (mean 12), 0 errors in both runs. The last serial CI run took 1270 s for
-# the same tests. The k8s tier runs after, alone: its apiserver-restart test gives its port up for a
-# second.
+# the same tests. 2026-11-26, every process of the run counted (pytest in a cgroup of its own):
+# 909 s and 1,631 CPU-s before that day's cuts, 819 s and 1,458 CPU-s after (fewer runs per test
+# file, the forked ranks' torch._dynamo preloaded). The k8s tier runs after, alone: its
+# apiserver-restart test gives its port up for a second.
 PYTEST_WORKERS ?= 2
 XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
