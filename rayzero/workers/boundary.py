@@ -283,7 +283,11 @@ class StepBoundary:
         )
 
     def saving_into(self, save_dir: str) -> None:
-        """The loop saves into `save_dir` (a directory of its choosing): list it for `newest_committed`."""
+        """The loop saves into `save_dir` (a directory of its choosing): list it for `newest_committed`.
+        Made absolute here: the heartbeat carries it to the controller, whose working directory is
+        not this worker's (a Trainer's `--output_dir out` is relative)."""
+        if "://" not in save_dir:
+            save_dir = os.path.abspath(save_dir)
         if save_dir != self._checkpoint_dir:
             with self._lock:
                 if save_dir in self._save_dirs:
