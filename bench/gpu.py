@@ -219,19 +219,26 @@ def main(argv: list[str] | None = None) -> int:
             errors = sum("error" in row for row in job_rows)
             print(f"[{time.monotonic() - began:6.1f} s] {job['section']} {job['precision']} round {job['round']}: "
                   f"{len(job_rows)} rows, {errors} errors", flush=True)
+            # Written after every job, so a run cut off by a lease's time limit keeps what it measured.
+            merged = _write(args, rows, began)
+    print(table(merged, comparisons(merged)))
+    if args.json:
+        print(f"wrote {args.json}")
+    failed = [row for row in merged if row["system"].startswith("rayzero") and row.get("step_time_median_s") is None]
+    return 1 if failed else 0
+
+
+def _write(args: argparse.Namespace, rows: list[dict[str, Any]], began: float) -> list[dict[str, Any]]:
     merged = merge(rows)
-    pairs = comparisons(merged)
-    print(table(merged, pairs))
-    document = {"results": merged, "comparisons": pairs, "rows": rows,
+    document = {"results": merged, "comparisons": comparisons(merged), "rows": rows,
                 "meta": {"machine": _machine(args.device), "rounds": args.rounds, "sections": args.sections,
+                         "jobs_done": len({(row["section"], row["precision"], row["round"]) for row in rows}),
                          "total_wall_s": round(time.monotonic() - began, 1), "fp32": "strict (TF32 off)",
                          "load_average_1_5_15_min_at_end": [round(x, 2) for x in os.getloadavg()]}}
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(document, indent=1))
-        print(f"wrote {args.json}")
-    failed = [row for row in merged if row["system"].startswith("rayzero") and row.get("step_time_median_s") is None]
-    return 1 if failed else 0
+    return merged
 
 
 if __name__ == "__main__":
