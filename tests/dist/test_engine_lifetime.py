@@ -4,7 +4,9 @@
 kept everything alive for the life of the process (torch's C++ side holds the hook, out of the cycle
 collector's sight). Found on an H200: each engine bench/gpu.py built started with the last one's
 GPU memory still allocated. One spawned gloo rank builds, trains and drops an engine per stage and
-offload mode, and reports which objects survived `gc.collect()`.
+offload mode, and reports which objects survived `gc.collect()`: the engine, its strategy, the
+module, the optimizer and a parameter (a parameter survived its module on an H100: its bucket held it,
+and its hook held the bucket).
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from testkit import harness as H
 pytestmark = pytest.mark.dist
 
 CONFIGS = {f"stage{stage}": {"stage": stage} for stage in (0, 1, 2, 3)}
+CONFIGS["stage1-offload-cpu"] = {"stage": 1, "offload_optimizer": {"device": "cpu"}}
 CONFIGS["stage2-offload-cpu"] = {"stage": 2, "offload_optimizer": {"device": "cpu"}}
 CONFIGS["stage3-offload-cpu"] = {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}
 
@@ -33,7 +36,10 @@ def _train_and_drop(zero: dict) -> dict[str, weakref.ref]:
         engine.backward(engine(torch.randn(4, 32)).pow(2).mean())
         engine.step()
     return {"engine": weakref.ref(engine), "strategy": weakref.ref(engine.strategy),
-            "model": weakref.ref(model), "optimizer": weakref.ref(optimizer)}
+            "model": weakref.ref(model), "optimizer": weakref.ref(optimizer),
+            # a parameter outlived its module while its bucket (or stage-3 entry) held it and its
+            # hook held the bucket: the flat parameter and gradient buffers with it
+            "parameter": weakref.ref(next(model.parameters()))}
 
 
 def survivors(rank: int, world: int, payload: None) -> dict[str, list[str]]:
