@@ -14,10 +14,12 @@ from __future__ import annotations
 import base64
 import json
 import os
+import random
 import pathlib
 import secrets
 import shutil
 import signal
+import socket
 import ssl
 import subprocess
 import sys
@@ -32,6 +34,29 @@ SCRIPTS = pathlib.Path(__file__).resolve().parent
 CACHE = pathlib.Path(os.environ.get("RAYZERO_CACHE", pathlib.Path.home() / ".cache" / "rayzero"))
 APISERVER = CACHE / "kube-apiserver-1.20.2"
 BUILD_SCRIPT = SCRIPTS / "k8s_envtest_build.sh"
+
+
+def restartable_port() -> int:
+    """A free loopback port for the apiserver, which `restart_apiserver` gives up for a moment.
+
+    Chosen below the kernel's ephemeral range (and above Ray's worker ports, 10002-19999): a port from
+    that range could, while the apiserver is down, become the local end of some process's outgoing
+    connection or a port-0 server's, and the restart would fail to bind. Nothing picks a port there
+    without asking for it by number. Falls back to any free port where the range leaves no room."""
+    try:
+        low = int(pathlib.Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    chooser = random.Random()
+    for _ in range(100 if low > 20001 else 0):
+        port = chooser.randrange(20000, low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    return free_port()
 
 
 def ensure_binaries() -> None:
@@ -74,7 +99,7 @@ class EnvTest:
     def start(self, timeout: float = 60.0) -> EnvTest:
         ensure_binaries()
         self._certificates()
-        etcd_port, peer_port, self.port = free_port(), free_port(), free_port()
+        etcd_port, peer_port, self.port = free_port(), free_port(), restartable_port()
         etcd_url = f"http://127.0.0.1:{etcd_port}"
         self._spawn("etcd", [
             "etcd", "--data-dir", str(self.dir / "etcd"), "--listen-client-urls", etcd_url,
