@@ -4,7 +4,8 @@ no rayzero code: progress reports and planned stops.
 Reports: after every optimizer step of the engine (not every micro-batch), `rayzero.report` gets
 `step` (the trainer's `global_step`, as Lightning's logs and checkpoint names count it), `loss` (the
 mean of `training_step`'s losses since the last report), `lr` (the first parameter group's), `epoch`,
-`samples` (cumulative over all ranks) and every scalar the module logged (`self.log(...)`, as the
+`samples` (cumulative over all ranks, and over restarts and resumed fits: the count is part of the
+callback's state in every checkpoint Lightning writes) and every scalar the module logged (`self.log(...)`, as the
 Trainer's loggers see them). `rayzero status`, the progress line, metrics.parquet and `rayzero plot`
 read those keys. Under plain torchrun they stay in the process (`rayzero.workers.local_reports()`).
 
@@ -46,7 +47,9 @@ class RayZeroCallback(Callback):
 
     def __init__(self) -> None:
         self._losses: list[float] = []  # training_step losses since the last report
-        self._samples = 0  # samples this rank trained on
+        self._samples = 0  # samples this rank trained on in this fit
+        self._samples_before = 0  # samples of all ranks before this fit: from the checkpoint it resumed
+        self._world_size = 1
         self._reported_step = -1  # the engine's global_steps at the last report
         self._lr = 0.0  # the learning rate of the step under way (read before the scheduler moves it)
         self.stopped_at: str | None = None  # the checkpoint a planned stop wrote
@@ -54,6 +57,7 @@ class RayZeroCallback(Callback):
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         self._losses, self._samples, self.stopped_at = [], 0, None
+        self._world_size = trainer.world_size
         self._reported_step = trainer.strategy.engine.global_steps
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
@@ -85,11 +89,23 @@ class RayZeroCallback(Callback):
             if isinstance(value, (int, float)) or (isinstance(value, torch.Tensor) and value.numel() == 1):
                 metrics[name] = float(value)
         metrics.update(step=trainer.global_step, epoch=trainer.current_epoch, lr=self._lr,
-                       samples=self._samples * trainer.world_size)
+                       samples=self._samples_total())
         if self._losses:
             metrics["loss"] = sum(self._losses) / len(self._losses)
             self._losses = []
         return metrics
+
+    def _samples_total(self) -> int:
+        return self._samples_before + self._samples * self._world_size
+
+    def state_dict(self) -> dict[str, Any]:
+        # Lightning keeps it in the checkpoint's "callbacks" and hands it back on resume, so a restart
+        # or a resumed fit counts on from the checkpoint instead of from 0 (all ranks' samples: a
+        # resume at another world size counts on correctly too).
+        return {"samples": self._samples_total()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._samples_before = int(state_dict.get("samples", 0))
 
     def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
         if self._stopping:

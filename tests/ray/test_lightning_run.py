@@ -47,3 +47,6 @@ def test_rayzero_run_trains_a_lightning_script_that_resumes_by_itself_after_a_wo
     assert [table["step"][i] for i in rank0] == list(range(1, epochs * per_epoch + 1))  # each step once
     assert [table["lr"][i] for i in rank0] == pytest.approx([0.1] * per_epoch + [0.01] * per_epoch + [0.001] * per_epoch)
     assert all(table["loss"][i] > 0 and table["samples"][i] > 0 for i in rank0)
+    # samples count on across the restart (from the checkpoint's callback state), not from 0 again
+    per_step = table["samples"][rank0[0]]
+    assert [table["samples"][i] for i in rank0] == [step * per_step for step in range(1, epochs * per_epoch + 1)]
