@@ -7,6 +7,7 @@ import os
 import shutil
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -110,8 +111,18 @@ def test_a_planned_stop_of_a_node_local_run_knows_its_boundary_checkpoint(cluste
     assert result.goodput["badput_s"]["redone steps"] == 0, result.goodput
 
 
+def _until_every_cpu_is_free(count: int) -> None:
+    """The previous test's workers hold their CPUs until their raylets see them exit: an elastic run
+    started before that sizes itself to what is free (it once started at 2 of (2, 3) workers here)."""
+    deadline = time.monotonic() + 60
+    while ray.available_resources().get("CPU", 0) < count:
+        assert time.monotonic() < deadline, ray.available_resources()
+        time.sleep(0.1)
+
+
 def test_node_loss_resumes_from_peer_replicas_with_fewer_workers(cluster, tmp_path):
     made, nodes, node_root = cluster
+    _until_every_cpu_is_free(3)
     thread, box = _fit_in_thread(tmp_path, "nodeloss", (2, 3), 24, save_every=2, max_failures=1)
     lost = nodes[2]
     lost_dir = node_root / lost.node_id / "checkpoints" / "nodeloss"
