@@ -17,7 +17,8 @@ PYTEST_ARGS ?=
 # 909 s and 1,631 CPU-s before that day's cuts, 819 s and 1,458 CPU-s after (fewer runs per test
 # file, the forked ranks' torch._dynamo preloaded). The k8s tier used to run after, alone (108 s,
 # 85 CPU-s): 741 s + 108 s of pytest; now one unit on a worker beside the others, 781 s for all
-# 1,321 tests, `make test` 789 s wall and 1,360 CPU-s (idle machine, cached builds, 2026-11-26).
+# 1,321 tests, `make test` 789-790 s wall and 1,360-1,377 CPU-s (idle machine, cached builds,
+# 2026-11-26; the k8s unit goes after the Ray files: tests/conftest.py).
 PYTEST_WORKERS ?= 2
 XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 

@@ -4,16 +4,19 @@
 `make test` runs the files on pytest-xdist workers (`--dist loadfile --no-loadscope-reorder`: each
 file whole on one worker, handed out in collection order). The longest files go first so the end of
 the run is many short files filling both workers, not one long file running alone: under xdist the
-workers collect tests/k8s first, then tests/ray (its files run for minutes: Ray clusters, restarts,
-a chaos soak), then tests/dist (spawned gloo groups), then the rest (unit, fuzz: seconds each). A
+workers collect tests/ray first (its files run for minutes: Ray clusters, restarts, a chaos soak),
+then tests/k8s, then tests/dist (spawned gloo groups), then the rest (unit, fuzz: seconds each). A
 serial run keeps the directory order.
 
 The k8s tier is one unit, not a unit per file (`pytest_xdist_make_scheduler` below): its files share
 one apiserver, etcd and operator (tests/k8s/conftest.py), started once and stopped after its last
 test. It used to run after the other tiers, alone (108 s here, 85 CPU-s, most of it waiting on the
-operator's passes); on one worker beside the Ray tiers its waits overlap their work. Its apiserver
-restart gives a port up for a moment, so that port comes from outside the ranges anything else picks
-from (scripts/k8s_envtest.py, `restartable_port`).
+operator's passes); on one worker beside the others its waits overlap their work. It goes after the
+Ray files, not first: handed out first it started its apiserver, etcd, operator and a real run's Ray
+while the chaos soak started its 3-node cluster, and a node the soak brought back missed Ray's 30 s
+start-up bound (one full run of two). Its apiserver restart gives a port up for a moment, so that
+port comes from outside the ranges anything else picks from (scripts/k8s_envtest.py,
+`restartable_port`).
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ import pathlib
 import pytest
 
 _TIERS = ("unit", "dist", "ray", "k8s", "gpu")
-_LONGEST_FIRST = ("k8s", "ray", "dist")
+_LONGEST_FIRST = ("ray", "k8s", "dist")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
