@@ -14,8 +14,8 @@ from __future__ import annotations
 import base64
 import json
 import os
-import random
 import pathlib
+import random
 import secrets
 import shutil
 import signal
