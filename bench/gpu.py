@@ -210,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     multiprocessing.set_forkserver_preload(FORK_SERVER_PRELOAD)
     began = time.monotonic()
     rows: list[dict[str, Any]] = []
+    merged: list[dict[str, Any]] = []  # stays empty if the plan has no job
     with tempfile.TemporaryDirectory(prefix="rayzero-bench-gpu-") as scratch:
         for job in plan(args, pathlib.Path(scratch)):
             job_rows = run_job(job, args.job_timeout_s, pathlib.Path(scratch))
