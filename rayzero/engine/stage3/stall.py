@@ -54,6 +54,7 @@ class StallWatch:
         self._where = where
         self._checked_step = -1
         self._waiter: ThreadPoolExecutor | None = None
+        self._waiting = None  # the waiter's last future
 
     def wait(self, work) -> None:
         if self.seconds <= 0 or self._world == 1 or work.is_completed():
@@ -66,8 +67,9 @@ class StallWatch:
         except RuntimeError:  # a Work without a future (gloo's reduce-scatter): a thread waits instead
             if self._waiter is None:
                 self._waiter = ThreadPoolExecutor(1, thread_name_prefix="rayzero-stage3-wait")
+            self._waiting = self._waiter.submit(work.wait)
             try:
-                self._waiter.submit(work.wait).result(timeout=self.seconds)
+                self._waiting.result(timeout=self.seconds)
                 finished = True
             except FutureTimeout:
                 finished = False
@@ -80,8 +82,10 @@ class StallWatch:
         closed, and its last gathers (handing the parameters back) wait plainly."""
         self.seconds = 0.0
         if self._waiter is not None:
-            self._waiter.shutdown(wait=False)  # its last wait already returned, or timed out
-            self._waiter = None
+            # an idle thread is joined (close() leaves no thread behind); one still in a wait that
+            # timed out is let go, not waited for
+            self._waiter.shutdown(wait=self._waiting is None or self._waiting.done())
+            self._waiter = self._waiting = None
 
     def _check(self) -> None:
         step, name, departed = self._where()
