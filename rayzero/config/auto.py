@@ -65,7 +65,7 @@ _PROVIDERS = {
     "stage3_param_persistence_threshold": "the model's hidden size (hidden_size=..., `--hidden-size H`)",
     "allgather_bucket_size": "the model's hidden size (hidden_size=..., `--hidden-size H`)",
     "train_batch_size": "world_size (`--world-size N`) with the micro batch and accumulation steps",
-    "train_micro_batch_size_per_gpu": "trainer per_device_train_batch_size, or train_batch_size with world_size",
+    "train_micro_batch_size_per_gpu": "trainer per_device_train_batch_size, or train_batch_size with world_size and a gradient_accumulation_steps value",
     "gradient_accumulation_steps": "trainer gradient_accumulation_steps, or the other batch keys with world_size",
 }
 
@@ -229,10 +229,10 @@ def _warmup_steps(facts: TrainerFacts) -> tuple[int | None, str]:
 def _derive_batch(config: RayZeroConfig, world: int, notes: list[str], problems: list[Problem]) -> None:
     """DeepSpeed's rule: train_batch_size = micro × accumulation × world; derive the missing ones."""
     names = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
-    if any(getattr(config, name) == AUTO for name in names[1:]):
-        return  # an unresolved micro batch or accumulation is reported as an unresolved "auto"
-    total, micro, steps = (getattr(config, name) for name in names)
-    total = None if total == AUTO else total
+    total, micro, steps = (None if getattr(config, name) == AUTO else getattr(config, name) for name in names)
+    autos = [getattr(config, name) == AUTO for name in names[1:]]
+    if all(autos) or (any(autos) and total is None):
+        return  # not determined by the batch keys: reported as an unresolved "auto"
     src = f"world_size={world}"
     if total is not None and micro is not None and steps is not None:
         if total != micro * steps * world:

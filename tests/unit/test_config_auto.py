@@ -89,6 +89,24 @@ def test_batch_keys_are_derived_like_deepspeed(given, derived):
     assert (config.train_batch_size, config.train_micro_batch_size_per_gpu, config.gradient_accumulation_steps) == derived
 
 
+@pytest.mark.parametrize("given, derived", [
+    ({"train_batch_size": 64, "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": 4}, (64, 2, 4)),
+    ({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": "auto"}, (64, 4, 2)),
+    ({"train_batch_size": 32, "train_micro_batch_size_per_gpu": "auto"}, (32, 4, 1)),
+])
+def test_an_auto_batch_key_the_other_two_determine_is_derived_as_its_hint_says(given, derived):
+    # found as a user: the hint said "train_batch_size with world_size" and following it still failed
+    config = load_config(given, world_size=8)
+    assert (config.train_batch_size, config.train_micro_batch_size_per_gpu, config.gradient_accumulation_steps) == derived
+
+
+def test_auto_micro_batch_and_accumulation_together_stay_unresolved_without_the_trainer():
+    problems = _problems({"train_batch_size": 64, "train_micro_batch_size_per_gpu": "auto",
+                          "gradient_accumulation_steps": "auto"}, world_size=8)
+    assert "gradient_accumulation_steps value" in problems["train_micro_batch_size_per_gpu"]
+    assert "gradient_accumulation_steps" in problems
+
+
 def test_inconsistent_batch_keys_show_the_arithmetic():
     text = _problems({"train_batch_size": 50, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1},
                      world_size=8)["train_batch_size"]
