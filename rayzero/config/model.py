@@ -45,9 +45,11 @@ class RayZeroConfig(UnimplementedSections, RemovedFeatures):
     """Global batch per optimizer step = micro batch × gradient accumulation × world size.
     "auto" = derived from the other two and the world size."""
     train_micro_batch_size_per_gpu: Optional[AutoPositive] = None
-    """Samples per rank per forward/backward. "auto" = the trainer's `per_device_train_batch_size`."""
+    """Samples per rank per forward/backward. "auto" = the trainer's `per_device_train_batch_size`, or without one
+    train_batch_size ÷ (gradient accumulation × world size)."""
     gradient_accumulation_steps: Optional[AutoPositive] = None
-    """Micro batches accumulated per optimizer step. "auto" = the trainer's `gradient_accumulation_steps`."""
+    """Micro batches accumulated per optimizer step. "auto" = the trainer's `gradient_accumulation_steps`, or
+    without one train_batch_size ÷ (micro batch × world size)."""
     gradient_clipping: AutoNonNegativeFloat = 1.0
     """Clip the global gradient norm to this (0 = off). 1.0 matches DeepSpeed 0.19's default.
     "auto" = the trainer's `max_grad_norm`."""
