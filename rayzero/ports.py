@@ -4,9 +4,22 @@ A port is found by binding port 0 and reading what the kernel chose; the socket 
 port is used, so another process could take it in between (the usual race of this idiom; callers
 that start a server retry or fail loudly). `free_ports(n)` holds all n sockets open together, so
 the n ports are distinct.
+
+[Note: ports below the ephemeral range]
+A port the kernel picks for port 0 comes from its ephemeral range, the same range it takes the local
+end of every outgoing connection from. A port that is bound again only later (a run's MASTER_PORT:
+chosen on rank 0's node, then bound by rank 0's TCPStore once every worker got its environment;
+the tests' apiserver, given up and rebound by a restart) can meanwhile become some connection's
+local port: on a busy machine (Ray's and gRPC's own connections) that happened, and the ranks then
+failed to form their group ("The server socket has failed to listen", a rank's TCPStore client
+answered by another process's socket) and the run spent a restart on it. `server_port` picks below
+that range and above Ray's worker ports (10002-19999), where nothing gets a port without asking for
+it by number.
 """
 from __future__ import annotations
 
+import pathlib
+import random
 import socket
 
 
@@ -25,3 +38,22 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
 def free_port(host: str = "127.0.0.1") -> int:
     """One TCP port free on `host` (loopback by default; "" for every interface)."""
     return free_ports(1, host)[0]
+
+
+def server_port(host: str = "127.0.0.1") -> int:
+    """A free port on `host` for a server bound later, below the kernel's ephemeral range
+    ([Note: ports below the ephemeral range]); any free port where the range leaves no room."""
+    try:
+        low = int(pathlib.Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    chooser = random.Random()
+    for _ in range(100 if low > 20001 else 0):
+        port = chooser.randrange(20000, low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind((host, port))
+            except OSError:
+                continue
+        return port
+    return free_port(host)

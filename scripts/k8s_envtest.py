@@ -15,11 +15,9 @@ import base64
 import json
 import os
 import pathlib
-import random
 import secrets
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -28,7 +26,7 @@ import time
 import urllib.error
 import urllib.request
 
-from rayzero.ports import free_port
+from rayzero.ports import free_port, server_port
 
 SCRIPTS = pathlib.Path(__file__).resolve().parent
 CACHE = pathlib.Path(os.environ.get("RAYZERO_CACHE", pathlib.Path.home() / ".cache" / "rayzero"))
@@ -37,26 +35,10 @@ BUILD_SCRIPT = SCRIPTS / "k8s_envtest_build.sh"
 
 
 def restartable_port() -> int:
-    """A free loopback port for the apiserver, which `restart_apiserver` gives up for a moment.
-
-    Chosen below the kernel's ephemeral range (and above Ray's worker ports, 10002-19999): a port from
-    that range could, while the apiserver is down, become the local end of some process's outgoing
-    connection or a port-0 server's, and the restart would fail to bind. Nothing picks a port there
-    without asking for it by number. Falls back to any free port where the range leaves no room."""
-    try:
-        low = int(pathlib.Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768
-    chooser = random.Random()
-    for _ in range(100 if low > 20001 else 0):
-        port = chooser.randrange(20000, low)
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-            try:
-                probe.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        return port
-    return free_port()
+    """A free loopback port for the apiserver, which `restart_apiserver` gives up for a moment: below
+    the kernel's ephemeral range, so no connection takes it meanwhile ([Note: ports below the
+    ephemeral range] in rayzero/ports.py)."""
+    return server_port()
 
 
 def ensure_binaries() -> None:

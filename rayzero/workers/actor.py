@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rayzero.config.environment import CHECKPOINT_DIR, NODE_ID, NODE_LOCAL_DIR, RESUME_FROM, RUN, SCRIPT
-from rayzero.ports import free_port
+from rayzero.ports import server_port
 from rayzero.workers import session as session_module
 from rayzero.workers.boundary import (
     NODE_LOCAL_RESUME,
@@ -124,8 +124,10 @@ class TrainWorker:
         return NodeInfo(runtime.get_node_id(), ray.util.get_node_ip_address(), gpu_ids, os.getpid())
 
     def free_port(self) -> int:
-        """A TCP port free on this node, for MASTER_PORT when this worker is rank 0."""
-        return free_port(host="")
+        """A TCP port free on this node, for MASTER_PORT when this worker is rank 0: bound only once
+        every rank has its environment, so from below the ephemeral range ([Note: ports below the
+        ephemeral range])."""
+        return server_port(host="")
 
     def setup(
         self,

@@ -133,7 +133,7 @@ def behaviours(rank: int, world: int, _: object) -> dict:
 
     # 6. No process group yet: initialize() builds one from RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT.
     # A fresh port, agreed through the old group: the old store's port may linger in TIME_WAIT.
-    port = torch.tensor([H.free_port() if rank == 0 else 0])
+    port = torch.tensor([H.server_port() if rank == 0 else 0])
     torch.distributed.broadcast(port, src=0)
     os.environ["MASTER_PORT"] = str(int(port))
     torch.distributed.destroy_process_group()

@@ -10,7 +10,7 @@ import subprocess
 import sys
 import textwrap
 
-from rayzero.ports import free_port as _free_port
+from rayzero.ports import server_port as _free_port
 
 SCRIPT = textwrap.dedent("""
     import torch

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 pytest.importorskip("lightning")
-from rayzero.ports import free_port
+from rayzero.ports import server_port as free_port
 from tests.data import lightning_train
 
 DATA = Path(__file__).resolve().parents[1] / "data"

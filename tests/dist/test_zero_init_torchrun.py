@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from rayzero.ports import free_port
+from rayzero.ports import server_port as free_port
 
 pytestmark = pytest.mark.dist
 

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from rayzero.ports import free_port
+from rayzero.ports import server_port
 
 VOCAB, HIDDEN, FFN, SEQ = 37, 13, 29, 5
 LR, WEIGHT_DECAY, CLIP = 1e-2, 0.01, 1.0
@@ -89,7 +89,7 @@ def spawn(world_size: int, fn: Callable, payload: Any = None, timeout_s: float =
     environment = dict(os.environ)
     read_at_start = any(key.startswith("MALLOC_") for key in environment)
     context = _NEW_INTERPRETER if read_at_start else _FORKED  # [Note: ranks forked from a torch server]
-    port = free_port()
+    port = server_port()  # the group's MASTER_PORT: [Note: ports below the ephemeral range]
     with tempfile.TemporaryDirectory() as out_dir:
         procs = [context.Process(target=_entry, args=(r, world_size, port, fn, payload, out_dir, init, environment))
                  for r in range(world_size)]
