@@ -28,7 +28,7 @@ if str(REPOSITORY) not in sys.path:  # `python bench/engine.py` puts bench/, not
 
 from bench import report
 from bench.engine_systems import deepspeed_config
-from rayzero.ports import free_port as _free_port
+from rayzero.ports import server_port
 
 STAGES = (0, 1, 2, 3)
 # Each DeepSpeed stage right before the same rayzero stage: compared systems run close together in
@@ -91,7 +91,7 @@ def run_job(job: dict[str, Any], deadline_s: float, scratch: pathlib.Path) -> li
     log_directory.mkdir()
     job = {**job, "log_directory": str(log_directory)}
     context = mp.start_processes(
-        worker, args=(job, _free_port(), str(result_path)), nprocs=job["world_size"], join=False,
+        worker, args=(job, server_port(), str(result_path)), nprocs=job["world_size"], join=False,
         start_method="forkserver",
     )
     failure = None

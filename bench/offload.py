@@ -213,9 +213,9 @@ def _step_worker(rank: int, job: dict[str, Any], port: int, out: str) -> None:
 
 def _run_step_job(job: dict[str, Any], scratch: str, timeout_s: float) -> dict[str, Any]:
     """Run `_step_worker` on 2 gloo ranks in fresh processes; rank 0's row or an error."""
-    from rayzero.ports import free_port
+    from rayzero.ports import server_port
 
-    port = free_port()
+    port = server_port()  # MASTER_PORT: [Note: ports below the ephemeral range]
     out = os.path.join(scratch, f"{job['system']}-{job['stage']}-{job['offload']}-{time.monotonic_ns()}.json")
     code = ("import sys, json; sys.path.insert(0, %r); import offload as b; "
             "b._step_worker(int(sys.argv[1]), json.loads(sys.argv[2]), int(sys.argv[3]), sys.argv[4])"

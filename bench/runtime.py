@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from rayzero.ports import free_port
+from rayzero.ports import server_port
 
 
 def _rate(reports: list[dict]) -> dict[str, float]:
@@ -45,7 +45,7 @@ def torchrun_worker(steps: int, out: str, started_at: float) -> None:
 
 
 def run_torchrun(steps: int, workers: int) -> dict:
-    port = free_port()
+    port = server_port()  # MASTER_PORT: [Note: ports below the ephemeral range]
     with tempfile.TemporaryDirectory() as tmp:
         out = f"{tmp}/reports.json"
         started = time.time()

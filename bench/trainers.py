@@ -105,10 +105,10 @@ def _run(command: list[str], env: dict[str, str], times_file: Path, cwd: str) ->
 
 
 def run_torchrun(inputs: dict[str, str], steps: int, directory: Path, *extra: str) -> dict:
-    from rayzero.ports import free_port
+    from rayzero.ports import server_port
 
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(free_port()), __file__, "--timed", str(SCRIPT), str(directory / "ddp_times.json"), "--",
+               str(server_port()), __file__, "--timed", str(SCRIPT), str(directory / "ddp_times.json"), "--",
                *_script_args(inputs, steps, str(directory / "ddp")), "--ddp_backend", "gloo", "--use_cpu", *extra]
     return _run(command, _environment(), directory / "ddp_times.json", str(directory))
 

@@ -34,13 +34,6 @@ APISERVER = CACHE / "kube-apiserver-1.20.2"
 BUILD_SCRIPT = SCRIPTS / "k8s_envtest_build.sh"
 
 
-def restartable_port() -> int:
-    """A free loopback port for the apiserver, which `restart_apiserver` gives up for a moment: below
-    the kernel's ephemeral range, so no connection takes it meanwhile ([Note: ports below the
-    ephemeral range] in rayzero/ports.py)."""
-    return server_port()
-
-
 def ensure_binaries() -> None:
     """Build and cache the apiserver (and install etcd) unless already there: ~5 min once."""
     if not (APISERVER.exists() and shutil.which("etcd") and shutil.which("openssl")):
@@ -81,7 +74,9 @@ class EnvTest:
     def start(self, timeout: float = 60.0) -> EnvTest:
         ensure_binaries()
         self._certificates()
-        etcd_port, peer_port, self.port = free_port(), free_port(), restartable_port()
+        # the apiserver's port is given up for a moment by `restart_apiserver`: from below the ephemeral
+        # range, so no connection takes it meanwhile ([Note: ports below the ephemeral range])
+        etcd_port, peer_port, self.port = free_port(), free_port(), server_port()
         etcd_url = f"http://127.0.0.1:{etcd_port}"
         self._spawn("etcd", [
             "etcd", "--data-dir", str(self.dir / "etcd"), "--listen-client-urls", etcd_url,

@@ -15,8 +15,7 @@ operator's passes); on one worker beside the others its waits overlap their work
 Ray files, not first: handed out first it started its apiserver, etcd, operator and a real run's Ray
 while the chaos soak started its 3-node cluster, and a node the soak brought back missed Ray's 30 s
 start-up bound (one full run of two). Its apiserver restart gives a port up for a moment, so that
-port comes from outside the ranges anything else picks from (scripts/k8s_envtest.py,
-`restartable_port`).
+port comes from outside the ranges anything else picks from (rayzero.ports.server_port).
 """
 from __future__ import annotations
 

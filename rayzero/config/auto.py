@@ -229,8 +229,9 @@ def _warmup_steps(facts: TrainerFacts) -> tuple[int | None, str]:
 def _derive_batch(config: RayZeroConfig, world: int, notes: list[str], problems: list[Problem]) -> None:
     """DeepSpeed's rule: train_batch_size = micro × accumulation × world; derive the missing ones."""
     names = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
-    total, micro, steps = (None if getattr(config, name) == AUTO else getattr(config, name) for name in names)
-    autos = [getattr(config, name) == AUTO for name in names[1:]]
+    given = [getattr(config, name) for name in names]
+    total, micro, steps = (None if value == AUTO else value for value in given)
+    autos = [value == AUTO for value in given[1:]]
     if all(autos) or (any(autos) and total is None):
         return  # not determined by the batch keys: reported as an unresolved "auto"
     src = f"world_size={world}"

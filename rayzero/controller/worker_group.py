@@ -216,7 +216,7 @@ class RayWorkerGroup:
         started = time.monotonic()
         rank0_index = next(i for i, (rank, _, _) in enumerate(ranks) if rank == 0)
         master_addr = infos[rank0_index].node_ip
-        master_port = ray.get(actors[rank0_index].free_port.remote(), timeout=60)
+        master_port = ray.get(actors[rank0_index].master_port.remote(), timeout=60)
         shards = self._split_datasets()
         backend = "nccl" if self._scaling.use_gpu else "gloo"
         setups = []

@@ -123,7 +123,7 @@ class TrainWorker:
         gpu_ids = tuple(str(g) for g in runtime.get_accelerator_ids().get("GPU", []))
         return NodeInfo(runtime.get_node_id(), ray.util.get_node_ip_address(), gpu_ids, os.getpid())
 
-    def free_port(self) -> int:
+    def master_port(self) -> int:
         """A TCP port free on this node, for MASTER_PORT when this worker is rank 0: bound only once
         every rank has its environment, so from below the ephemeral range ([Note: ports below the
         ephemeral range])."""

@@ -10,7 +10,7 @@ import subprocess
 import sys
 import textwrap
 
-from rayzero.ports import server_port as _free_port
+from rayzero.ports import server_port
 
 SCRIPT = textwrap.dedent("""
     import torch
@@ -35,7 +35,7 @@ def test_a_torchrun_script_that_does_not_destroy_the_group_exits_cleanly(tmp_pat
     for attempt in range(6):
         launched = subprocess.run(
             [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
-             f"--master-port={_free_port()}", str(script)],
+             f"--master-port={server_port()}", str(script)],
             capture_output=True, text=True, timeout=120, cwd=tmp_path, check=False,
         )
         assert launched.returncode == 0, f"run {attempt} failed:\n{launched.stdout[-2000:]}\n{launched.stderr[-3000:]}"

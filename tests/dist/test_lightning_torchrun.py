@@ -12,7 +12,7 @@ import pytest
 import torch
 
 pytest.importorskip("lightning")
-from rayzero.ports import server_port as free_port
+from rayzero.ports import server_port
 from tests.data import lightning_train
 
 DATA = Path(__file__).resolve().parents[1] / "data"
@@ -36,7 +36,7 @@ def _assert_close(actual: dict[str, torch.Tensor], expected: dict[str, torch.Ten
 
 def test_a_lightning_script_under_torchrun_writes_rayzero_checkpoints_with_plain_sgds_weights(tmp_path):
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-               "--master_port", str(free_port()), str(DATA / "lightning_train.py"), str(tmp_path), "--epochs", "2"]
+               "--master_port", str(server_port()), str(DATA / "lightning_train.py"), str(tmp_path), "--epochs", "2"]
     env = dict(os.environ, OMP_NUM_THREADS="1", RAYZERO_COLLECTIVE_TIMEOUT_S="120")
     run = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, check=False)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]

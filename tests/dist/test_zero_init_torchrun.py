@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from rayzero.ports import server_port as free_port
+from rayzero.ports import server_port
 
 pytestmark = pytest.mark.dist
 
@@ -42,7 +42,7 @@ def test_zero_init_first_under_torchrun_partitions_over_the_launched_ranks(tmp_p
     script.write_text(SCRIPT)
     launched = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
-         f"--master-port={free_port()}", str(script)],
+         f"--master-port={server_port()}", str(script)],
         capture_output=True, text=True, timeout=180, cwd=tmp_path, check=False)
     assert launched.returncode == 0, f"{launched.stdout[-2000:]}\n{launched.stderr[-3000:]}"
     assert launched.stdout.count("TRAINED") == 2
