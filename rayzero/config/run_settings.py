@@ -117,8 +117,9 @@ class FailureConfig(_Settings):
     """Timeout of the torch process group: forming it and every collective. A rank that hangs
     makes the others fail after this long instead of blocking forever."""
     backoff_s: float = Field(1.0, ge=0)
-    """Seconds to wait before the first retry, doubled for each further one (at most 60 s); a
-    placement that does not fit is retried like any failure, within `max_failures`."""
+    """Seconds to wait before the first retry, doubled for each further one in a row (at most 60 s): a
+    newer committed checkpoint since the previous failure starts it at this again. A placement that
+    does not fit is retried like any failure, within `max_failures`."""
     hang_timeout_s: float = Field(55.0, ge=0)
     """A rank with no progress (engine step, forward, report, save) for this long after its first
     optimizer step is hung: the controller names it, prints every rank's Python stacks (the hung one

@@ -415,7 +415,7 @@ class Controller(PlannedStops, Watch):
             self._group.shutdown()  # now, not after the backoff: its resources are free meanwhile
         self._event(f"restarting the worker group: {decision.reason}")
         self._move(Failed(RESTART_CAUSES.get(failure.kind, failure.kind.value), decision.reason,
-                          not_before=self._clock() + self._policy.backoff(self.failures)))
+                          not_before=self._clock() + self._policy.backoff(self._failures_in_a_row)))
 
     def _end_errored(self, failure: Failure, why: str = "", killed: bool = False) -> None:
         if self._group is not None:

@@ -14,8 +14,11 @@ preemptions are not failures and cost nothing. What ends a run by default is a f
 coming back: `max_failures_without_progress` (3) failures in a row with no newer committed
 checkpoint between them. So a long run goes on through the odd lost node or crashed worker, as long
 as it keeps checkpointing, and a bug that fails the same step every time ends it after three tries.
-Each retry waits `backoff_s · 2^(n-1)` (capped at 60 s) first, so a cluster that is out of room gets
-time for an autoscaler or a returning node instead of a burst of failed placements. A rerun with the
+Each retry waits `backoff_s · 2^(n-1)` (capped at 60 s) first, n counting the failures in a row (a
+newer committed checkpoint starts it at 1 again), so a cluster that is out of room gets time for an
+autoscaler or a returning node instead of a burst of failed placements, while a long run's tenth
+failure, hours after its ninth, waits `backoff_s` and not a minute (Kubernetes' CrashLoopBackOff
+resets the same way once a container has run for a while). A rerun with the
 same name resumes from the newest checkpoint either way.
 """
 from __future__ import annotations
@@ -81,7 +84,8 @@ class FailurePolicy:
     max_failures: int = -1
     """Failures tolerated over the whole run (one budget, not per rank); -1 means no total limit."""
     backoff_s: float = 0.0
-    """Wait before the first retry; doubled each further retry, capped at 60 s."""
+    """Wait before the first retry; doubled each further retry in a row (no newer committed checkpoint
+    between them), capped at 60 s."""
     max_failures_without_progress: int = 3
     """Failures in a row with no newer committed checkpoint between them that end the run (a crash
     that recurs at the same place is not fixed by another restart); 0 means no such limit."""
@@ -95,7 +99,7 @@ class FailurePolicy:
         return Retry(f"failure {failures_so_far + 1} of {self._budget()}: {failure.message}")
 
     def backoff(self, failures_so_far: int) -> float:
-        """Seconds to wait before retry number `failures_so_far` (1-based)."""
+        """Seconds to wait before a retry that is failure number `failures_so_far` in a row (1-based)."""
         if self.backoff_s <= 0 or failures_so_far <= 0:
             return 0.0
         return min(60.0, self.backoff_s * 2 ** (failures_so_far - 1))

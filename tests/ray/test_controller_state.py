@@ -370,6 +370,35 @@ def test_kill_ends_the_run_at_once_and_backoff_doubles():
     assert [policy.backoff(n) for n in (1, 2, 3, 7)] == [2.0, 4.0, 8.0, 60.0]
 
 
+def test_the_backoff_doubles_for_failures_in_a_row_and_starts_again_after_a_new_checkpoint(tmp_path):
+    # before: the exponent counted every failure of the run, so a long run's seventh failure, however
+    # far apart from the sixth, waited 60 s
+    clock = Clock()
+    died = GroupPoll(failures=[Failure(FailureKind.WORKER_DIED, "died", 0)])
+    groups = [FakeGroup([died]) for _ in range(4)] + [FakeGroup([GroupPoll(finished=True)])]
+    made: list[int] = []
+
+    def factory(attempt: int, resume_from: str | None, workers: int) -> FakeGroup:
+        made.append(attempt)
+        return groups[attempt]
+
+    controller = Controller(factory, lambda: None, None, FailurePolicy(-1, backoff_s=1.0, max_failures_without_progress=0),
+                            clock=clock, settings=ControllerSettings(checkpoint_locations=(str(tmp_path),)))
+    waits = []
+    for attempt, commits_before_failing in enumerate((None, None, 5, None)):
+        _running(controller)
+        if commits_before_failing is not None:
+            _commit(tmp_path, commits_before_failing)
+        controller.step()
+        assert controller.state is RunState.RESTARTING, controller.state
+        waits.append(controller.current.not_before - clock.now)
+        clock.now = controller.current.not_before
+    while not controller.step().is_terminal:
+        pass
+    # two in a row double; the checkpoint of step 5 starts the count again; the next one in a row doubles
+    assert waits == [1.0, 2.0, 1.0, 2.0] and made == [0, 1, 2, 3, 4] and controller.failures == 4
+
+
 def test_a_drain_notice_on_a_ranks_node_checkpoints_and_regroups_without_it(tmp_path):
     _commit(tmp_path, 5)
     clock = Clock()
