@@ -38,6 +38,8 @@ class StorageProblem:
     rank: int
     path: str
     reason: str
+    foreign: bool = False
+    """The path is a directory rayzero did not write (the reason says how to fix it), not a disk problem."""
 
     def __str__(self) -> str:
         return f"rank {self.rank} could not write {self.path}: {self.reason}"
@@ -53,8 +55,9 @@ class CheckpointSaveError(RayZeroRuntimeError):
                 else f"checkpoint {tag} is committed on local disk, but its durable copy was not saved")
         super().__init__(
             f"{what}: {'; '.join(map(str, self.problems))}. The previous committed checkpoint and `latest` "
-            f"are untouched; training continues and the next save tries again. Free space on that storage "
-            "(lower checkpoint.keep_last) or point the checkpoints elsewhere")
+            "are untouched; training continues and the next save tries again."
+            + ("" if all(problem.foreign for problem in self.problems) else
+               " Free space on that storage (lower checkpoint.keep_last) or point the checkpoints elsewhere"))
 
     def __reduce__(self):
         return (type(self), (self.tag, self.tier, self.problems))
@@ -70,4 +73,4 @@ def noting(problems: list[StorageProblem], rank: int, path: str) -> Iterator[Non
         where = error.filename if isinstance(error.filename, str) else path
         problems.append(StorageProblem(rank, where, error.strerror or str(error)))
     except ForeignDirectoryError as error:
-        problems.append(StorageProblem(rank, path, str(error)))
+        problems.append(StorageProblem(rank, path, str(error), foreign=True))

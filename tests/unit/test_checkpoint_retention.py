@@ -19,6 +19,7 @@ from rayzero.checkpoint.retention import (
     apply_retention,
     claim_run_lineage,
     claim_tag_dir,
+    owner_text,
 )
 from rayzero.checkpoint.types import ShardedTensor, ShardSpec
 from rayzero.config.environment import RUN_LINEAGE
@@ -111,10 +112,36 @@ def test_a_save_into_a_foreign_directory_is_refused_and_reported(tmp_path, caplo
     checkpointer.save(root, "global_step3", 3, 0, [ShardedTensor(SPEC, torch.ones(4))])  # not raised: reported
     failure = checkpointer.last_save_failure
     assert failure is not None and "global_step3" in str(failure) and "was not written by rayzero" in str(failure)
+    assert "Free space" not in str(failure)  # its fix is its own (move it away), not a full disk's
     assert sorted(os.listdir(os.path.join(root, "global_step3"))) == ["model.safetensors"]
     assert read_latest(root) == "global_step2" and _steps(root) == [2]
     _save(checkpointer, root, 4)  # training goes on; the next save works
     assert _steps(root) == [2, 4]
+
+
+def test_a_directory_left_by_a_save_killed_before_its_marker_is_saved_into_again(tmp_path):
+    # a save SIGKILLed between making the directory and publishing its marker leaves only the
+    # marker's temporary (seen in a full run: the restarted run's save of that step was refused)
+    root = str(tmp_path / "ckpt")
+    torn = os.path.join(root, "global_step6")
+    os.makedirs(torn)
+    with open(os.path.join(torn, "rayzero-owner.json.tmp19435"), "w") as out:
+        out.write(owner_text("run-a"))
+    checkpointer = Checkpointer(CheckpointOptions(async_save=False))
+    _save(checkpointer, root, 6)
+    assert checkpointer.last_save_failure is None, checkpointer.last_save_failure
+    assert _steps(root) == [6] and "rayzero-owner.json.tmp19435" not in os.listdir(torn)
+    # what still is not rayzero's stays refused: a temporary-looking name that holds no marker, or
+    # a marker's temporary beside a file rayzero did not write
+    for names in ({"rayzero-owner.json.tmp1": "not a marker"},
+                  {"rayzero-owner.json.tmp1": owner_text("run-a"), "notes.txt": "mine"}):
+        other = tmp_path / f"other{len(names)}"
+        other.mkdir()
+        for name, text in names.items():
+            (other / name).write_text(text)
+        with pytest.raises(ForeignDirectoryError):
+            claim_tag_dir(str(other), "run-a")
+        assert sorted(os.listdir(other)) == sorted(names)
 
 
 def _durable_commit(root: str, tag: str, step: int, owner: str | None, manifest_tag: str | None = None) -> None:
