@@ -19,6 +19,7 @@ from rayzero.checkpoint.manifest import LATEST, MANIFEST, Manifest, NotAManifest
 from rayzero.checkpoint.retention import (
     OWNER_FILE,
     ForeignDirectoryError,
+    is_marker_temporary,
     is_own_file,
     owner_text,
     parse_owner,
@@ -144,11 +145,19 @@ class DurableStore:
         """Mark the durable `tag` as this lineage's before any upload into it; refuse a directory
         holding files rayzero did not write (ForeignDirectoryError)."""
         present = self._names(tag)
+        torn = []
         if present and OWNER_FILE not in present and MANIFEST not in present:
-            raise ForeignDirectoryError(self.location(tag))
+            # only the temporary of our own marker: an upload killed between staging and moving it
+            # (claim_tag_dir's rule for local disk)
+            torn = [name for name in present if is_marker_temporary(name)]
+            texts = [self._read_small(self._path(tag, name)) for name in torn]
+            if len(torn) < len(present) or not any(text is not None and parse_owner(text) for text in texts):
+                raise ForeignDirectoryError(self.location(tag))
         if self.owner(tag) != lineage:
             self.filesystem.create_dir(self._path(tag), recursive=True)
             self._write_text(self._path(tag, OWNER_FILE), owner_text(lineage))
+        for name in torn:
+            self._delete_quietly(self._path(tag, name))
 
     def discard(self, tag: str, lineage: str) -> None:
         """Remove the durable `tag` if this lineage owns it: the manifest first, then every file

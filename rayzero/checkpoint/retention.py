@@ -104,6 +104,12 @@ def is_own_file(name: str) -> bool:
     return _OWN_FILE.fullmatch(name) is not None
 
 
+def is_marker_temporary(name: str) -> bool:
+    """The name of the owner marker's temporary (`.tmp<pid>` on local disk, `.tmp` in durable storage)."""
+    suffix = name.removeprefix(f"{OWNER_FILE}.tmp")
+    return suffix != name and (suffix == "" or suffix.isdigit())
+
+
 def owner_text(lineage: str) -> str:
     return json.dumps({"format": OWNER_FORMAT, "lineage": lineage, "created_unix": time.time(),
                        "pid": os.getpid()}, sort_keys=True) + "\n"
@@ -162,8 +168,7 @@ def _torn_marker(tag_dir: str, present: list[str]) -> list[str]:
     rayzero's, to take over; anything else without a marker or manifest is not. Seen in a full test
     run: a rank SIGKILLed between the two left `rayzero-owner.json.tmp<pid>`, and the restarted run's
     save of that step was refused as foreign (its checkpoint never came)."""
-    prefix = f"{OWNER_FILE}.tmp"
-    if not all(name.startswith(prefix) and name[len(prefix):].isdigit() for name in present):
+    if not all(is_marker_temporary(name) for name in present):
         return []
     for name in present:
         try:

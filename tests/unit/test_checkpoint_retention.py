@@ -142,6 +142,17 @@ def test_a_directory_left_by_a_save_killed_before_its_marker_is_saved_into_again
         with pytest.raises(ForeignDirectoryError):
             claim_tag_dir(str(other), "run-a")
         assert sorted(os.listdir(other)) == sorted(names)
+    # the durable copy: an upload killed between staging its marker and moving it into place
+    durable = tmp_path / "durable"
+    (durable / "global_step6").mkdir(parents=True)
+    (durable / "global_step6" / "rayzero-owner.json.tmp").write_text(owner_text("run-a"))
+    (durable / "global_step7").mkdir()
+    (durable / "global_step7" / "rayzero-owner.json.tmp").write_text("not a marker")
+    store = DurableStore(durable.as_uri())
+    store.claim("global_step6", "run-a")
+    assert store.owner("global_step6") == "run-a" and os.listdir(durable / "global_step6") == ["rayzero-owner.json"]
+    with pytest.raises(ForeignDirectoryError):
+        store.claim("global_step7", "run-a")
 
 
 def _durable_commit(root: str, tag: str, step: int, owner: str | None, manifest_tag: str | None = None) -> None:
