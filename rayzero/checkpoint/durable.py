@@ -19,10 +19,10 @@ from rayzero.checkpoint.manifest import LATEST, MANIFEST, Manifest, NotAManifest
 from rayzero.checkpoint.retention import (
     OWNER_FILE,
     ForeignDirectoryError,
-    is_marker_temporary,
     is_own_file,
     owner_text,
     parse_owner,
+    torn_marker,
 )
 from rayzero.checkpoint.storage import filesystem_from_uri
 from rayzero.config.errors import RayZeroValueError
@@ -149,9 +149,8 @@ class DurableStore:
         if present and OWNER_FILE not in present and MANIFEST not in present:
             # only the temporary of our own marker: an upload killed between staging and moving it
             # (claim_tag_dir's rule for local disk)
-            torn = [name for name in present if is_marker_temporary(name)]
-            texts = [self._read_small(self._path(tag, name)) for name in torn]
-            if len(torn) < len(present) or not any(text is not None and parse_owner(text) for text in texts):
+            torn = torn_marker(present, lambda name: self._read_small(self._path(tag, name)))
+            if not torn:
                 raise ForeignDirectoryError(self.location(tag))
         if self.owner(tag) != lineage:
             self.filesystem.create_dir(self._path(tag), recursive=True)

@@ -33,6 +33,7 @@ import os
 import re
 import time
 import uuid
+from collections.abc import Callable, Iterable
 
 from rayzero.checkpoint.manifest import MANIFEST, read_manifest, write_atomic
 from rayzero.checkpoint.storage import filesystem_from_uri
@@ -129,11 +130,8 @@ def parse_owner(text: str | bytes) -> str | None:
 
 def owner_of(tag_dir: str) -> str | None:
     """The lineage that owns a local tag directory, or None (no readable marker: not provably ours)."""
-    try:
-        with open(os.path.join(tag_dir, OWNER_FILE), "rb") as source:
-            return parse_owner(source.read(4096))
-    except OSError:
-        return None
+    text = _read_head(os.path.join(tag_dir, OWNER_FILE))
+    return parse_owner(text) if text is not None else None
 
 
 def claim_tag_dir(tag_dir: str, lineage: str, take_over: bool = True) -> None:
@@ -151,9 +149,11 @@ def claim_tag_dir(tag_dir: str, lineage: str, take_over: bool = True) -> None:
             raise ForeignDirectoryError(tag_dir) from None
         present = os.listdir(tag_dir)
     owner = owner_of(tag_dir) if present else None
-    torn = _torn_marker(tag_dir, present) if present and owner is None and MANIFEST not in present else []
-    if present and owner is None and MANIFEST not in present and not torn:
-        raise ForeignDirectoryError(tag_dir)
+    torn: list[str] = []
+    if present and owner is None and MANIFEST not in present:
+        torn = torn_marker(present, lambda name: _read_head(os.path.join(tag_dir, name)))
+        if not torn:
+            raise ForeignDirectoryError(tag_dir)
     if not present or (take_over and owner != lineage):
         write_atomic(os.path.join(tag_dir, OWNER_FILE), owner_text(lineage))
         for name in torn:  # the killed save's temporaries; the marker just published replaces them
@@ -161,23 +161,25 @@ def claim_tag_dir(tag_dir: str, lineage: str, take_over: bool = True) -> None:
                 os.remove(os.path.join(tag_dir, name))
 
 
-def _torn_marker(tag_dir: str, present: list[str]) -> list[str]:
-    """The names in `tag_dir` when it holds nothing but temporaries of rayzero's own marker, one of
-    them a whole marker: a save killed after it made the directory and before it published the
-    marker (the marker comes before any shard byte, so nothing else can be there). That directory is
-    rayzero's, to take over; anything else without a marker or manifest is not. Seen in a full test
-    run: a rank SIGKILLed between the two left `rayzero-owner.json.tmp<pid>`, and the restarted run's
-    save of that step was refused as foreign (its checkpoint never came)."""
-    if not all(is_marker_temporary(name) for name in present):
+def torn_marker(present: Iterable[str], read: Callable[[str], bytes | None]) -> list[str]:
+    """`present` (a tag directory's names, no marker or manifest among them) when they are nothing but
+    temporaries of rayzero's own marker, one of them (`read` by name) a whole marker: a save or upload
+    killed after it made the directory and before it published the marker (the marker comes before
+    any shard byte, so nothing else can be there). That directory is rayzero's, to take over; any
+    other is not, and [] says so. Seen in a full test run: a rank SIGKILLed between the two left
+    `rayzero-owner.json.tmp<pid>`, and the restarted run's save of that step was refused as foreign."""
+    names = list(present)
+    if not all(is_marker_temporary(name) for name in names):
         return []
-    for name in present:
-        try:
-            with open(os.path.join(tag_dir, name), "rb") as source:
-                if parse_owner(source.read(4096)) is not None:
-                    return list(present)
-        except OSError:
-            continue
-    return []
+    return names if any(parse_owner(text) for text in map(read, names) if text is not None) else []
+
+
+def _read_head(path: str) -> bytes | None:
+    try:
+        with open(path, "rb") as source:
+            return source.read(4096)
+    except OSError:
+        return None
 
 
 def remove_tag_dir(tag_dir: str) -> None:
