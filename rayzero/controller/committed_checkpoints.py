@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import posixpath
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -214,6 +215,7 @@ class CheckpointTracker:
 
     def refresh(self) -> CheckpointRecord | None:
         """List the locations again; the newest committed checkpoint known afterwards."""
+        self._look_past_heartbeat()
         found = newest(self.locations(), self.manifests)
         if found is not None and (self.latest is None or found.record.step >= self.latest.step):
             self.latest = found.record
@@ -222,6 +224,7 @@ class CheckpointTracker:
     def resume_location(self) -> str | None:
         """What the next attempt resumes from: the save directory holding the newest committed
         checkpoint, NODE_LOCAL_RESUME for node-local runs, None when there is none."""
+        self._look_past_heartbeat()
         found = newest(self.locations(), self.manifests)
         if self._node_local:
             # Each new rank resumes from its own node's directory; the loader there takes the newest
@@ -236,9 +239,62 @@ class CheckpointTracker:
         self.latest = found.record
         return found.root
 
+    def _look_past_heartbeat(self) -> None:
+        """Follow a script's numbered save directories past the one the last heartbeat named
+        ([Note: saves after the last heartbeat])."""
+        if self._heartbeat_dir is None or self.latest is None:
+            return
+        for sibling in numbered_siblings(self._heartbeat_dir):
+            found = committed_in(sibling, self.manifests)
+            if found and found[0].record.step > self.latest.step:
+                self._heartbeat_dir = sibling
+                return
+
     def record_of(self, location: str, step: int) -> CheckpointRecord:
         """The record of the checkpoint the ranks just committed at `location` (a tag directory)."""
         for item in committed_in(location, self.manifests):
             self.latest = item.record
             return item.record
         return CheckpointRecord("durable", location, step, time.time())
+
+
+_NUMBERED = re.compile(r"^(.*?)(\d+)$")
+
+
+def numbered_siblings(save_dir: str) -> list[str]:
+    """The directories beside `save_dir` named like it with a larger number (`checkpoint-500` ->
+    `checkpoint-1000`, `checkpoint_3` -> `checkpoint_4`), largest first; [] when its name ends in no
+    number or its parent cannot be listed.
+
+    [Note: saves after the last heartbeat]
+    A script that picks its own save directories (an HF Trainer's `output_dir/checkpoint-N`,
+    Accelerate's `checkpoints/checkpoint_N`) makes a new one per save; the controller learns of it
+    from the next heartbeat ([Note: node-local runs] in rayzero/workers/boundary.py). A rank killed
+    between a save's commit and that heartbeat leaves a committed checkpoint the controller has not
+    heard of, and the script's restart resumes from it (the Trainer takes its newest complete
+    `checkpoint-N`, rayzero/compat/trainer.py). So at a failure the tracker lists the parent of the
+    newest save directory a heartbeat named for siblings with its name and a larger number and takes
+    the largest one holding a committed checkpoint newer than the one known: what the run says it
+    resumed from, and what goodput counts as redone, is then the step the script resumed from. A
+    kill before any heartbeat named one of the script's saves still goes unseen (the controller
+    does not know where the script saves).
+    It does so at each listing (a failure, `checkpoint_scan_interval_s`): one listing of the parent,
+    plus one per newer sibling up to the first committed one (usually none: the heartbeat names it).
+    """
+    parent, _, name = save_dir.rstrip("/").rpartition("/")
+    match = _NUMBERED.match(name)
+    if not parent or match is None:
+        return []
+    prefix, number = match.group(1), int(match.group(2))
+    try:
+        filesystem, root = _filesystem(parent)
+        infos = filesystem.get_file_info(pafs.FileSelector(root, allow_not_found=True))
+    except (OSError, ValueError) as error:
+        logger.warning("cannot list %s for checkpoints newer than %s: %s", parent, name, error)
+        return []
+    numbered = []
+    for info in infos:
+        other = _NUMBERED.match(info.base_name)
+        if info.type == pafs.FileType.Directory and other and other.group(1) == prefix and int(other.group(2)) > number:
+            numbered.append((int(other.group(2)), f"{parent}/{info.base_name}"))
+    return [path for _, path in sorted(numbered, reverse=True)]
