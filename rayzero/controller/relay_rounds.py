@@ -4,6 +4,16 @@
 heartbeats, reports in order, deaths — until the worker group hands them out (`heartbeats()` the
 heartbeats, `poll()` the reports). It never holds two collects to one relay at once: a relay that
 did not answer in time keeps its call, and its answer is taken in a later round, in order.
+
+[Note: one node, no relay actor]
+A relay gathers one node's ranks so that the controller makes one call per node, not per rank. A
+group on one node has nothing to gather across, so it gets no relay actor: the controller keeps the
+node's `NodeRelay` in its own process and calls it in place (the same code, so the same order,
+silence and death rules). An attempt then starts one process fewer (a Ray worker: ~0.6 CPU-s and
+its start-up), which is most runs' case — one machine — and most restarts'. The round waits as
+long as for a remote relay: `collect` waits `RELAY_WAIT_S` for the ranks either way; a last round's
+two waits (a fresh ask after the first answers) share its time, where a remote relay's answer may
+come in a later round instead. Groups on two nodes or more keep one relay actor per node.
 """
 from __future__ import annotations
 
@@ -15,7 +25,7 @@ import ray
 from rayzero.controller.failures import Failure, FailureKind
 from rayzero.controller.health import rank_ranges
 from rayzero.workers.boundary import Heartbeat
-from rayzero.workers.relay import RELAY_WAIT_S, NodeRound, ray_values
+from rayzero.workers.relay import RELAY_WAIT_S, NodeRelay, NodeRound, ray_values
 from rayzero.workers.session import Report
 
 
@@ -44,8 +54,11 @@ class RelayRounds:
                   if index not in self._dead]
         wait_s = max(RELAY_WAIT_S, timeout_s - 1.0) if last else RELAY_WAIT_S
         for index in chosen:
-            if index not in self._calls:
-                self._calls[index] = self.relays[index].collect.remote(wait_s, last, grace_s)
+            relay = self.relays[index]
+            if isinstance(relay, NodeRelay):  # in this process ([Note: one node, no relay actor])
+                self._take(relay.collect(max(RELAY_WAIT_S, wait_s / 2) if last else wait_s, last, grace_s))
+            elif index not in self._calls:
+                self._calls[index] = relay.collect.remote(wait_s, last, grace_s)
         self._wait(chosen, timeout_s)
 
     def settle(self, relays: Iterable[int], timeout_s: float) -> None:
@@ -77,7 +90,9 @@ class RelayRounds:
 
     def request_boundary(self, request_id: int, kind: int) -> None:
         for index, relay in enumerate(self.relays):
-            if index not in self._dead:
+            if isinstance(relay, NodeRelay):
+                relay.request_boundary(request_id, kind)  # its ranks' calls are fire and forget too
+            elif index not in self._dead:
                 relay.request_boundary.remote(request_id, kind)  # fire and forget: answered by heartbeats
 
     def take_reports(self) -> list[Report]:

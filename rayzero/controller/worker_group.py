@@ -247,23 +247,32 @@ class RayWorkerGroup:
             rank_shards = {name: split[rank] for name, split in shards.items()}
             setups.append(actors[index].setup.remote(rank, env, backend, self._timeout_s, rank_shards))
         self._rounds = self._start_relays()
-        ray.get(setups + [relay.ready.remote() for relay in self._rounds.relays], timeout=self._timeout_s + 60)
+        ray.get(setups + [relay.ready.remote() for relay in self._remote_relays()], timeout=self._timeout_s + 60)
         timings["process_group_s"] = time.monotonic() - started
         return timings
 
     def _start_relays(self) -> RelayRounds:
-        """One `NodeRelay` on each node of the group, for that node's ranks ([Note: node relays])."""
-        relay_class = ray.remote(NodeRelay)
+        """One `NodeRelay` on each node of the group, for that node's ranks ([Note: node relays]); on
+        one node, one in this process ([Note: one node, no relay actor])."""
         by_node: dict[str, list[int]] = {}
         for rank, info in enumerate(self._infos):
             assert info is not None
             by_node.setdefault(info.node_id, []).append(rank)
+        if len(by_node) == 1:
+            ((node, ranks),) = by_node.items()
+            return RelayRounds([NodeRelay(node, {rank: self._workers[rank] for rank in ranks})], [ranks], [node])
+        relay_class = ray.remote(NodeRelay)
         relays = [
             relay_class.options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
             .remote(node, {rank: self._workers[rank] for rank in ranks})
             for node, ranks in by_node.items()
         ]
         return RelayRounds(relays, list(by_node.values()), list(by_node))
+
+    def _remote_relays(self) -> list[Any]:
+        """The relay actors (none for a group on one node)."""
+        relays = self._rounds.relays if self._rounds is not None else []
+        return [relay for relay in relays if not isinstance(relay, NodeRelay)]
 
     def _split_datasets(self) -> dict[str, list[Any]]:
         # equal=True gives every rank the same number of rows, so no rank runs out of batches first
@@ -415,7 +424,7 @@ class RayWorkerGroup:
                 ray.get([w.shutdown.remote() for w in self._workers], timeout=10)
             except Exception as error:  # noqa: BLE001 - the actors are killed next either way
                 logger.debug("worker shutdown before kill failed: %s", error)
-        for handle in [*self._workers, *(self._rounds.relays if self._rounds is not None else [])]:
+        for handle in [*self._workers, *self._remote_relays()]:
             if handle is not None:
                 ray.kill(handle)
         self._workers, self._run_refs, self._rounds = [], {}, None

@@ -71,8 +71,10 @@ def ray_values(refs: list[Any]) -> list[Any]:
 
 
 class NodeRelay:
-    """A Ray actor on one node that gathers its ranks for the controller ([Note: node relays]).
-    Single-threaded: collects never overlap, and a request waits at most one collect's `wait_s`."""
+    """A Ray actor on one node that gathers its ranks for the controller ([Note: node relays]), or,
+    for a group on one node, an object the controller calls in place ([Note: one node, no relay
+    actor] in rayzero/controller/relay_rounds.py). Single-threaded: collects never overlap, and a
+    request waits at most one collect's `wait_s`."""
 
     def __init__(self, node_id: str, workers: dict[int, Any]) -> None:
         self._node_id = node_id

@@ -10,6 +10,7 @@ import pytest
 import rayzero
 from rayzero.config import ConfigError
 from rayzero.driver.metrics_store import read_metrics
+from testkit.actors import actors_made
 
 CONFIG = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1}
 
@@ -50,8 +51,11 @@ def test_reports_in_order_with_the_worker_environment_a_split_dataset_and_the_wa
     import ray.data
 
     config = dict(CONFIG, wall_clock_breakdown=True)
+    relays = actors_made("NodeRelay")
     result = rayzero.fit(reporting_loop, config=config, scaling=_two(), run=_run(tmp_path, name="order"),
                          train_loop_config={"steps": 40}, datasets={"train": ray.data.range(64)})
+    # both ranks on one node: the controller gathered them itself ([Note: one node, no relay actor])
+    assert actors_made("NodeRelay") == relays
     steps = [m["step"] for m in result.metrics_history if "step" in m]
     assert steps == list(range(40))  # rank 0's reports, every one, in order
     assert all(m["rank"] == 0 and m["sum_of_ranks"] == 3.0 for m in result.metrics_history if "step" in m)

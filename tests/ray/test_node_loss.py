@@ -17,6 +17,7 @@ from rayzero.driver.fit import controller_actor_name
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster
 from testkit import elastic_loop
+from testkit.actors import actors_made
 from testkit.local_ray import own_ports
 
 
@@ -123,6 +124,7 @@ def _until_every_cpu_is_free(count: int) -> None:
 def test_node_loss_resumes_from_peer_replicas_with_fewer_workers(cluster, tmp_path):
     made, nodes, node_root = cluster
     _until_every_cpu_is_free(3)
+    relays = actors_made("NodeRelay")
     thread, box = _fit_in_thread(tmp_path, "nodeloss", (2, 3), 24, save_every=2, max_failures=1)
     lost = nodes[2]
     lost_dir = node_root / lost.node_id / "checkpoints" / "nodeloss"
@@ -139,6 +141,9 @@ def test_node_loss_resumes_from_peer_replicas_with_fewer_workers(cluster, tmp_pa
     thread.join(240)
     assert "error" not in box, box.get("error")
     _check(box["result"], 24, (3, 2), failures=1)
+    # a relay actor per node of each attempt: 3, then 2 ([Note: node relays]); the lost node's relay
+    # died with it
+    assert actors_made("NodeRelay") - relays == 5
     shared = tmp_path / "runs" / "nodeloss" / "checkpoints"
     assert not any(shared.glob("global_step*"))  # nothing went through shared storage
 
