@@ -91,7 +91,14 @@ class LoadedCheckpoint:
 
 
 def _local_inventory(root: str) -> dict[str, tuple[int, float, dict[str, int]]]:
-    """tag -> (step, created, {file: size}) of the files present with the manifest's size."""
+    """tag -> (step, created, {file: size}) of the files present with the manifest's size.
+
+    [Note: one inventory per location]
+    A load starts by learning which files every location holds. Each rank used to list its root and
+    all-gather that: on shared storage every rank listed every rank's files (N ranks x N files stat
+    calls) and every rank received N copies of the same N-file listing: O(N^2) work and bytes per
+    rank, where a location is one listing. Only each location's leader (`Topology.leader`) lists
+    now; the others contribute nothing, and the union (`present`) is the same."""
     inventory = {}
     for _, tag in committed_tags(root):
         manifest = read_manifest(os.path.join(root, tag))
@@ -102,6 +109,14 @@ def _local_inventory(root: str) -> dict[str, tuple[int, float, dict[str, int]]]:
                 present[name] = entry.size
         inventory[tag] = (manifest.step, manifest.created_unix, present)
     return inventory
+
+
+def gather_inventories(comm: CheckpointComm, topology: Topology, root: str
+                       ) -> list[dict[str, tuple[int, float, dict[str, int]]]]:
+    """Each rank's inventory of `root`: a location's leader lists it, its other ranks send nothing
+    ([Note: one inventory per location]). Collective over all ranks."""
+    leads = topology.leader(topology.locations[comm.rank]) == comm.rank
+    return comm.all_gather_object(_local_inventory(root) if leads else {})
 
 
 def load(comm: CheckpointComm, topology: Topology, root: str, needed: Iterable[ShardSpec],
@@ -118,8 +133,7 @@ def load(comm: CheckpointComm, topology: Topology, root: str, needed: Iterable[S
     lineage = lineage or new_lineage()
     needed = list(needed)
     here = topology.locations[comm.rank]
-    local = _local_inventory(root)
-    inventories = comm.all_gather_object(local)
+    inventories = gather_inventories(comm, topology, root)
     durable_manifests: dict[str, Manifest] = {}
     if durable is not None and comm.rank == 0:
         durable_manifests = dict(durable.committed())

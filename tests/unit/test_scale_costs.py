@@ -259,3 +259,48 @@ def test_a_commit_builds_and_writes_the_manifest_without_the_garbage_collector_w
     small = _collections_in_a_commit(64, tmp_path)
     large = _collections_in_a_commit(1024, tmp_path)
     assert small <= 2 and large <= 2, (small, large)  # 1 and 44 before the pause
+
+
+class _OneRankOf:
+    """The checkpoint comm as rank `rank` of `world_size` sees it, for a step in which every rank
+    contributes its own value: `all_gather_object` records what this rank sent."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank, self.world_size, self.sent = rank, world_size, None
+
+    def all_gather_object(self, value):
+        self.sent = value
+        return [value] * self.world_size
+
+
+def _inventory_cost(tmp_path, ranks: int, monkeypatch) -> tuple[int, int]:
+    """(files looked at, bytes sent) over every rank of a load's inventory step on shared storage."""
+    from rayzero.checkpoint import loader
+
+    root = tmp_path / f"shared{ranks}"
+    tag = root / "global_step7"
+    tag.mkdir(parents=True)
+    manifest = _manifest(ranks)
+    for name, entry in manifest.files.items():
+        (tag / name).write_bytes(b"x" * entry.size)
+    commit(str(tag), manifest)
+    looked = []
+    real = os.path.isfile
+    monkeypatch.setattr(loader.os.path, "isfile", lambda path: looked.append(path) or real(path))
+    topology = Topology.from_nodes([f"node{rank // 8}" for rank in range(ranks)], node_local=False)
+    sent = 0
+    for rank in range(ranks):
+        comm = _OneRankOf(rank, ranks)
+        loader.gather_inventories(comm, topology, str(root))
+        sent += len(json.dumps(comm.sent))
+    monkeypatch.undo()
+    return len(looked), sent
+
+
+def test_a_load_lists_shared_storage_once_not_once_per_rank(tmp_path, monkeypatch):
+    """[Note: one inventory per location]: every rank listed every rank's files and sent the listing
+    to all (N^2 stat calls and bytes: 4x the ranks, 16x); one listing per location now (4x)."""
+    small_looked, small_sent = _inventory_cost(tmp_path, 16, monkeypatch)
+    large_looked, large_sent = _inventory_cost(tmp_path, 64, monkeypatch)
+    assert small_looked == 16 and large_looked == 64  # one stat per file, by rank 0 alone
+    assert large_sent <= 4.5 * small_sent, (small_sent, large_sent)
