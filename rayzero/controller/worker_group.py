@@ -116,6 +116,46 @@ def free_worker_slots(bundle: dict[str, float]) -> int:
     return slots
 
 
+_RETURN_WAIT_S = 5.0
+"""The most a group's shutdown waits for Ray to show its resources free again ([Note: resources back])."""
+
+
+def _free_per_node(nodes: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    """The free resources of `nodes` now, as Ray's resource view shows them."""
+    if not nodes:
+        return {}
+    from ray._private.state import available_resources_per_node
+
+    free = available_resources_per_node()
+    return {node: dict(free[node]) for node in nodes if node in free}
+
+
+def _until_returned(held: dict[str, dict[str, float]], before: dict[str, dict[str, float]], limit_s: float) -> None:
+    """Wait up to `limit_s` until each node shows the resources `held` there free again.
+
+    [Note: resources back]
+    Killing the workers and removing their placement group returns their CPUs and GPUs to Ray
+    asynchronously: the raylet frees them once it sees the processes exit, and Ray's resource view
+    (what `free_worker_slots` reads) shows it a moment later, up to a second or two on a loaded node.
+    What comes next reads that view at once: an elastic restart, regroup or resize sizes its group
+    to the free slots (it started smaller than it could, and grew back through another restart
+    later), and a script's next `rayzero.fit` (a sweep) found its CPUs still taken. So the shutdown
+    waits until the view shows what the group held free again, relative to what was free before
+    (other work may take the resources meanwhile: the wait is bounded, and then simply ends)."""
+    if not held:
+        return
+    deadline = time.monotonic() + limit_s
+    while True:
+        now = _free_per_node(held)  # a node that left the cluster has nothing to give back
+        if all(now[node].get(key, 0.0) >= before.get(node, {}).get(key, 0.0) + amount - 1e-6
+               for node, amounts in held.items() if node in now for key, amount in amounts.items()):
+            return
+        if time.monotonic() >= deadline:
+            logger.debug("resources of the group not shown free after %.0f s: %s (before %s)", limit_s, now, before)
+            return
+        time.sleep(0.05)
+
+
 def assign_ranks(infos: list[NodeInfo]) -> list[tuple[int, int, int]]:
     """(global rank, local rank, local world size) per actor index.
 
@@ -424,6 +464,8 @@ class RayWorkerGroup:
                 ray.get([w.shutdown.remote() for w in self._workers], timeout=10)
             except Exception as error:  # noqa: BLE001 - the actors are killed next either way
                 logger.debug("worker shutdown before kill failed: %s", error)
+        held = self._held_per_node() if self._pg is not None else {}
+        free_before = _free_per_node(held)
         for handle in [*self._workers, *self._remote_relays()]:
             if handle is not None:
                 ray.kill(handle)
@@ -431,6 +473,18 @@ class RayWorkerGroup:
         if self._pg is not None:
             remove_placement_group(self._pg)
             self._pg = None
+            _until_returned(held, free_before, _RETURN_WAIT_S)
+
+    def _held_per_node(self) -> dict[str, dict[str, float]]:
+        """node -> resources the group's placement group holds there (its workers' bundles)."""
+        bundle = {key: amount for key, amount in self._scaling.bundle().items() if amount > 0}
+        held: dict[str, dict[str, float]] = {}
+        for info in self._infos:
+            if info is not None:
+                on_node = held.setdefault(info.node_id, {})
+                for key, amount in bundle.items():
+                    on_node[key] = on_node.get(key, 0.0) + amount
+        return held
 
 
 def setup_failure(error: BaseException) -> Failure:

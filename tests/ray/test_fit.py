@@ -87,6 +87,21 @@ def test_reports_in_order_with_the_worker_environment_a_split_dataset_and_the_wa
         assert phase in out
 
 
+def test_a_group_s_shutdown_returns_once_ray_shows_its_cpus_free(local_ray):
+    """[Note: resources back]: what comes after a group's shutdown (an elastic restart or resize, a
+    script's next fit) sizes itself to the free slots. Before, the slots read right after it were
+    still taken (0 of 2 here, back ~50 ms later on an idle machine, longer under load)."""
+    from rayzero.config.run_settings import ScalingConfig
+    from rayzero.controller.worker_group import RayWorkerGroup, free_worker_slots
+
+    before = free_worker_slots({"CPU": 1.0})
+    group = RayWorkerGroup(ScalingConfig(num_workers=2), 2, {}, 60.0)
+    group.start()
+    assert free_worker_slots({"CPU": 1.0}) == before - 2
+    group.shutdown()
+    assert free_worker_slots({"CPU": 1.0}) == before
+
+
 def failing_loop(config):
     """Rank 1 fails in every attempt, each time another way: 0, before rank 0 has reported; 1, after
     rank 0's report; 2, deep inside its own code."""

@@ -112,18 +112,16 @@ def test_a_planned_stop_of_a_node_local_run_knows_its_boundary_checkpoint(cluste
     assert result.goodput["badput_s"]["redone steps"] == 0, result.goodput
 
 
-def _until_every_cpu_is_free(count: int) -> None:
-    """The previous test's workers hold their CPUs until their raylets see them exit: an elastic run
-    started before that sizes itself to what is free (it once started at 2 of (2, 3) workers here)."""
-    deadline = time.monotonic() + 60
-    while ray.available_resources().get("CPU", 0) < count:
-        assert time.monotonic() < deadline, ray.available_resources()
-        time.sleep(0.1)
+def _every_cpu_is_free(count: int) -> None:
+    """The previous test's fit returned once Ray showed its workers' CPUs free again ([Note: resources
+    back]): an elastic run sizes itself to what is free (before, it once started at 2 of (2, 3)
+    workers here, the previous test's CPUs not yet back)."""
+    assert ray.available_resources().get("CPU", 0) == count, ray.available_resources()
 
 
 def test_node_loss_resumes_from_peer_replicas_with_fewer_workers(cluster, tmp_path):
     made, nodes, node_root = cluster
-    _until_every_cpu_is_free(3)
+    _every_cpu_is_free(3)
     relays = actors_made("NodeRelay")
     thread, box = _fit_in_thread(tmp_path, "nodeloss", (2, 3), 24, save_every=2, max_failures=1)
     lost = nodes[2]
