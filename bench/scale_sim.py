@@ -135,7 +135,7 @@ class SimulatedGroup:
         self.calls["stacks"] += 1
         return {rank: STACK for rank in range(self.world_size)}
 
-    def shutdown(self) -> None:
+    def shutdown(self, until_free: bool = False) -> None:
         self.calls["shutdown"] += 1
 
 
@@ -306,7 +306,7 @@ class HostedRayWorkerGroup(RayWorkerGroup):
         self.stacks_asked_at = time.monotonic()
         return super().stacks(timeout_s)
 
-    def shutdown(self) -> None:
+    def shutdown(self, until_free: bool = False) -> None:
         for handle in [*self.hosts, *([self.victim_relay] if self.victim_relay is not None else [])]:
             ray.kill(handle)
         self.hosts, self.victim_relay = [], None

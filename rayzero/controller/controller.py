@@ -353,7 +353,7 @@ class Controller(PlannedStops, Watch):
         """Every rank's loop returned: the run finished, or a planned stop/resize reached its end."""
         state = self._state
         assert isinstance(state, (Running, Draining, Resizing))
-        state.group.shutdown()
+        state.group.shutdown(until_free=True)  # what comes next sizes itself to the free slots
         self._resolve_awaiting(error=None)
         if isinstance(state, Resizing) and stopped:
             self.attempt += 1
@@ -371,7 +371,7 @@ class Controller(PlannedStops, Watch):
         """A worker got SIGTERM ([Note: preemption] in rayzero/workers/actor.py): the group saved at
         the agreed boundary and stopped; go on with as many workers as now fit. Not a failure."""
         assert self._group is not None
-        self._group.shutdown()
+        self._group.shutdown(until_free=True)
         self._resolve_awaiting(None)
         self.attempt += 1
         self._resume_from = self.checkpoints.resume_location() or self._resume_from

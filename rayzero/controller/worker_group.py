@@ -77,7 +77,9 @@ class WorkerGroup(Protocol):
         """Every rank's Python thread stacks (for hang reports); ranks that do not answer are left out."""
         ...
 
-    def shutdown(self) -> None: ...
+    def shutdown(self, until_free: bool = False) -> None:
+        """Kill the workers; `until_free`: return once Ray shows their resources free ([Note: resources back])."""
+        ...
 
 
 @ray.remote
@@ -137,14 +139,18 @@ def _until_returned(held: dict[str, dict[str, float]], before: dict[str, dict[st
     Killing the workers and removing their placement group returns their CPUs and GPUs to Ray
     asynchronously: the raylet frees them once it sees the processes exit, and Ray's resource view
     (what `free_worker_slots` reads) shows it a moment later, up to a second or two on a loaded node.
-    What comes next reads that view at once: an elastic restart, regroup or resize sizes its group
-    to the free slots (it started smaller than it could, and grew back through another restart
-    later), and a script's next `rayzero.fit` (a sweep) found its CPUs still taken. So the shutdown
-    waits until the view shows what the group held free again, relative to what was free before
-    (other work may take the resources meanwhile: the wait is bounded, and then simply ends)."""
+    What comes at once reads that view: a preemption's regroup and a resize size their group to the
+    free slots (they started smaller than they could, and grew back through another restart later),
+    and a script's next `rayzero.fit` (a sweep) found its CPUs still taken. So those shutdowns (the
+    controller's `until_free`) wait until the view shows what the group held free again, relative
+    to what was free before (other work may take the resources meanwhile: the wait is bounded, and
+    then simply ends). A failure's shutdown does not wait: its node may be gone (the view keeps a
+    lost node until Ray's health checks give it up, so the wait would only run out), and the retry
+    backoff comes before the restart reads the view."""
     if not held:
         return
     deadline = time.monotonic() + limit_s
+    pause = 0.05  # then doubling up to 0.5 s: about a dozen reads of the GCS's view over the whole wait
     while True:
         now = _free_per_node(held)  # a node that left the cluster has nothing to give back
         if all(now[node].get(key, 0.0) >= before.get(node, {}).get(key, 0.0) + amount - 1e-6
@@ -153,7 +159,8 @@ def _until_returned(held: dict[str, dict[str, float]], before: dict[str, dict[st
         if time.monotonic() >= deadline:
             logger.debug("resources of the group not shown free after %.0f s: %s (before %s)", limit_s, now, before)
             return
-        time.sleep(0.05)
+        time.sleep(pause)
+        pause = min(2 * pause, 0.5)
 
 
 def assign_ranks(infos: list[NodeInfo]) -> list[tuple[int, int, int]]:
@@ -455,7 +462,7 @@ class RayWorkerGroup:
                     )
                 )
 
-    def shutdown(self) -> None:
+    def shutdown(self, until_free: bool = False) -> None:
         # Leave the process group cleanly only when every loop ended: after a failure the other
         # ranks may sit in a collective, and both actor slots are busy (run + poll), so the call
         # would only wait out its timeout before the kill below.
@@ -464,7 +471,7 @@ class RayWorkerGroup:
                 ray.get([w.shutdown.remote() for w in self._workers], timeout=10)
             except Exception as error:  # noqa: BLE001 - the actors are killed next either way
                 logger.debug("worker shutdown before kill failed: %s", error)
-        held = self._held_per_node() if self._pg is not None else {}
+        held = self._held_per_node() if self._pg is not None and until_free else {}
         free_before = _free_per_node(held)
         for handle in [*self._workers, *self._remote_relays()]:
             if handle is not None:

@@ -56,7 +56,7 @@ class FakeGroup:
     def stacks(self, timeout_s: float) -> dict[int, str]:
         return {0: "File loop.py, in step\n  dist.all_reduce", 1: "File loop.py, in load\n  time.sleep(3600)"}
 
-    def shutdown(self) -> None:
+    def shutdown(self, until_free: bool = False) -> None:
         self.calls.append("shutdown")
 
 

@@ -88,9 +88,9 @@ def test_reports_in_order_with_the_worker_environment_a_split_dataset_and_the_wa
 
 
 def test_a_group_s_shutdown_returns_once_ray_shows_its_cpus_free(local_ray):
-    """[Note: resources back]: what comes after a group's shutdown (an elastic restart or resize, a
-    script's next fit) sizes itself to the free slots. Before, the slots read right after it were
-    still taken (0 of 2 here, back ~50 ms later on an idle machine, longer under load)."""
+    """[Note: resources back]: what comes right after a group's shutdown (a preemption's regroup, a
+    resize, a script's next fit) sizes itself to the free slots. Before, the slots read right after
+    it were still taken (0 of 2 here, back ~50 ms later on an idle machine, longer under load)."""
     from rayzero.config.run_settings import ScalingConfig
     from rayzero.controller.worker_group import RayWorkerGroup, free_worker_slots
 
@@ -98,7 +98,7 @@ def test_a_group_s_shutdown_returns_once_ray_shows_its_cpus_free(local_ray):
     group = RayWorkerGroup(ScalingConfig(num_workers=2), 2, {}, 60.0)
     group.start()
     assert free_worker_slots({"CPU": 1.0}) == before - 2
-    group.shutdown()
+    group.shutdown(until_free=True)  # as after a run's end, a preemption or a resize
     assert free_worker_slots({"CPU": 1.0}) == before
 
 

@@ -50,7 +50,7 @@ class _Group:
     def heartbeats(self, timeout_s: float):
         return (self.rounds.pop(0) if self.rounds else {}), []
 
-    def shutdown(self) -> None:
+    def shutdown(self, until_free: bool = False) -> None:
         pass
 
 

@@ -185,7 +185,7 @@ class _BeatingGroup:
         return {rank: Heartbeat(rank, f"node{rank // 8}", self.step, self.step, 0.1, True, False, 1.0, 0, 0, None,
                                 False) for rank in range(self.ranks)}, []
 
-    def shutdown(self):
+    def shutdown(self, until_free=False):
         pass
 
 
