@@ -6,11 +6,11 @@ import time
 from pathlib import Path
 
 import pytest
+from testkit.actors import actors_made
 
 import rayzero
 from rayzero.config import ConfigError
 from rayzero.driver.metrics_store import read_metrics
-from testkit.actors import actors_made
 
 CONFIG = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1}
 
