@@ -85,10 +85,9 @@ def _check(rank: int, world: int, _: object) -> dict:
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_gloo_direct_collectives_equal_torch_and_skip_its_copies(world, monkeypatch):
+def test_gloo_direct_collectives_equal_torch_and_skip_its_copies(world):
     # glibc returns freed large blocks (a fixed mmap threshold): a peak is what was live
-    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")
-    results = spawn(world, _check)
+    results = spawn(world, _check, mmap_threshold=131072)
     for rank, result in enumerate(results):
         assert result["mismatch"] == [], f"rank {rank}: {result['mismatch']}"
     memory = results[0]["memory"]

@@ -2,8 +2,9 @@
 user would: ≈50M parameters, 2 ranks, AdamW, "auto" bucket sizes (from the hidden size), the model
 built partitioned with rayzero.zero.Init. The peak is the kernel's high-water mark (VmHWM), reset
 to the current RSS (`/proc/self/clear_refs`) once the rank's imports are done and read before
-`engine.close()` (which hands full weights back), each stage in fresh processes, glibc told to
-return freed large blocks (a fixed mmap threshold) so the peak is what was live.
+`engine.close()` (which hands full weights back), each stage in ranks of its own (forked from the
+tests' torch server: [Note: ranks forked from a torch server]), glibc told to return freed large
+blocks (a fixed mmap threshold) so the peak is what was live.
 
 Measured (MiB above the baseline, the larger rank, 2026-11-24): stage 0 ≈ 819; stage 3 with
 stage3_max_reuse_distance 0 ≈ 468 (0.571×); with DeepSpeed's default reuse distance 1e9 ≈ 630
@@ -17,8 +18,6 @@ model state at the peak is backward's working set: the layer being differentiate
 prefetched (gathered), its new gradient and the previous one still being reduce-scattered.
 """
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
@@ -87,16 +86,8 @@ def _peak_mib(rank: int, world: int, payload: dict) -> tuple[float, float]:
 def _peak(stage: int, **zero: object) -> tuple[float, float, list[list[float]]]:
     """(MiB above the baseline, MiB above the baseline without torch's optimizer imports), the larger
     rank, and each rank's losses."""
-    previous = os.environ.get("MALLOC_MMAP_THRESHOLD_")
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = "131072"  # inherited by the spawned ranks
-    try:
-        peaks = spawn(2, _peak_mib, {"stage": stage, "zero": zero})
-        return max(p[0] for p in peaks), max(p[1] for p in peaks), [p[2] for p in peaks]
-    finally:
-        if previous is None:
-            os.environ.pop("MALLOC_MMAP_THRESHOLD_")
-        else:
-            os.environ["MALLOC_MMAP_THRESHOLD_"] = previous
+    peaks = spawn(2, _peak_mib, {"stage": stage, "zero": zero}, mmap_threshold=131072)
+    return max(p[0] for p in peaks), max(p[1] for p in peaks), [p[2] for p in peaks]
 
 
 def test_stage3_peak_memory_is_well_below_stage0():
@@ -104,8 +95,7 @@ def test_stage3_peak_memory_is_well_below_stage0():
         _peak(0), _peak(3, stage3_max_reuse_distance=0),
         _peak(3))  # DeepSpeed's default reuse distance (1e9) > the model
     # and trains the same: every layer is large enough for [Note: gloo's temporary copies]
-    # stages 1-2 reduce-scatter and all-gather buckets that large too; only its losses are compared, so
-    # its ranks are forked (no fresh interpreter with the malloc setting: [Note: ranks forked from a torch server])
+    # stages 1-2 reduce-scatter and all-gather buckets that large too; only its losses are compared
     losses2 = [losses for _, _, losses in spawn(2, _peak_mib, {"stage": 2, "zero": {}})]
     for rank, (zero, two, three) in enumerate(zip(losses0, losses2, losses3)):
         assert two == pytest.approx(zero, rel=1e-5), f"rank {rank}"

@@ -48,8 +48,14 @@ def gloo_init(rank: int, world_size: int) -> None:
 # 2-rank group then starts in ~0.05 s. multiprocessing still hands each rank the parent's sys.path
 # and working directory; a fork would not refresh the environment (the server's is from when it
 # started), so `_entry` applies the parent's, as it is at `spawn`, before anything else runs. What the
-# C library reads once at process start cannot be handed over that way: with a MALLOC_* variable set
-# (the memory tests set MALLOC_MMAP_THRESHOLD_ for the ranks) the ranks are new interpreters again.
+# C library reads once at process start cannot be handed over that way. The one such setting the
+# memory tests use, MALLOC_MMAP_THRESHOLD_ (glibc: a fixed mmap threshold, so freed large blocks go
+# back to the kernel and a peak is what was live), `_entry` applies with glibc's own call instead,
+# mallopt(M_MMAP_THRESHOLD), which sets the same threshold and turns off its dynamic adjustment as the
+# variable does; it then holds for everything the rank allocates. The memory tests measure from a
+# baseline taken in the rank (or compare two ranks forked alike), so what a rank inherits from the
+# server is in both ends of the difference. With any other MALLOC_* variable set the ranks are new
+# interpreters again.
 # The server also imports torch._dynamo, torch's own module that every torch optimizer's constructor
 # imports (torch.optim.Optimizer.__init__ -> torch._compile): ~0.8 s of CPU in each rank that builds
 # an engine otherwise. With it preloaded, three engine/checkpoint test files took 17.5-17.9 CPU-s
@@ -58,10 +64,24 @@ def gloo_init(rank: int, world_size: int) -> None:
 _FORKED = multiprocessing.get_context("forkserver")
 _FORKED.set_forkserver_preload(["torch", "torch._dynamo"])
 _NEW_INTERPRETER = multiprocessing.get_context("spawn")
+_MALLOPT = {"MALLOC_MMAP_THRESHOLD_": -3}
+"""The environment variables a forked rank applies with glibc's mallopt (M_MMAP_THRESHOLD is -3 in
+malloc.h) instead of needing a new interpreter: [Note: ranks forked from a torch server]."""
+
+
+def _apply_mallopt(environment: dict[str, str]) -> None:
+    import ctypes
+
+    for variable, parameter in _MALLOPT.items():
+        if variable in environment:
+            libc = ctypes.CDLL(None)
+            if libc.mallopt(parameter, int(environment[variable])) != 1:
+                raise RuntimeError(f"mallopt({parameter}, {environment[variable]}) for {variable} failed")
 
 
 def _entry(rank: int, world_size: int, port: int, fn: Callable, payload: Any, out_dir: str,
            init: Callable[[int, int], None], environment: dict[str, str]) -> None:
+    _apply_mallopt(environment)  # first: before the rank allocates anything of its own
     os.environ.clear()
     os.environ.update(environment)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
@@ -80,14 +100,18 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, payload: Any, ou
 
 
 def spawn(world_size: int, fn: Callable, payload: Any = None, timeout_s: float = 600,
-          init: Callable[[int, int], None] = gloo_init) -> list[Any]:
+          init: Callable[[int, int], None] = gloo_init, mmap_threshold: int | None = None) -> list[Any]:
     """Run `fn(rank, world_size, payload)` on every rank of a fresh group; results by rank.
 
     `init(rank, world_size)` forms the group in each rank (module-level, so it pickles), with
-    RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT already in the environment.
+    RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT already in the environment. `mmap_threshold`
+    (bytes) fixes glibc's mmap threshold in the ranks, as MALLOC_MMAP_THRESHOLD_ would: freed large
+    blocks go back to the kernel, so a memory peak is what was live.
     """
     environment = dict(os.environ)
-    read_at_start = any(key.startswith("MALLOC_") for key in environment)
+    if mmap_threshold is not None:
+        environment["MALLOC_MMAP_THRESHOLD_"] = str(mmap_threshold)
+    read_at_start = any(key.startswith("MALLOC_") and key not in _MALLOPT for key in environment)
     context = _NEW_INTERPRETER if read_at_start else _FORKED  # [Note: ranks forked from a torch server]
     port = server_port()  # the group's MASTER_PORT: [Note: ports below the ephemeral range]
     with tempfile.TemporaryDirectory() as out_dir:

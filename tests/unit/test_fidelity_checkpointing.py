@@ -1,18 +1,13 @@
 """`rayzero.checkpointing` (DeepSpeed's activation-checkpointing API): same gradients and dropout as
-the plain model, less memory held between forward and backward (measured as the process's peak
-memory in fresh processes), and the config section / Lightning keywords feed it."""
+the plain model, less memory held between forward and backward (measured as a process's resident
+memory, in ranks forked from the tests' torch server), and the config section / Lightning keywords
+feed it."""
 from __future__ import annotations
-
-import json
-import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
 
-import rayzero.checkpointing as checkpointing
+from rayzero import checkpointing
 from rayzero.config import RayZeroConfig
 
 pytestmark = pytest.mark.unit
@@ -57,41 +52,38 @@ def test_same_loss_gradients_and_dropout_as_the_plain_model(cpu_checkpointing):
     assert all(torch.equal(a, b) for a, b in zip(grads0, grads1))
 
 
-_MEASURE = textwrap.dedent("""
-    import json, resource, sys, torch
-    sys.path.insert(0, {tests!r})
-    from test_fidelity_checkpointing import Tower
-    torch.set_num_threads(1)
+def _measure_held(rank: int, world_size: int, use: bool) -> int:
+    """KiB of memory the first forward holds for backward, in a rank forked from the torch server."""
+    import resource
+
     torch.manual_seed(0)
     # warm-up on a tiny tower: the first checkpoint call imports ~80 MiB of torch modules
     tiny = Tower(8, 1)
-    tiny.use_checkpoint = {use}
+    tiny.use_checkpoint = use
     tiny(torch.randn(2, 8)).backward()
     model = Tower(512, 8)
-    model.use_checkpoint = {use}
+    model.use_checkpoint = use
     x = torch.randn(1024, 512)
+
     # With a fixed mmap threshold (set by the caller) every large tensor is mmap'ed and returned to
     # the OS when freed, so the peak after the first forward (no gradients exist yet) is the model,
     # the input and what forward keeps for backward
-    def resident_kib():  # current RSS, not the peak: an earlier transient must not mask the activations
-        return int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize() // 1024
+    def resident_kib() -> int:  # current RSS, not the peak: an earlier transient must not mask the activations
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * resource.getpagesize() // 1024
+
     base = resident_kib()
     loss = model(x)  # activations held from here until backward frees them
     peak = resident_kib()
     loss.backward()
-    print(json.dumps({{"held_kib": peak - base, "base_kib": base}}))
-""")
+    return peak - base
 
 
 def _held(use: bool) -> int:
-    import pathlib
+    from testkit.harness import spawn
 
-    tests = str(pathlib.Path(__file__).resolve().parent)
-    code = _MEASURE.format(tests=tests, use=use)
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"}  # glibc: no dynamic threshold, freed = returned
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True,
-                         env=env)
-    return json.loads(out.stdout.strip().splitlines()[-1])["held_kib"]
+    (held,) = spawn(1, _measure_held, use, mmap_threshold=131072)  # glibc: freed = returned
+    return held
 
 
 def test_checkpointing_saves_activation_memory():

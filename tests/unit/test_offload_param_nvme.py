@@ -1,15 +1,13 @@
 """[Note: NVMe parameter shards]: stage-3 parameter shards on NVMe, read through `buffer_count`
 staging buffers of `buffer_size` elements, the first `max_in_cpu` elements kept in memory.
 
-Each setting runs in a fresh interpreter (one rank); memory is the kernel's high-water mark
-(VmHWM), not the engine's accounting. That training continues correctly with every shard swapped
-(parity with torch, 2 ranks) is tests/dist/test_offload.py's `s3-nvme-params` case.
+Each setting runs in a rank of its own, forked from the tests' torch server; memory is the kernel's
+high-water mark (VmHWM), not the engine's accounting. That training continues correctly with every
+shard swapped (parity with torch, 2 ranks) is tests/dist/test_offload.py's `s3-nvme-params` case.
 """
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -17,54 +15,57 @@ import pytest
 pytestmark = [pytest.mark.unit,
               pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")]
 
-SCRIPT = r"""
-import json, os, sys, torch, rayzero
-os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[4])
-root, keep, offload = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-def hwm():
-    return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM")) * 1024
-torch.manual_seed(0)
-model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(12)])
-param = ({"device": "nvme", "nvme_path": root, "max_in_cpu": keep, "buffer_count": 3, "buffer_size": 1 << 20}
-         if offload == "nvme" else {"device": "cpu"})
-config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-          "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0,
-                                "stage3_prefetch_bucket_size": 1 << 20,
-                                "offload_optimizer": {"device": "cpu"}, "offload_param": param}}
-engine, *_ = rayzero.initialize(model=model, config=config)
-losses = []
-for step in range(3):
-    x = torch.randn(2, 1024, generator=torch.Generator().manual_seed(step))
-    loss = engine(x).pow(2).mean()
-    engine.backward(loss)
-    engine.step()
-    losses.append(loss.item())
-entries = engine.strategy.partitions.entries
-described = engine.strategy.offload.describe()
-swap_dir = described.get("param_swap_dir")
-print(json.dumps({
-    "losses": losses, "peak": hwm(),
-    "resident": sum(e.shard.numel() * e.shard.element_size() for e in entries),
-    "shards": sum(e.shard_numel * 4 for e in entries),
-    "file_bytes": sum(os.path.getsize(os.path.join(swap_dir, f)) for f in os.listdir(swap_dir)) if swap_dir else 0,
-    "buffers_peak": described.get("param_staging_buffers_peak"),
-    "breakdown": engine.offload_breakdown(),
-}))
-engine.close()
-print(json.dumps({"left": os.listdir(swap_dir) if swap_dir and os.path.isdir(swap_dir) else []}))
-"""
+
+def _measure(rank: int, world_size: int, payload: dict) -> dict:
+    """One setting in one rank forked from the torch server ([Note: ranks forked from a torch server]),
+    glibc's mmap threshold fixed so freed large blocks go back: VmHWM is what was live."""
+    import torch
+
+    import rayzero
+
+    def hwm() -> int:
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) for line in status if line.startswith("VmHWM")) * 1024
+
+    root, keep, offload = payload["root"], payload["keep"], payload["offload"]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(12)])
+    param = ({"device": "nvme", "nvme_path": root, "max_in_cpu": keep, "buffer_count": 3, "buffer_size": 1 << 20}
+             if offload == "nvme" else {"device": "cpu"})
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                    "stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 1 << 20,
+                                    "offload_optimizer": {"device": "cpu"}, "offload_param": param}}
+    engine, *_ = rayzero.initialize(model=model, config=config)
+    losses = []
+    for step in range(3):
+        x = torch.randn(2, 1024, generator=torch.Generator().manual_seed(step))
+        loss = engine(x).pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    entries = engine.strategy.partitions.entries
+    described = engine.strategy.offload.describe()
+    swap_dir = described.get("param_swap_dir")
+    measured = {
+        "losses": losses, "peak": hwm(),
+        "resident": sum(e.shard.numel() * e.shard.element_size() for e in entries),
+        "shards": sum(e.shard_numel * 4 for e in entries),
+        "file_bytes": sum(os.path.getsize(os.path.join(swap_dir, f)) for f in os.listdir(swap_dir)) if swap_dir else 0,
+        "buffers_peak": described.get("param_staging_buffers_peak"),
+        "breakdown": engine.offload_breakdown(),
+    }
+    engine.close()
+    return {**measured, "left": os.listdir(swap_dir) if swap_dir and os.path.isdir(swap_dir) else []}
 
 
 def _run(tmp_path, keep: int, offload: str = "nvme") -> dict:
-    from rayzero.ports import free_port
+    from testkit.harness import spawn
 
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"}  # freed large blocks go back: VmHWM is what was live
     (tmp_path / f"{offload}{keep}").mkdir()  # nvme_path must exist: rayzero does not create it
-    run = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / f"{offload}{keep}"), str(keep), offload,
-                          str(free_port())], capture_output=True, text=True, timeout=300, env=env)
-    assert run.returncode == 0, run.stderr[-3000:]
-    lines = run.stdout.strip().splitlines()
-    return {**json.loads(lines[-2]), **json.loads(lines[-1])}
+    payload = {"root": str(tmp_path / f"{offload}{keep}"), "keep": keep, "offload": offload}
+    (measured,) = spawn(1, _measure, payload, mmap_threshold=131072)
+    return measured
 
 
 def test_shards_swapped_out_train_exactly_like_shards_in_memory_and_free_their_memory(tmp_path) -> None:
