@@ -10,7 +10,7 @@ import signal
 import time
 from pathlib import Path
 
-from chaos_world import _alive, flip_bytes, tag_dirs
+from chaos_world import _alive, add_worker_node, flip_bytes, tag_dirs
 
 
 def _signal(pid: int, which: int) -> bool:
@@ -83,7 +83,7 @@ class Faults:
                             node_away_s=fault.hold_s)
         self._wait(lambda: time.time() >= injected_at + fault.hold_s, fault.hold_s + 60, "the node's return")
         returned_at, before = time.time(), self.trail.invocations()
-        self.cluster.add_node(num_cpus=1)
+        add_worker_node(self.cluster)
         self._back_to_three(out, "grew_back_s", returned_at, before)
         return out
 

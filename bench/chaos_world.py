@@ -123,7 +123,7 @@ def local_cluster(node_local_root: Path, workers: int = 3, dashboard: bool = Fal
     cluster = Cluster(initialize_head=True, head_node_args=head)
     try:
         for _ in range(workers):
-            cluster.add_node(num_cpus=1)
+            add_worker_node(cluster)
         cluster.wait_for_nodes()
         yield cluster
     finally:
@@ -133,6 +133,26 @@ def local_cluster(node_local_root: Path, workers: int = 3, dashboard: bool = Fal
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+NODE_START_TRIES = 2
+"""Ray bounds a node's start-up at 30 s (ray/_private/node.py: raylet_start_wait_time_s). On a loaded
+2-core machine a node joining the soak's cluster has missed it (its raylet never registered, the
+first node-info request timing out after 30 s; seen in about one of four full test runs, always a
+returning node): one more try with a fresh node, said aloud."""
+
+
+def add_worker_node(cluster) -> object:
+    """A 1-CPU worker node, its dashboard agent on a free port (Ray's fixed 52365 is taken by the first
+    node: each later node's agent would retry it ~3.4 s before its raylet registers)."""
+    for attempt in range(1, NODE_START_TRIES + 1):
+        try:
+            return cluster.add_node(num_cpus=1, dashboard_agent_listen_port=_free_port())
+        except Exception as error:  # Ray raises a bare Exception on a start-up timeout
+            if attempt == NODE_START_TRIES or "timed out during startup" not in str(error):
+                raise
+            print(f"[chaos] a node missed Ray's start-up bound ({error}); adding a fresh one", flush=True)
+    raise AssertionError("unreachable")
 
 
 # ---- the loops' trail ------------------------------------------------------------------------------
