@@ -2,20 +2,26 @@
 
 [Note: file order under xdist]
 `make test` runs the files on pytest-xdist workers (`--dist loadfile --no-loadscope-reorder`: each
-file whole on one worker, handed out in collection order). The longest files go first so the end of
-the run is many short files filling both workers, not one long file running alone: under xdist the
-workers collect tests/ray first (its files run for minutes: Ray clusters, restarts, a chaos soak),
-then tests/k8s, then tests/dist (spawned gloo groups), then the rest (unit, fuzz: seconds each). A
-serial run keeps the directory order.
+file whole on one worker, handed out in collection order). The workers collect tests/ray first (its
+files run for minutes: Ray clusters, restarts, a chaos soak), then tests/dist (spawned gloo groups),
+then tests/k8s, then the rest (unit, fuzz: seconds each). A serial run keeps the directory order.
 
-The k8s tier is one unit, not a unit per file (`pytest_xdist_make_scheduler` below): its files share
-one apiserver, etcd and operator (tests/k8s/conftest.py), started once and stopped after its last
-test. It used to run after the other tiers, alone (108 s here, 85 CPU-s, most of it waiting on the
-operator's passes); on one worker beside the others its waits overlap their work. It goes after the
-Ray files, not first: handed out first it started its apiserver, etcd, operator and a real run's Ray
-while the chaos soak started its 3-node cluster, and a node the soak brought back missed Ray's 30 s
-start-up bound (one full run of two). Its apiserver restart gives a port up for a moment, so that
-port comes from outside the ranges anything else picks from (rayzero.ports.server_port).
+Two lanes (`pytest_xdist_make_scheduler` below): worker gw0 takes the Ray files first, in that order;
+the other workers take the rest first (dist, k8s, unit), and each lane goes on with the other's files
+once its own are handed out. A Ray file leaves a core idle for much of its time (workers starting,
+restarts, backoffs, hang timeouts): with both workers on Ray files, a quarter of the two cores was
+idle for the first minutes of the run (sampled from /proc/stat, 2026-11-27), while the CPU-bound
+dist and unit files later shared the two cores with each other. Beside a Ray file, a CPU-bound file
+takes the idle core.
+
+The k8s tier is one unit, not a unit per file: its files share one apiserver, etcd and operator
+(tests/k8s/conftest.py), started once and stopped after its last test. Most of its time is waiting
+on the operator's passes, so it overlaps other work. It does not go first: handed out first it
+started its apiserver, etcd, operator and a real run's Ray while the chaos soak started its 3-node
+cluster, and a node the soak brought back missed Ray's 30 s start-up bound (one full run of two;
+bench/chaos_world.py now tries such a node twice). Its apiserver restart gives a port up for a
+moment, so that port comes from outside the ranges anything else picks from
+(rayzero.ports.server_port).
 """
 from __future__ import annotations
 
@@ -24,7 +30,7 @@ import pathlib
 import pytest
 
 _TIERS = ("unit", "dist", "ray", "k8s", "gpu")
-_LONGEST_FIRST = ("ray", "k8s", "dist")
+_LONGEST_FIRST = ("ray", "dist", "k8s")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -79,13 +85,20 @@ def small_disk(tmp_path):
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
-    """`--dist loadfile` with tests/k8s as one unit ([Note: file order under xdist])."""
+    """`--dist loadfile` with tests/k8s as one unit, in two lanes ([Note: file order under xdist])."""
     if config.getoption("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
 
-    class _K8sAsOneUnit(LoadFileScheduling):
+    class _Lanes(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
             return "tests/k8s" if nodeid.startswith("tests/k8s/") else super()._split_scope(nodeid)
 
-    return _K8sAsOneUnit(config, log)
+        def _assign_work_unit(self, node) -> None:
+            ray_lane = node.workerinput["workerid"] == "gw0"
+            own = next((scope for scope in self.workqueue if scope.startswith("tests/ray/") == ray_lane), None)
+            if own is not None:
+                self.workqueue.move_to_end(own, last=False)  # the next one handed out
+            super()._assign_work_unit(node)
+
+    return _Lanes(config, log)
