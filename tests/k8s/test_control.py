@@ -129,7 +129,7 @@ def test_control_address_from_the_rayjob_status():
 
 def test_the_operator_reads_status_and_drives_checkpoint_scale_and_suspend_over_verified_tls(
         cluster, operator, tmp_path):
-    port = k8s_envtest.free_port()
+    port = k8s_envtest.server_port()
     spec = example("minimal")
     spec["head"] = {"controlPort": port}
     spec["workers"].update(minReplicas=1, maxReplicas=4)

@@ -20,7 +20,7 @@ from scripts import k8s_envtest
 
 
 def test_the_operator_follows_and_suspends_a_real_run(cluster, operator, tmp_path):
-    port = k8s_envtest.free_port()
+    port = k8s_envtest.server_port()
     spec = example("minimal")
     spec["head"] = {"controlPort": port}
     cluster.create_job("real", spec)

@@ -52,7 +52,9 @@ class OperatorProcess:
         """Start it watching `namespaces` (default: all) with `extra_env` added."""
         assert self.process is None or self.process.poll() is not None, "operator already running"
         self.runs += 1
-        port = k8s_envtest.free_port()
+        # a port bound only once kopf has started: below the ephemeral range ([Note: ports below the
+        # ephemeral range] in rayzero/ports.py), where no outgoing connection takes it meanwhile
+        port = k8s_envtest.server_port()
         env = {**os.environ, "KUBECONFIG": str(self.kubeconfig),
                "RAYZERO_OPERATOR_RESYNC_S": str(RESYNC_SECONDS), **extra_env}
         env.pop("KUBERNETES_SERVICE_HOST", None)
@@ -64,14 +66,21 @@ class OperatorProcess:
             stderr=subprocess.STDOUT, cwd=str(REPO), start_new_session=True)
         import urllib.request
 
+        import psutil
+
         def healthy() -> bool:
             if self.process.poll() is not None:
                 raise AssertionError(f"operator exited with {self.process.returncode}:\n{self.log()}")
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1) as answer:
-                    return answer.status == 200
+                    answered = answer.status == 200
             except OSError:
                 return False
+            # and the listener is this operator's (one that failed to bind exits a moment later, and
+            # another server on the port must not pass for it)
+            listening = {conn.laddr.port for conn in psutil.Process(self.process.pid).net_connections("tcp")
+                         if conn.status == psutil.CONN_LISTEN}
+            return answered and port in listening
 
         wait_for(healthy, 30, "the operator's liveness endpoint", interval=0.2)
         return self
