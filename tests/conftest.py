@@ -6,21 +6,22 @@ file whole on one worker, handed out in collection order). The workers collect t
 files run for minutes: Ray clusters, restarts, a chaos soak), then tests/dist (spawned gloo groups),
 then tests/k8s, then the rest (unit, fuzz: seconds each). A serial run keeps the directory order.
 
-Two lanes (`pytest_xdist_make_scheduler` below). Worker gw0 takes the k8s tier first, then the Ray
-files in order; the other workers take the CPU-bound files first (dist, then unit and fuzz), then
-Ray files; each lane goes on with whatever is left once its own kinds are handed out. A Ray file
-leaves a core idle for much of its time (workers starting, restarts, backoffs, hang timeouts), and
-the k8s tier is mostly waiting on the operator's passes: with both workers on Ray files a quarter of
-the two cores was idle for the run's first minutes, and the k8s tier beside a Ray file left a third
-idle (sampled from /proc/stat, 2026-11-27), while the CPU-bound files later shared the two cores
-with each other. Beside a waiting file, a CPU-bound file takes the idle core.
+Two lanes (`pytest_xdist_make_scheduler` below): worker gw0 takes the Ray files first, in that order;
+the other workers take the rest first (dist, k8s, unit), and each lane goes on with the other's files
+once its own are handed out. A Ray file leaves a core idle for much of its time (workers starting,
+restarts, backoffs, hang timeouts): with both workers on Ray files, a quarter of the two cores was
+idle for the first minutes of the run (sampled from /proc/stat, 2026-11-27), while the CPU-bound
+dist and unit files later shared the two cores with each other. Beside a Ray file, a CPU-bound file
+takes the idle core.
 
 The k8s tier is one unit, not a unit per file: its files share one apiserver, etcd and operator
-(tests/k8s/conftest.py), started once and stopped after its last test. It is not started beside the
-chaos soak (it once was, and a node the soak brought back missed Ray's 30 s start-up bound, one full
-run of two; bench/chaos_world.py now tries such a node twice): on gw0 the soak starts after it. Its
-apiserver restart gives a port up for a moment, so that port comes from outside the ranges anything
-else picks from (rayzero.ports.server_port).
+(tests/k8s/conftest.py), started once and stopped after its last test. Most of its time is waiting
+on the operator's passes, so it overlaps other work. It does not go first: handed out first it
+started its apiserver, etcd, operator and a real run's Ray while the chaos soak started its 3-node
+cluster, and a node the soak brought back missed Ray's 30 s start-up bound (one full run of two;
+bench/chaos_world.py now tries such a node twice). Its apiserver restart gives a port up for a
+moment, so that port comes from outside the ranges anything else picks from
+(rayzero.ports.server_port).
 """
 from __future__ import annotations
 
@@ -83,14 +84,6 @@ def small_disk(tmp_path):
         subprocess.run(["umount", "-l", str(mount_point)], capture_output=True, check=False)
 
 
-_LANES = (("k8s", "ray", "cpu"), ("cpu", "ray", "k8s"))
-"""Each lane's preference over the kinds of files ([Note: file order under xdist]): gw0's, the others'."""
-
-
-def _kind(scope: str) -> str:
-    return "k8s" if scope == "tests/k8s" else "ray" if scope.startswith("tests/ray/") else "cpu"
-
-
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
     """`--dist loadfile` with tests/k8s as one unit, in two lanes ([Note: file order under xdist])."""
     if config.getoption("dist") != "loadfile":
@@ -102,10 +95,10 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | 
             return "tests/k8s" if nodeid.startswith("tests/k8s/") else super()._split_scope(nodeid)
 
         def _assign_work_unit(self, node) -> None:
-            lane = _LANES[0] if node.workerinput["workerid"] == "gw0" else _LANES[1]
-            kinds = [_kind(scope) for scope in self.workqueue]
-            best = min(kinds, key=lane.index)
-            self.workqueue.move_to_end(list(self.workqueue)[kinds.index(best)], last=False)  # handed out next
+            ray_lane = node.workerinput["workerid"] == "gw0"
+            own = next((scope for scope in self.workqueue if scope.startswith("tests/ray/") == ray_lane), None)
+            if own is not None:
+                self.workqueue.move_to_end(own, last=False)  # the next one handed out
             super()._assign_work_unit(node)
 
     return _Lanes(config, log)
