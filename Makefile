@@ -6,19 +6,16 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
-# `make test` runs the test files on two pytest-xdist workers, each file whole on one worker, handed
-# out longest tier first (tests/conftest.py: [Note: file order under xdist]); PYTEST_WORKERS=0 runs
-# them serially. Two local Rays at once are safe: they only slowed each other on Ray's fixed
-# dashboard-agent port (tests/testkit/local_ray.py). Measured on the shared 2-core development
-# machine, `pytest -m "not k8s"` (1231 passed, 77 skipped), 1-minute load average alongside:
-# serially 2245 s (9-12) before; on 2 workers, with the forked test ranks of testkit.harness,
-# 1335 s (11-27) and 1129 s (mean 12), 0 errors in both runs. The last serial CI run took 1270 s for
-# the same tests. 2026-11-26, every process of the run counted (pytest in a cgroup of its own):
-# 909 s and 1,631 CPU-s before that day's cuts, 819 s and 1,458 CPU-s after (fewer runs per test
-# file, the forked ranks' torch._dynamo preloaded). The k8s tier used to run after, alone (108 s,
-# 85 CPU-s): 741 s + 108 s of pytest; now one unit on a worker beside the others, 781 s for all
-# 1,321 tests, `make test` 789-790 s wall and 1,360-1,377 CPU-s (idle machine, cached builds,
-# 2026-11-26; the k8s unit goes after the Ray files: tests/conftest.py).
+# `make test` runs the test files on two pytest-xdist workers, each file whole on one worker, in two
+# lanes: one worker takes the Ray files first, the other the dist, k8s and unit files first
+# (tests/conftest.py: [Note: file order under xdist]); PYTEST_WORKERS=0 runs them serially. Two
+# local Rays at once are safe: they only slowed each other on Ray's fixed dashboard-agent port
+# (tests/testkit/local_ray.py). Measured on the shared 2-core development machine, pytest's wall
+# time: serially 2245 s without the k8s tier (a load average of 9-12 alongside); on 2 workers 909 s
+# before the 2026-11-26 cuts, 819 s after them; one queue for both workers 753 s and 699 s (11-27); two lanes, with the
+# memory tests' ranks forked (tests/testkit/harness.py), 652 s and 654 s for 1,337 tests, about
+# 1,100 CPU-seconds of every process the run starts (process accounting; the last CI run took
+# 930 s for all of `make test` on a fresh clone, ~160 s of it installing and building).
 PYTEST_WORKERS ?= 2
 XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 

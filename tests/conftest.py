@@ -12,7 +12,10 @@ once its own are handed out. A Ray file leaves a core idle for much of its time 
 restarts, backoffs, hang timeouts): with both workers on Ray files, a quarter of the two cores was
 idle for the first minutes of the run (sampled from /proc/stat, 2026-11-27), while the CPU-bound
 dist and unit files later shared the two cores with each other. Beside a Ray file, a CPU-bound file
-takes the idle core.
+takes the idle core. Measured in full `make test` runs on the 2-core machine (2026-11-27, pytest's
+wall time; the same commits differ by up to ~50 s between runs there): one queue for both workers
+699 s and 753 s; two lanes 652 s and 654 s, with 5-6% fewer CPU-seconds (the same processes, less
+contended). The k8s tier first in gw0's lane instead (beside the CPU lane) took 675 s: no gain.
 
 The k8s tier is one unit, not a unit per file: its files share one apiserver, etcd and operator
 (tests/k8s/conftest.py), started once and stopped after its last test. Most of its time is waiting
