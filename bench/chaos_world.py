@@ -84,12 +84,13 @@ class SmallDisk:
         stats = os.statvfs(self.path)
         return stats.f_bavail * stats.f_frsize
 
-    def fill(self) -> None:
-        """Take every free byte (again: retention may have freed some)."""
+    def fill(self, leave_bytes: int = 0) -> None:
+        """Take every free byte but about `leave_bytes` (again and again in the soak: retention may have
+        freed some)."""
         with open(self._filler, "ab") as out:
-            while self.free_bytes() > 0:
+            while self.free_bytes() > leave_bytes:
                 try:
-                    out.write(b"\0" * max(4096, min(1 << 20, self.free_bytes())))
+                    out.write(b"\0" * max(4096, min(1 << 20, self.free_bytes() - leave_bytes)))
                     out.flush()
                     os.fsync(out.fileno())
                 except OSError:

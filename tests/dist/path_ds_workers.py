@@ -40,6 +40,17 @@ def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(4, IN, generator=generator), torch.randn(4, OUT, generator=generator)
 
 
+def train(engine, rank: int, steps: range) -> list[float]:
+    """The steps' losses, trained in this rank (DeepSpeed's engine or rayzero's alike)."""
+    losses = []
+    for step in steps:
+        loss = engine(*batch(step, rank))
+        losses.append(loss.item())
+        engine.backward(loss)
+        engine.step()
+    return losses
+
+
 def deepspeed_worker(rank: int, world: int, payload: dict) -> dict:
     import deepspeed
 
@@ -47,18 +58,9 @@ def deepspeed_worker(rank: int, world: int, payload: dict) -> dict:
     for stage in payload["stages"]:
         torch.manual_seed(0)
         engine, _, _, _ = deepspeed.initialize(model=Net(), config=config(stage))
-        for step in range(STEPS_BEFORE):
-            loss = engine(*batch(step, rank))
-            engine.backward(loss)
-            engine.step()
+        train(engine, rank, range(STEPS_BEFORE))
         engine.save_checkpoint(os.path.join(payload["dir"], f"stage{stage}"))
-        losses = []
-        for step in range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER):
-            loss = engine(*batch(step, rank))
-            losses.append(loss.item())
-            engine.backward(loss)
-            engine.step()
-        out[stage] = losses
+        out[stage] = train(engine, rank, range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER))
         if stage == 2:  # whole weights on every rank at stage 2: the end point to meet at another world size
             out["final_stage2"] = {name: p.detach().clone() for name, p in engine.module.named_parameters()}
     return out
@@ -75,13 +77,7 @@ def rayzero_worker(rank: int, world: int, payload: dict) -> dict:
         engine, _, _, _ = rayzero.initialize(model=Net(), config=cfg)
         path, _ = engine.load_checkpoint(source)
         assert path is not None, source
-        losses = []
-        for step in range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER):
-            loss = engine(*batch(step, rank))
-            losses.append(loss.item())
-            engine.backward(loss)
-            engine.step()
-        out[(source, target_stage)] = losses
+        out[(source, target_stage)] = train(engine, rank, range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER))
     return out
 
 

@@ -4,10 +4,13 @@ ends on stop/kill. The target is the controller's to implement ([Note: the contr
 lets the server, auth, streaming, client, CLI and operator be tested for real without Ray."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import pathlib
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -122,3 +125,20 @@ def private_token_directory(tmp_path, monkeypatch):
                      "RAYZERO_CONTROL_TLS_KEY"):
         monkeypatch.delenv(variable, raising=False)
     return tmp_path / "tokens"
+
+
+@contextlib.contextmanager
+def serving(tmp_path, monkeypatch) -> Iterator[tuple[FakeRun, object, pathlib.Path]]:
+    """(run, its control server on loopback, the storage root) for run "exp1", control.json under
+    <root>/exp1; the run is killed and the server closed afterwards."""
+    from rayzero.controller.control_server import ControlServer
+
+    monkeypatch.setenv("RAYZERO_CONTROL_HOST", "127.0.0.1")
+    root = tmp_path / "runs"
+    run = FakeRun("exp1", str(root / "exp1" / "checkpoints"))
+    server = ControlServer(run, "exp1", (root / "exp1").as_uri()).start()
+    try:
+        yield run, server, root
+    finally:
+        run.kill("test over")
+        server.close(grace_s=0.5)

@@ -9,22 +9,16 @@ import sys
 import time
 
 import pytest
-from testkit.control_fake_run import FakeRun, private_token_directory  # noqa: F401 (an autouse fixture)
+from testkit.control_fake_run import private_token_directory, serving  # noqa: F401 (an autouse fixture)
 
 from rayzero.cli import main
-from rayzero.controller.control_server import ControlServer
 
 
 @pytest.fixture
 def served(tmp_path, monkeypatch):
-    monkeypatch.setenv("RAYZERO_CONTROL_HOST", "127.0.0.1")
-    root = tmp_path / "runs"
-    run = FakeRun("exp1", str(root / "exp1" / "checkpoints"))
-    server = ControlServer(run, "exp1", (root / "exp1").as_uri()).start()
-    time.sleep(0.15)  # a few steps
-    yield run, server, str(root)
-    run.kill("test over")
-    server.close(grace_s=0.5)
+    with serving(tmp_path, monkeypatch) as (run, server, root):
+        time.sleep(0.15)  # a few steps
+        yield run, server, str(root)
 
 
 def test_status_json_from_another_process_with_the_default_storage(served):

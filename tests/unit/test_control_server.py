@@ -11,7 +11,7 @@ import time
 
 import grpc
 import pytest
-from testkit.control_fake_run import FakeRun, private_token_directory  # noqa: F401 (an autouse fixture)
+from testkit.control_fake_run import FakeRun, private_token_directory, serving  # noqa: F401 (an autouse fixture)
 
 from rayzero.config.errors import RayZeroRuntimeError
 from rayzero.control_api import ControlClient, ControlError, ControlValueError, connect, status_dict
@@ -24,13 +24,8 @@ from rayzero.controller.control_server import ControlServer, watch_interval
 @pytest.fixture
 def served(tmp_path, monkeypatch):
     """(run, server, storage root) with control.json under <root>/exp1."""
-    monkeypatch.setenv("RAYZERO_CONTROL_HOST", "127.0.0.1")
-    root = tmp_path / "runs"
-    run = FakeRun("exp1", str(root / "exp1" / "checkpoints"))
-    server = ControlServer(run, "exp1", (root / "exp1").as_uri()).start()
-    yield run, server, root.as_uri()
-    run.kill("test over")
-    server.close(grace_s=0.5)
+    with serving(tmp_path, monkeypatch) as (run, server, root):
+        yield run, server, root.as_uri()
 
 
 def test_stubs_are_up_to_date():
