@@ -228,8 +228,13 @@ def test_deletion_goes_through_the_finalizer(cluster, operator_process, operator
     assert cluster.ray_jobs("gone") == [] and cluster.config_map("gone-deepspeed") is None
 
 
-def test_rbac_is_enough_and_no_more(cluster, operator_process, operator_kubeconfig):
+def test_rbac_is_enough_and_no_more(cluster, operator, operator_kubeconfig):
     from kubernetes import client, config
+
+    # the operator's own work here (a ConfigMap, a RayJob, a status), so the logs checked below hold
+    # API calls whichever tests ran before
+    cluster.create_job("rbac", example("minimal"))
+    wait_for(lambda: cluster.ray_jobs("rbac"), what="the RayJob")
 
     as_operator = config.new_client_from_config(config_file=str(operator_kubeconfig))
     core = client.CoreV1Api(as_operator)
@@ -241,8 +246,8 @@ def test_rbac_is_enough_and_no_more(cluster, operator_process, operator_kubeconf
         with pytest.raises(ApiException) as raised:
             forbidden()
         assert raised.value.status == 403
-    # Everything the other tests made the operator do went through without a refusal.
-    logs = operator_process.all_logs()
+    # Everything this and the other tests made the operator do went through without a refusal.
+    logs = operator.all_logs()
     assert "POST /apis/ray.io/v1/namespaces/" in logs  # the logs hold the operator's API calls
     refusals = [line for line in logs.splitlines()
                 if "Forbidden" in line or "forbidden" in line or '" 403 ' in line or "(403)" in line]
