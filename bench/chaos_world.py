@@ -14,6 +14,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -138,22 +139,29 @@ def local_cluster(node_local_root: Path, workers: int = 3, dashboard: bool = Fal
 
 NODE_START_TRIES = 2
 """Ray bounds a node's start-up at 30 s (ray/_private/node.py: raylet_start_wait_time_s). On a loaded
-2-core machine a node joining the soak's cluster has missed it (its raylet never registered, the
-first node-info request timing out after 30 s; seen in about one of four full test runs, always a
-returning node): one more try with a fresh node, said aloud."""
+2-core machine a node has missed it: a joining node of the soak's cluster whose raylet never
+registered (the first node-info request timing out after 30 s; about one full test run in four,
+always a returning node), and a test's head. One more try with a fresh node, said aloud."""
+
+
+def add_node_retrying(cluster, who: str, **node_args) -> object:
+    """`cluster.add_node(**node_args)`, tried again once if the node misses Ray's start-up bound
+    (`who` names it in the line that says so). Used by the tests' clusters too (tests/testkit)."""
+    for attempt in range(1, NODE_START_TRIES + 1):
+        try:
+            return cluster.add_node(**node_args)
+        except Exception as error:  # Ray raises a bare Exception on a start-up timeout
+            if attempt == NODE_START_TRIES or "timed out during startup" not in str(error):
+                raise
+            print(f"{who} missed Ray's start-up bound ({error}); starting a fresh one", flush=True)
+            time.sleep(1.0)
+    raise AssertionError("unreachable")
 
 
 def add_worker_node(cluster) -> object:
     """A 1-CPU worker node, its dashboard agent on a free port (Ray's fixed 52365 is taken by the first
     node: each later node's agent would retry it ~3.4 s before its raylet registers)."""
-    for attempt in range(1, NODE_START_TRIES + 1):
-        try:
-            return cluster.add_node(num_cpus=1, dashboard_agent_listen_port=_free_port())
-        except Exception as error:  # Ray raises a bare Exception on a start-up timeout
-            if attempt == NODE_START_TRIES or "timed out during startup" not in str(error):
-                raise
-            print(f"[chaos] a node missed Ray's start-up bound ({error}); adding a fresh one", flush=True)
-    raise AssertionError("unreachable")
+    return add_node_retrying(cluster, "[chaos] a node", num_cpus=1, dashboard_agent_listen_port=_free_port())
 
 
 # ---- the loops' trail ------------------------------------------------------------------------------

@@ -19,12 +19,13 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from bench.chaos_world import add_node_retrying
 from rayzero.ports import free_ports
 
 STARTUP_TRIES = 2
-"""Ray bounds a node's start-up at 30 s (node.py: raylet_start_wait_time_s); on a loaded 2-core machine
-it can miss that once (seen in one of two full xdist runs: one raylet never started, and every test
-of that worker then failed on the shared fixture). One more try with fresh processes, said aloud."""
+"""Starts of a local Ray whose head came up without a working log monitor (`_log_monitor_problem`);
+a head that misses Ray's start-up bound is tried again within each (bench/chaos_world.py's
+`add_node_retrying`), said aloud either way."""
 
 
 def own_ports() -> dict[str, int]:
@@ -48,14 +49,7 @@ def start_cluster(num_cpus: int, *, object_store_memory: int = 2 * 1024**3, **he
             **own_ports(), **head_args}
     for attempt in range(1, STARTUP_TRIES + 1):
         cluster = Cluster()
-        try:
-            cluster.add_node(**args)
-        except Exception as error:  # Ray raises a bare Exception on a start-up timeout
-            if attempt == STARTUP_TRIES or "timed out during startup" not in str(error):
-                raise
-            print(f"[tests] a local Ray missed its start-up ({error}); starting a fresh one", flush=True)
-            time.sleep(1.0)
-            continue
+        add_node_retrying(cluster, "[tests] a local Ray", **args)
         problem = _log_monitor_problem(cluster)
         if not problem:
             return cluster
