@@ -16,7 +16,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster
-from testkit.local_ray import own_ports
+from testkit.local_ray import add_node, own_ports
 
 from rayzero.ports import free_port as _free_port
 
@@ -95,10 +95,10 @@ def test_resume_from_peer_replicas_after_losing_a_node(tmp_path):
     if ray.is_initialized():
         ray.shutdown()
     dirs = [str(tmp_path / f"node{index}") for index in range(3)]
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"n0": 1},
-                                                            "include_dashboard": False, **own_ports()})
+    cluster = Cluster()
     try:
-        nodes = [cluster.head_node] + [cluster.add_node(num_cpus=1, resources={f"n{index}": 1}) for index in (1, 2)]
+        nodes = [add_node(cluster, num_cpus=1, resources={"n0": 1}, include_dashboard=False, **own_ports())]
+        nodes += [add_node(cluster, num_cpus=1, resources={f"n{index}": 1}) for index in (1, 2)]
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, logging_level="WARNING")
 

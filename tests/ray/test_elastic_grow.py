@@ -15,7 +15,7 @@ from rayzero.driver.fit import controller_actor_name
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster
 from testkit import elastic_loop
-from testkit.local_ray import own_ports
+from testkit.local_ray import add_node, own_ports
 
 
 @pytest.fixture
@@ -24,8 +24,9 @@ def room_for_two():
     its agents, and the scenario is the node that joins, not where the first 2 run)."""
     if ray.is_initialized():
         ray.shutdown()
-    made = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False, **own_ports()})
+    made = Cluster()
     try:
+        add_node(made, num_cpus=2, include_dashboard=False, **own_ports())
         ray.init(address=made.address, logging_level="WARNING")
         yield made
     finally:
@@ -57,7 +58,7 @@ def test_a_node_joining_grows_the_run_from_2_to_3_workers_without_losing_a_step(
             pass
         time.sleep(0.2)
     assert ray.get(controller.status.remote()).world_size == 2
-    room_for_two.add_node(num_cpus=1)
+    add_node(room_for_two, num_cpus=1)
     joined = time.monotonic()
     while ray.get(controller.status.remote()).world_size != 3:
         assert time.monotonic() - joined < 600 and thread.is_alive(), box  # a guard, not a timing

@@ -18,7 +18,7 @@ ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster
 from testkit import elastic_loop
 from testkit.actors import actors_made
-from testkit.local_ray import own_ports
+from testkit.local_ray import add_node, own_ports
 
 
 @pytest.fixture(scope="module")
@@ -28,9 +28,10 @@ def cluster(tmp_path_factory):
         ray.shutdown()
     node_root = tmp_path_factory.mktemp("node-local")
     os.environ["RAYZERO_NODE_LOCAL_DIR"] = str(node_root)  # inherited by the fake nodes' workers
-    made = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False, **own_ports()})
+    made = Cluster()
     try:
-        nodes = [made.head_node] + [made.add_node(num_cpus=1) for _ in range(2)]
+        nodes = [add_node(made, num_cpus=1, include_dashboard=False, **own_ports())]
+        nodes += [add_node(made, num_cpus=1) for _ in range(2)]
         made.wait_for_nodes()
         ray.init(address=made.address, logging_level="WARNING")
         yield made, nodes, node_root

@@ -34,6 +34,13 @@ def own_ports() -> dict[str, int]:
     return {"dashboard_agent_listen_port": agent}
 
 
+def add_node(cluster, **node_args):
+    """`cluster.add_node(**node_args)` (its head first), tried again once if the node misses Ray's 30 s
+    start-up bound: the tests' clusters start on a loaded machine, where heads and joining nodes both
+    missed it (bench/chaos_world.py's `add_node_retrying`)."""
+    return add_node_retrying(cluster, "[tests] a Ray node", **node_args)
+
+
 def start_cluster(num_cpus: int, *, object_store_memory: int = 2 * 1024**3, **head_args: Any):
     """A `ray.cluster_utils.Cluster` with its head started (not connected): `num_cpus` logical CPUs,
     the dashboard off unless `head_args` say otherwise, and its own ports."""
@@ -49,7 +56,7 @@ def start_cluster(num_cpus: int, *, object_store_memory: int = 2 * 1024**3, **he
             **own_ports(), **head_args}
     for attempt in range(1, STARTUP_TRIES + 1):
         cluster = Cluster()
-        add_node_retrying(cluster, "[tests] a local Ray", **args)
+        add_node(cluster, **args)
         problem = _log_monitor_problem(cluster)
         if not problem:
             return cluster
