@@ -29,6 +29,13 @@ from chaos_world import (
 
 KEEP_LAST = 3
 SETTLE_S = 5.0  # a fault never comes sooner than this after training resumed from the previous one
+COMMIT_WAIT_S = 120.0
+"""How long a fault after a restart waits, beyond its gap, for a checkpoint newer than the restart's
+resume point (rayzero): rayzero's default FailureConfig ends a run after 3 failures in a row with no
+new checkpoint between them (max_failures_without_progress), and on a loaded machine a restart can
+take longer than the gap, so back-to-back faults would hit that rule, not the recovery under test
+(seen: corrupt, kill and hang each resumed from step 200, and the run ended). A soak's real gaps
+(30-90 s) leave room for many checkpoints; the short test soak's do not always."""
 
 
 @dataclass(frozen=True)
@@ -98,12 +105,16 @@ class Soak(Faults):
         began = self.launch_times[0]
         deadline = began + options.minutes * 60
         previous_at = previous_resumed = time.time() if first else began
+        resumed_step = None  # the previous fault's resume point, when it restarted the loop
         count = max(options.min_faults, int(options.minutes * 60 / options.gap[0]) + len(options.kinds))
         for fault in schedule(options.seed, count, options.kinds, options.gap, options.hold):
             at = max(previous_at + fault.gap_s, previous_resumed + SETTLE_S)
             if at > deadline and len(self.records) >= options.min_faults:
                 break
             self._wait(lambda at=at: time.time() >= at, at - time.time() + 600, "the next fault")
+            if self.system == "rayzero" and resumed_step is not None:
+                self._wait(lambda step=resumed_step: max(self.commits, default=-1) > step, COMMIT_WAIT_S,
+                           "a checkpoint newer than the last resume point")
             record = {"index": fault.index, "kind": fault.kind, "at_s": round(time.time() - began, 1)}
             if self.system == "ray-train" and fault.kind in RAY_TRAIN_SKIPS:
                 record.update(skipped=RAY_TRAIN_SKIPS[fault.kind])
@@ -118,6 +129,7 @@ class Soak(Faults):
             previous_resumed = record.pop("_resumed_at", None) or time.time()
             if "skipped" not in record:
                 previous_resumed = self._settle(record, previous_resumed)
+            resumed_step = record.get("resumed_from")
             self.records.append(record)
             print(f"[chaos] {self.name}: {json.dumps(record)}", flush=True)
         return self._finish(began)
