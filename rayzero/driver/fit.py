@@ -406,13 +406,13 @@ def _stream(
                     controller.kill.remote(f"{signals.name} received twice on the driver")
                 update: ControllerUpdate = ray.get(controller.poll.remote(1.0), timeout=60)
                 progress.failures = update.failures
-                progress.checkpoint_step = update.checkpoint.step if update.checkpoint is not None else None
                 progress.stragglers = sorted({found.rank for found in update.stragglers
                                               if found.attempt == update.attempt})
                 for line in update.events:
                     say(f"[rayzero] {line}")
-                for start in update.attempts:
+                for start in update.attempts:  # before the reports: an attempt begins before its first one
                     metrics_log.add_attempt(start)
+                    progress.attempt_began(start)
                 if update.goodput:
                     progress.goodput = update.goodput
                     metrics_log.set_goodput(update.goodput)

@@ -5,8 +5,8 @@ Rates come from rank 0's reports: `samples` / `tokens` (cumulative over all rank
 reports them, else `step` times the config's `train_batch_size` for samples. Memory is each rank's
 peak (GPU max allocated on GPU, else peak RSS), stamped by the worker on every report.
 
-After a restart the loop re-runs the steps since the newest checkpoint, so rank 0's step goes back:
-the line printed at once then says "resumed from step N", and rates are measured afresh from there
+After a restart the loop re-runs the steps since the checkpoint it resumed from, so rank 0's step goes
+back: the line printed at once then names that checkpoint, and rates are measured afresh from there
 (they would otherwise mix two attempts and could even turn negative).
 """
 from __future__ import annotations
@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rayzero.controller import throughput
+from rayzero.controller.status import AttemptStart
 from rayzero.workers.session import Report
 
 
@@ -27,7 +28,7 @@ def _position(report: Report) -> str:
 
 
 def _human_duration(seconds: float) -> str:
-    minutes, secs = divmod(int(round(seconds)), 60)
+    minutes, secs = divmod(round(seconds), 60)
     hours, minutes = divmod(minutes, 60)
     return f"{hours}h{minutes:02d}m{secs:02d}s" if hours else f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
 
@@ -75,13 +76,20 @@ class Progress:
         self._last: Report | None = None
         self._printed_at = float("-inf")  # the first report prints at once
         self._resumed_from: str | None = None  # where rank 0 went back to ("step 3"), until a line has said so
-        self.checkpoint_step: int | None = None  # the newest committed checkpoint's step (set by the driver)
+        self._attempt_resumed: int | None = None  # the checkpoint step the newest attempt began from
         self._resumed_checkpoint: int | None = None  # what the restart resumed from, until said
         self._said = ""  # the last line emitted (the summary does not repeat it)
         self.failures = 0  # restarts charged to FailureConfig.max_failures so far (set by the driver)
         self.max_failures = 0
         self.stragglers: list[int] = []  # ranks the controller reported as stragglers (set by the driver)
         self.goodput: dict[str, Any] | None = None  # the controller's newest goodput snapshot (set by the driver)
+
+    def attempt_began(self, start: AttemptStart) -> None:
+        """An attempt's start, as the controller began it: the restart line names the checkpoint it
+        resumed from. Not the newest checkpoint known when its first report arrives: by then the new
+        attempt may have committed one itself (the chaos soak's line said "resumed from the
+        checkpoint of step 150" at step 139 after resuming from 138)."""
+        self._attempt_resumed = start.resumed_step
 
     def observe(self, item: Report) -> None:
         self._memory[item.rank] = item.peak_memory_bytes
@@ -94,7 +102,7 @@ class Progress:
         resumed = self._first is item and self._last is not None
         if resumed:
             self._resumed_from = _position(item)
-            self._resumed_checkpoint = self.checkpoint_step  # a restart resumes from the newest one
+            self._resumed_checkpoint = self._attempt_resumed
         self._last = item
         now = time.monotonic()
         if resumed or now - self._printed_at >= self._interval_s:

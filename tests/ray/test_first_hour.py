@@ -177,7 +177,7 @@ def broken_loop(config):
             raise RuntimeError("a bug that fails the same step every time")
 
 
-def test_by_default_a_run_keeps_going_through_failures_while_it_checkpoints(local_ray, tmp_path):
+def test_by_default_a_run_keeps_going_through_failures_while_it_checkpoints(local_ray, tmp_path, capsys):
     # one worker: the policy under test counts failures and checkpoints, not ranks (every restart
     # starts the whole group again, ~4 CPU-s per worker)
     result = rayzero.fit(flaky_loop, scaling=rayzero.ScalingConfig(num_workers=1),
@@ -185,6 +185,10 @@ def test_by_default_a_run_keeps_going_through_failures_while_it_checkpoints(loca
                          failure=rayzero.FailureConfig(backoff_s=0))  # the defaults, minus the wait
     assert result.failures == 3 and result.checkpoint_step == 8
     assert [m["step"] for m in result.metrics_history] == list(range(1, 9))
+    # each restart's line names the checkpoint it resumed from, although the new attempt commits the
+    # next one two steps later (the line named that newer one when both reached the driver together)
+    said = re.findall(r"\(restarted: resumed from the checkpoint of step (\d+)\)", capsys.readouterr().out)
+    assert said == ["2", "4", "6"]
 
 
 def test_by_default_a_failure_that_keeps_coming_back_ends_the_run_saying_how_to_go_on(local_ray, tmp_path, capsys):

@@ -2,6 +2,7 @@
 that says why the step went back."""
 from __future__ import annotations
 
+from rayzero.controller.status import AttemptStart
 from rayzero.driver.metrics_log import MetricsLog
 from rayzero.driver.metrics_store import read_metrics
 from rayzero.driver.progress import Progress
@@ -69,8 +70,14 @@ def test_the_progress_line_says_resumed_when_the_step_goes_back():
 def test_the_progress_line_names_the_checkpoint_a_restart_resumed_from():
     lines: list[str] = []
     progress = Progress(None, interval_s=3600, phase_keys=False, emit=lines.append)
-    progress.checkpoint_step = 2  # what the controller knew committed when the group restarted
-    for item in _two_attempts():
+    reports = _two_attempts()
+    progress.attempt_began(AttemptStart(attempt=0, cause="start", time=0.0, resumed_step=None, workers=2))
+    for item in reports[:10]:
+        progress.observe(item)
+    # the restart resumed from step 2's checkpoint, as the controller began it; the driver's
+    # update with the new attempt's first report may already know a newer one (its own)
+    progress.attempt_began(AttemptStart(attempt=1, cause="worker died", time=100.0, resumed_step=2, workers=2))
+    for item in reports[10:]:
         progress.observe(item)
     assert lines[1].startswith("[rayzero] step 3 (restarted: resumed from the checkpoint of step 2)"), lines
     assert progress.final_line() is not None  # newer reports came after the last line printed
