@@ -11,7 +11,7 @@ import torch
 
 from rayzero.config import RayZeroConfig, load_config
 from rayzero.config.environment import CONFIG, RUN
-from rayzero.config.errors import RayZeroValueError
+from rayzero.config.errors import ConfigError, RayZeroValueError
 from rayzero.config.runnable import check_runnable
 from rayzero.config.trainer import HF_TRAINER_DEFAULTS, with_trainer_semantics  # noqa: F401 - their old home
 
@@ -32,6 +32,22 @@ def detect_hidden_size(model: torch.nn.Module) -> int | None:
 
 def resolve_config(config: Any, world_size: int, model: torch.nn.Module) -> RayZeroConfig:
     """A validated config with "auto" resolved for this world size and model."""
+    try:
+        return _resolve(config, world_size, model)
+    except ConfigError as error:
+        run_config = (CONFIG.get() or "").strip() if config is not None else ""
+        if not run_config or (isinstance(config, (str, Path)) and str(config).strip() == run_config):
+            raise
+        # A loop that passes its own config (often fit's train_loop_config, `{}`) inside a run that has
+        # one: say which config was rejected, and that the run's is used only without config=.
+        shown = "its JSON text" if run_config.startswith("{") else run_config
+        raise ConfigError(error.problems, (
+            f"{error.source} passed to initialize(), not this run's config (${CONFIG.name}: {shown}, from "
+            "`rayzero run --config` or fit's config=): leave config= out to train with the run's"
+        )) from None
+
+
+def _resolve(config: Any, world_size: int, model: torch.nn.Module) -> RayZeroConfig:
     if config is None:
         text = CONFIG.get()
         if not text:

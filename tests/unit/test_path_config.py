@@ -92,3 +92,32 @@ def test_an_address_nothing_listens_at_is_reported_in_seconds():
         probe("127.0.0.1:9", "RAY_ADDRESS")
     assert "no Ray cluster answers at 127.0.0.1:9 (RAY_ADDRESS=127.0.0.1:9)" in str(raised.value)
     probe("http://127.0.0.1:8265", "RAY_ADDRESS")  # a job-server URL is Ray's to resolve: not probed
+
+
+def test_a_config_passed_inside_a_run_that_has_one_says_the_run_s_is_used_without_it(tmp_path, monkeypatch):
+    """A first-hour slip: a `rayzero run --config ds.json` loop calls initialize(config=config) with
+    fit's train_loop_config (`{}`). The error names the rejected config and how to train with the run's."""
+    import json
+
+    import pytest
+    import torch
+
+    import rayzero
+    from rayzero.config import ConfigError
+
+    run_config = tmp_path / "ds.json"
+    run_config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1,
+                                      "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}))
+    monkeypatch.setenv("RAYZERO_CONFIG", str(run_config))
+    with pytest.raises(ConfigError) as raised:
+        rayzero.initialize(model=torch.nn.Linear(4, 1), config={})
+    message = str(raised.value)
+    assert "train_batch_size" in message and "train_micro_batch_size_per_gpu" in message  # the problem, as before
+    assert f"config passed to initialize(), not this run's config ($RAYZERO_CONFIG: {run_config}" in message
+    assert "leave config= out to train with the run's" in message
+    engine = rayzero.initialize(model=torch.nn.Linear(4, 1))[0]  # as the message says
+    assert engine.train_micro_batch_size_per_gpu() == 1
+    monkeypatch.delenv("RAYZERO_CONFIG")  # no run config: the error is as it always was
+    with pytest.raises(ConfigError, match=r"^1 problem\(s\) in config:") as raised:
+        rayzero.initialize(model=torch.nn.Linear(4, 1), config={})
+    assert "RAYZERO_CONFIG" not in str(raised.value)
