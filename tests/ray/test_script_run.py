@@ -17,8 +17,6 @@ from testkit import TESTS, elastic_loop
 
 import rayzero
 
-pytest.importorskip("rayzero.engine.api")
-
 ROOT = Path(__file__).resolve().parents[2]
 
 ENV_SCRIPT = textwrap.dedent(
