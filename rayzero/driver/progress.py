@@ -77,7 +77,6 @@ class Progress:
         self._printed_at = float("-inf")  # the first report prints at once
         self._resumed_from: str | None = None  # where rank 0 went back to ("step 3"), until a line has said so
         self._attempt_resumed: int | None = None  # the checkpoint step the newest attempt began from
-        self._resumed_checkpoint: int | None = None  # what the restart resumed from, until said
         self._said = ""  # the last line emitted (the summary does not repeat it)
         self.failures = 0  # restarts charged to FailureConfig.max_failures so far (set by the driver)
         self.max_failures = 0
@@ -102,7 +101,6 @@ class Progress:
         resumed = self._first is item and self._last is not None
         if resumed:
             self._resumed_from = _position(item)
-            self._resumed_checkpoint = self._attempt_resumed
         self._last = item
         now = time.monotonic()
         if resumed or now - self._printed_at >= self._interval_s:
@@ -120,8 +118,8 @@ class Progress:
         metrics = self._last.metrics
         parts = [_position(self._last)]
         if self._resumed_from is not None:
-            parts[0] += (f" (restarted: resumed from the checkpoint of step {self._resumed_checkpoint})"
-                         if self._resumed_checkpoint is not None else
+            parts[0] += (f" (restarted: resumed from the checkpoint of step {self._attempt_resumed})"
+                         if self._attempt_resumed is not None else
                          f" (restarted: no checkpoint known, the loop went back to {self._resumed_from})")
             self._resumed_from = None
         loss = metrics.get("loss")
