@@ -206,7 +206,9 @@ class CheckpointTracker:
                 self.latest = self._from_heartbeats
         elif self.latest is None or committed[0] > self.latest.step:
             self.latest = CheckpointRecord("durable", committed[1], committed[0], time.time())
-            self._heartbeat_dir = _save_directory(committed[1])
+            # a heartbeat names the tag directory engine.save_checkpoint(save_dir, tag) wrote, whatever
+            # the tag (global_stepN; RayZeroStrategy's `checkpoint`): its save directory is its parent
+            self._heartbeat_dir = committed[1].rstrip("/").rpartition("/")[0] or committed[1]
 
     def locations(self) -> list[str]:
         """Where to list: the configured locations, then each reported tag directory's save directory,
@@ -258,34 +260,43 @@ class CheckpointTracker:
         return CheckpointRecord("durable", location, step, time.time())
 
 
-_NUMBERED = re.compile(r"^(.*?)(\d+)$")
+_NUMBER = re.compile(r"\d+")
+
+
+def _numbering(name: str) -> tuple[str, tuple[int, ...]] | None:
+    """(the name with each number as '#', its numbers), None for a name without one:
+    `checkpoint-500` -> ('checkpoint-#', (500,)), `epoch=3-step=200.ckpt` -> ('epoch=#-step=#.ckpt', (3, 200))."""
+    numbers = tuple(int(found) for found in _NUMBER.findall(name))
+    return (_NUMBER.sub("#", name), numbers) if numbers else None
 
 
 def numbered_siblings(save_dir: str) -> list[str]:
-    """The directories beside `save_dir` named like it with a larger number (`checkpoint-500` ->
-    `checkpoint-1000`, `checkpoint_3` -> `checkpoint_4`), largest first; [] when its name ends in no
-    number or its parent cannot be listed.
+    """The directories beside `save_dir` named like it with larger numbers (`checkpoint-500` ->
+    `checkpoint-1000`, `checkpoint_3` -> `checkpoint_4`, `epoch=1-step=100.ckpt` ->
+    `epoch=3-step=200.ckpt`), largest first; [] when its name holds no number or its parent cannot be
+    listed.
 
     [Note: saves after the last heartbeat]
     A script that picks its own save directories (an HF Trainer's `output_dir/checkpoint-N`,
-    Accelerate's `checkpoints/checkpoint_N`) makes a new one per save; the controller learns of it
-    from the next heartbeat ([Note: node-local runs] in rayzero/workers/boundary.py). A rank killed
-    between a save's commit and that heartbeat leaves a committed checkpoint the controller has not
-    heard of, and the script's restart resumes from it (the Trainer takes its newest complete
-    `checkpoint-N`, rayzero/compat/trainer.py). So at a failure the tracker lists the parent of the
-    newest save directory a heartbeat named for siblings with its name and a larger number and takes
-    the largest one holding a committed checkpoint newer than the one known: what the run says it
-    resumed from, and what goodput counts as redone, is then the step the script resumed from. A
-    kill before any heartbeat named one of the script's saves still goes unseen (the controller
-    does not know where the script saves).
+    Accelerate's `checkpoints/checkpoint_N`, a Lightning ModelCheckpoint's `epoch=E-step=S.ckpt`) makes
+    a new one per save; the controller learns of it from the next heartbeat ([Note: node-local runs]
+    in rayzero/workers/boundary.py). A rank killed between a save's commit and that heartbeat leaves a
+    committed checkpoint the controller has not heard of, and the script's restart resumes from it (the
+    Trainer takes its newest complete `checkpoint-N`, rayzero/compat/trainer.py; RayZeroStrategy its
+    ModelCheckpoint directory's newest, [Note: Lightning restarts]). So at a failure the tracker lists
+    the parent of the newest save directory a heartbeat named for siblings with its name but larger
+    numbers (every counter in a save's name, epoch and step alike, only grows: compared as a tuple) and
+    takes the largest one holding a committed checkpoint newer than the one known: what the run says
+    it resumed from, and what goodput counts as redone, is then the step the script resumed from. A
+    kill before any heartbeat named one of the script's saves still goes unseen (the controller does
+    not know where the script saves).
     It does so at each listing (a failure, `checkpoint_scan_interval_s`): one listing of the parent,
     plus one per newer sibling up to the first committed one (usually none: the heartbeat names it).
     """
     parent, _, name = save_dir.rstrip("/").rpartition("/")
-    match = _NUMBERED.match(name)
-    if not parent or match is None:
+    ours = _numbering(name)
+    if not parent or ours is None:
         return []
-    prefix, number = match.group(1), int(match.group(2))
     try:
         filesystem, root = _filesystem(parent)
         infos = filesystem.get_file_info(pafs.FileSelector(root, allow_not_found=True))
@@ -294,7 +305,7 @@ def numbered_siblings(save_dir: str) -> list[str]:
         return []
     numbered = []
     for info in infos:
-        other = _NUMBERED.match(info.base_name)
-        if info.type == pafs.FileType.Directory and other and other.group(1) == prefix and int(other.group(2)) > number:
-            numbered.append((int(other.group(2)), f"{parent}/{info.base_name}"))
+        other = _numbering(info.base_name)
+        if info.type == pafs.FileType.Directory and other and other[0] == ours[0] and other[1] > ours[1]:
+            numbered.append((other[1], f"{parent}/{info.base_name}"))
     return [path for _, path in sorted(numbered, reverse=True)]
