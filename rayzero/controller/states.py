@@ -62,38 +62,42 @@ class Scheduling:
 
 
 @dataclass(frozen=True)
-class Running:
-    """The loops run; reports stream."""
+class _GroupUp:
+    """The fields of every state whose group has started: Running, Draining, Resizing."""
 
-    kind: ClassVar[RunState] = RunState.RUNNING
     group: Any
     attempt: int
     world_size: int
 
 
 @dataclass(frozen=True)
-class Draining:
-    """A planned stop: the ranks checkpoint at the agreed boundary, then the run ends."""
+class Running(_GroupUp):
+    """The loops run; reports stream."""
 
-    kind: ClassVar[RunState] = RunState.DRAINING
-    group: Any
-    attempt: int
-    world_size: int
+    kind: ClassVar[RunState] = RunState.RUNNING
+
+
+@dataclass(frozen=True)
+class _Planned(_GroupUp):
+    """A planned stop or resize: the ranks checkpoint at the agreed boundary (Draining, Resizing)."""
+
     request: Any
     deadline: float
     """Clock time after which the group ends without the boundary checkpoint."""
 
 
 @dataclass(frozen=True)
-class Resizing:
+class Draining(_Planned):
+    """A planned stop: the ranks checkpoint at the agreed boundary, then the run ends."""
+
+    kind: ClassVar[RunState] = RunState.DRAINING
+
+
+@dataclass(frozen=True)
+class Resizing(_Planned):
     """A planned resize: checkpoint at the agreed boundary, then regroup at `request.workers`."""
 
     kind: ClassVar[RunState] = RunState.RESIZING
-    group: Any
-    attempt: int
-    world_size: int
-    request: Any
-    deadline: float
 
 
 @dataclass(frozen=True)
