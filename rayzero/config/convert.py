@@ -58,11 +58,12 @@ def _path(loc: tuple) -> str:
     return text
 
 
-def _model_in(annotation: Any) -> type[BaseModel] | None:
+def model_in(annotation: Any) -> type[BaseModel] | None:
+    """The pydantic model an annotation holds (itself, or inside Optional/Union/list...), else None."""
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return annotation
     for arg in typing.get_args(annotation):
-        found = _model_in(arg)
+        found = model_in(arg)
         if found is not None:
             return found
     return None
@@ -77,7 +78,7 @@ def model_at(root: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
         field = next((f for n, f in cls.model_fields.items() if part in (n, f.alias)), None)
         if field is None:
             return None
-        cls = _model_in(field.annotation)
+        cls = model_in(field.annotation)
     return cls
 
 

@@ -16,7 +16,7 @@ from pydantic import BaseModel
 
 from rayzero.config.auto import TrainerFacts
 from rayzero.config.base import NOT_STAGE3, STAGE3_ONLY, UNIMPLEMENTED
-from rayzero.config.convert import _model_in
+from rayzero.config.convert import model_in
 from rayzero.config.lightning import LIGHTNING_DEFAULTS, TRAINER_DEFAULTS
 from rayzero.config.model import RayZeroConfig
 from rayzero.config.params import OPTIMIZER_PARAMS, SCHEDULER_PARAMS
@@ -88,7 +88,7 @@ def _table(cls: type[BaseModel], prefix: str, nested: list[tuple[str, type[BaseM
         prop = schema["properties"].get(key, {})
         if "$ref" in prop:
             prop = defs.get(prop["$ref"].split("/")[-1], prop)
-        sub = _model_in(field.annotation)
+        sub = model_in(field.annotation)
         if sub is not None:
             nested.append((f"{prefix}{key}", sub))
         shown = f"`{key}`" + (f" (attribute `{name}`)" if field.alias and field.alias != name else "")

@@ -28,6 +28,7 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
 
 from rayzero.config.base import AUTO
+from rayzero.config.convert import model_in
 from rayzero.config.errors import Problem
 from rayzero.config.model import RayZeroConfig
 
@@ -99,16 +100,6 @@ def _accepts_auto(field: FieldInfo) -> bool:
         return False
 
 
-def _section_model(annotation: Any) -> type[BaseModel] | None:
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    for arg in typing.get_args(annotation):
-        found = _section_model(arg)
-        if found is not None:
-            return found
-    return None
-
-
 def _walk(node: dict[str, Any], model: type[BaseModel], path: str, notes: list[str]) -> None:
     keys = _model_keys(model)
     for key in list(node):
@@ -130,7 +121,7 @@ def _walk(node: dict[str, Any], model: type[BaseModel], path: str, notes: list[s
                 node[key] = rounded
                 notes.append(f"rounded: {where} = {value!r} counts elements; using {rounded}")
             continue
-        sub = _section_model(field.annotation)
+        sub = model_in(field.annotation)
         if sub is not None and isinstance(value, dict):
             _walk(value, sub, where, notes)
 

@@ -9,7 +9,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
 
-from rayzero.config.convert import _model_in  # the pydantic model an annotation holds
+from rayzero.config.convert import model_in
 
 # Scalars a config or manifest meets in the wild, edge cases first: DeepSpeed's "auto", numbers as
 # strings, huge and negative numbers, NaN/Infinity (Python's json reads them), empty things.
@@ -32,7 +32,7 @@ def model_tree(model: type[BaseModel], depth: int = 3) -> st.SearchStrategy[dict
     sections: dict[str, st.SearchStrategy[Any]] = {}
     scalars: list[str] = []
     for name, info in model.model_fields.items():
-        nested = _model_in(info.annotation)
+        nested = model_in(info.annotation)
         for key in {name, info.alias or name}:
             if nested is not None and depth > 0:
                 sections[key] = st.one_of(model_tree(nested, depth - 1), model_tree(nested, depth - 1), JSON)
