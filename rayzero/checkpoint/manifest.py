@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 from dataclasses import asdict, dataclass, field, fields
@@ -80,10 +81,7 @@ class TensorEntry:
 
     @property
     def numel(self) -> int:
-        numel = 1
-        for dim in self.shape:
-            numel *= dim
-        return numel
+        return math.prod(self.shape)
 
 
 @dataclass

@@ -15,6 +15,7 @@ from whichever shard files overlap it. No offline conversion.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -37,10 +38,7 @@ class ShardSpec:
 
     @property
     def global_numel(self) -> int:
-        numel = 1
-        for dim in self.global_shape:
-            numel *= dim
-        return numel
+        return math.prod(self.global_shape)
 
     @property
     def is_full(self) -> bool:
