@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import datetime as dt
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from kubernetes import client, config
@@ -30,6 +31,16 @@ def load_client() -> client.ApiClient:
     return client.ApiClient()
 
 
+def or_none(read: Callable[..., Any], *args: Any) -> Any:
+    """What `read(*args)` returns, or None where the object does not exist (404)."""
+    try:
+        return read(*args)
+    except ApiException as error:
+        if error.status == 404:
+            return None
+        raise
+
+
 class KubeApi:
     """Reads and writes RayZeroJobs, their RayJobs, ConfigMaps and Events."""
 
@@ -40,12 +51,7 @@ class KubeApi:
     # --- reads ------------------------------------------------------------------------------------
 
     def get_job(self, namespace: str, name: str) -> dict[str, Any] | None:
-        try:
-            return self.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
-        except ApiException as error:
-            if error.status == 404:
-                return None
-            raise
+        return or_none(self.custom.get_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL, name)
 
     def list_ray_jobs(self, namespace: str, job_name: str) -> list[dict[str, Any]]:
         found = self.custom.list_namespaced_custom_object(
@@ -56,44 +62,25 @@ class KubeApi:
     def control_credentials(self, namespace: str, job_name: str) -> tuple[str | None, str | None]:
         """(token, CA certificate PEM) of the job's control service from its Secret ([Note: the job's
         tokens]); None for what is absent."""
-        try:
-            secret = self.core.read_namespaced_secret(manifests.auth_secret_name(job_name), namespace)
-        except ApiException as error:
-            if error.status == 404:
-                return None, None
-            raise
-        data = secret.data or {}
+        secret = or_none(self.core.read_namespaced_secret, manifests.auth_secret_name(job_name), namespace)
+        data = (secret.data if secret is not None else None) or {}
         token, ca = (data.get(key) for key in (manifests.CONTROL_TOKEN_KEY, manifests.CA_KEY))
         return (base64.b64decode(token).decode() if token else None, base64.b64decode(ca).decode() if ca else None)
 
     def secret_facts(self, namespace: str, name: str) -> dict[str, Any] | None:
         """Type and labels of a Secret (what spec.storage.credentialsSecret is checked against); None
         when there is none. Its data is not kept."""
-        try:
-            secret = self.core.read_namespaced_secret(name, namespace)
-        except ApiException as error:
-            if error.status == 404:
-                return None
-            raise
-        return {"type": secret.type, "labels": dict(secret.metadata.labels or {})}
+        secret = or_none(self.core.read_namespaced_secret, name, namespace)
+        return None if secret is None else {"type": secret.type, "labels": dict(secret.metadata.labels or {})}
 
     def config_map_labels(self, namespace: str, name: str) -> dict[str, str] | None:
         """Labels of a ConfigMap, or None when there is none of that name."""
-        try:
-            return dict(self.core.read_namespaced_config_map(name, namespace).metadata.labels or {})
-        except ApiException as error:
-            if error.status == 404:
-                return None
-            raise
+        config_map = or_none(self.core.read_namespaced_config_map, name, namespace)
+        return None if config_map is None else dict(config_map.metadata.labels or {})
 
     def read_config_text(self, namespace: str, name: str, key: str) -> str | None:
-        try:
-            config_map = self.core.read_namespaced_config_map(name, namespace)
-        except ApiException as error:
-            if error.status == 404:
-                return None
-            raise
-        return (config_map.data or {}).get(key)
+        config_map = or_none(self.core.read_namespaced_config_map, name, namespace)
+        return None if config_map is None else (config_map.data or {}).get(key)
 
     # --- writes -----------------------------------------------------------------------------------
 
@@ -165,32 +152,27 @@ class KubeApi:
             logger.warning("could not post event %s on %s: %s", reason, meta["name"], error.reason)
 
     def delete_owned(self, namespace: str, job_name: str) -> list[str]:
-        """Delete the job's RayJobs and generated ConfigMap; returns what was deleted.
+        """Delete the job's RayJobs, control Secret and generated ConfigMap; returns what was deleted.
 
         The garbage collector would do it through the owner references too; doing it in the
         finalizer stops the Ray clusters at once, even where garbage collection is slow or absent.
         """
         deleted = []
+
+        def delete(label: str, call: Any, *args: Any, **kwargs: Any) -> None:
+            try:
+                call(*args, **kwargs)
+                deleted.append(label)
+            except ApiException as error:
+                if error.status != 404:  # already gone
+                    raise
+
         for ray_job in self.list_ray_jobs(namespace, job_name):
             name = ray_job["metadata"]["name"]
-            try:
-                self.custom.delete_namespaced_custom_object(
-                    manifests.RAY_GROUP, manifests.RAY_VERSION, namespace, manifests.RAY_PLURAL, name,
-                    propagation_policy="Background")
-                deleted.append(f"RayJob/{name}")
-            except ApiException as error:
-                if error.status != 404:
-                    raise
-        try:
-            self.core.delete_namespaced_secret(manifests.auth_secret_name(job_name), namespace)
-            deleted.append(f"Secret/{manifests.auth_secret_name(job_name)}")
-        except ApiException as error:
-            if error.status != 404:
-                raise
-        try:
-            self.core.delete_namespaced_config_map(manifests.config_map_name(job_name), namespace)
-            deleted.append(f"ConfigMap/{manifests.config_map_name(job_name)}")
-        except ApiException as error:
-            if error.status != 404:
-                raise
+            delete(f"RayJob/{name}", self.custom.delete_namespaced_custom_object, manifests.RAY_GROUP,
+                   manifests.RAY_VERSION, namespace, manifests.RAY_PLURAL, name,
+                   propagation_policy="Background")
+        secret, config_map = manifests.auth_secret_name(job_name), manifests.config_map_name(job_name)
+        delete(f"Secret/{secret}", self.core.delete_namespaced_secret, secret, namespace)
+        delete(f"ConfigMap/{config_map}", self.core.delete_namespaced_config_map, config_map, namespace)
         return deleted

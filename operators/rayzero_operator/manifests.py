@@ -107,13 +107,8 @@ def auth_secret(job: dict[str, Any], attempt: int) -> dict[str, Any]:
         "apiVersion": "v1",
         "kind": "Secret",
         "type": "Opaque",
-        "metadata": {
-            "name": auth_secret_name(meta["name"]),
-            "namespace": meta["namespace"],
-            "labels": labels(meta["name"]),
-            "annotations": {CONTROL_ATTEMPT_ANNOTATION: str(attempt)},
-            "ownerReferences": [owner_reference(job)],
-        },
+        "metadata": {**owned_metadata(job, auth_secret_name(meta["name"]), labels(meta["name"])),
+                     "annotations": {CONTROL_ATTEMPT_ANNOTATION: str(attempt)}},
         "data": {RAY_TOKEN_KEY: _encoded(secrets.token_urlsafe(32)), **control_credentials(job)},
     }
 
@@ -144,6 +139,12 @@ def owner_reference(job: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def owned_metadata(job: dict[str, Any], name: str, object_labels: dict[str, str]) -> dict[str, Any]:
+    """The metadata of an object the operator makes for `job`: in its namespace, owned by it."""
+    return {"name": name, "namespace": job["metadata"]["namespace"], "labels": object_labels,
+            "ownerReferences": [owner_reference(job)]}
+
+
 def labels(job_name: str, attempt: int | None = None) -> dict[str, str]:
     result = {"app.kubernetes.io/managed-by": MANAGED_BY, "app.kubernetes.io/part-of": "rayzero",
               LABEL_JOB: job_name}
@@ -158,12 +159,7 @@ def config_map(job: dict[str, Any], spec: RayZeroJobSpec) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": {
-            "name": config_map_name(meta["name"]),
-            "namespace": meta["namespace"],
-            "labels": labels(meta["name"]),
-            "ownerReferences": [owner_reference(job)],
-        },
+        "metadata": owned_metadata(job, config_map_name(meta["name"]), labels(meta["name"])),
         "data": {CONFIG_FILE_NAME: json.dumps(spec.deepspeed.config, indent=2, sort_keys=True) + "\n"},
     }
 
@@ -366,11 +362,6 @@ def ray_job(job: dict[str, Any], spec: RayZeroJobSpec, attempt: int,
     return {
         "apiVersion": f"{RAY_GROUP}/{RAY_VERSION}",
         "kind": "RayJob",
-        "metadata": {
-            "name": ray_job_name(name, attempt),
-            "namespace": meta["namespace"],
-            "labels": labels(name, attempt),
-            "ownerReferences": [owner_reference(job)],
-        },
+        "metadata": owned_metadata(job, ray_job_name(name, attempt), labels(name, attempt)),
         "spec": ray_job_spec,
     }

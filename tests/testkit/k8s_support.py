@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 from kubernetes import client
-from kubernetes.client.exceptions import ApiException
+from rayzero_operator.kube import or_none
 
 from scripts import k8s_envtest
 
@@ -124,13 +124,8 @@ class Cluster:
                                                            "rayzerojobs", body)
 
     def job(self, name: str) -> dict[str, Any] | None:
-        try:
-            return self.custom.get_namespaced_custom_object("rayzero.io", "v1alpha1", self.namespace,
-                                                            "rayzerojobs", name)
-        except ApiException as error:
-            if error.status == 404:
-                return None
-            raise
+        return or_none(self.custom.get_namespaced_custom_object, "rayzero.io", "v1alpha1", self.namespace,
+                        "rayzerojobs", name)
 
     def patch_job(self, name: str, patch: dict[str, Any]) -> None:
         self.custom.patch_namespaced_custom_object("rayzero.io", "v1alpha1", self.namespace, "rayzerojobs",
@@ -160,20 +155,10 @@ class Cluster:
                                                           {"status": status})
 
     def config_map(self, name: str) -> client.V1ConfigMap | None:
-        try:
-            return self.core.read_namespaced_config_map(name, self.namespace)
-        except ApiException as error:
-            if error.status == 404:
-                return None
-            raise
+        return or_none(self.core.read_namespaced_config_map, name, self.namespace)
 
     def secret(self, name: str) -> client.V1Secret | None:
-        try:
-            return self.core.read_namespaced_secret(name, self.namespace)
-        except ApiException as error:
-            if error.status == 404:
-                return None
-            raise
+        return or_none(self.core.read_namespaced_secret, name, self.namespace)
 
     def events(self, name: str) -> list[client.CoreV1Event]:
         found = self.core.list_namespaced_event(self.namespace,
