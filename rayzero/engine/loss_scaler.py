@@ -51,6 +51,16 @@ def _require(condition: bool, field: str, value: Any, fix: str) -> None:
         raise RayZeroValueError(f"fp16.{field}={value!r} is invalid: {fix}")
 
 
+_OTHER_LOSS_SCALE = "the checkpoint was written with a different fp16.loss_scale setting (0 = dynamic)"
+
+
+def _check_type(state: dict[str, Any], expected: str, scaler: str, why: str) -> None:
+    """A saved scaler state loads only into a scaler of its own type."""
+    if state.get("type") != expected:
+        raise RayZeroValueError(
+            f"loss scaler state of type {state.get('type')!r} cannot be loaded into {scaler}: {why}")
+
+
 class StaticLossScaler:
     """A fixed loss scale (``fp16.loss_scale > 0``, or 1.0 for bf16/fp32).
 
@@ -80,10 +90,7 @@ class StaticLossScaler:
         return {"type": "static", "cur_scale": self.cur_scale, "overflow_count": self.overflow_count}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("type") != "static":
-            raise RayZeroValueError(
-                f"loss scaler state of type {state.get('type')!r} cannot be loaded into a static scaler: "
-                "the checkpoint was written with a different fp16.loss_scale setting (0 = dynamic)")
+        _check_type(state, "static", "a static scaler", _OTHER_LOSS_SCALE)
         self.cur_scale = float(state["cur_scale"])
         self.overflow_count = int(state.get("overflow_count", 0))
 
@@ -180,10 +187,7 @@ class DynamicLossScaler(_ChangingScale):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the running scale; the current config's window/floor/hysteresis settings win."""
-        if state.get("type") != "dynamic":
-            raise RayZeroValueError(
-                f"loss scaler state of type {state.get('type')!r} cannot be loaded into a dynamic scaler: "
-                "the checkpoint was written with a different fp16.loss_scale setting (0 = dynamic)")
+        _check_type(state, "dynamic", "a dynamic scaler", _OTHER_LOSS_SCALE)
         self.cur_scale = max(float(state["cur_scale"]), self.min_scale)
         self.cur_iter = int(state["cur_iter"])
         self.last_overflow_iter = int(state["last_overflow_iter"])
@@ -223,10 +227,8 @@ class GradScalerLossScaler(_ChangingScale):
                 "overflow_count": self.overflow_count}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("type") != "grad_scaler":
-            raise RayZeroValueError(
-                f"loss scaler state of type {state.get('type')!r} cannot be loaded into torch_autocast's "
-                "float16 scaler: the checkpoint was written with another precision (fp16, torch_autocast)")
+        _check_type(state, "grad_scaler", "torch_autocast's float16 scaler",
+                    "the checkpoint was written with another precision (fp16, torch_autocast)")
         self.cur_scale = float(state["cur_scale"])
         self.growth_tracker = int(state["growth_tracker"])
         self.overflow_count = int(state.get("overflow_count", 0))
