@@ -46,17 +46,22 @@ def flat_weights(model: torch.nn.Module) -> list[float]:
     return torch.cat([p.detach().flatten() for p in model.parameters()]).tolist()
 
 
-def reference_weights(steps: int) -> list[float]:
-    """Plain torch SGD over the same global batches, in one process, no faults."""
-    model = initial_model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    inputs, targets = dataset()
+def plain_sgd(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor, steps: int, batch: int,
+              lr: float) -> list[float]:
+    """`model`'s weights after `steps` steps of torch SGD on MSE, step s on samples [s*batch, (s+1)*batch)
+    (wrapping around), in one process: the oracle of the loops whose global batches are those."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     for step in range(steps):
-        index = torch.arange(step * BATCH, (step + 1) * BATCH) % SAMPLES
+        index = torch.arange(step * batch, (step + 1) * batch) % len(inputs)
         optimizer.zero_grad()
         torch.nn.functional.mse_loss(model(inputs[index]), targets[index]).backward()
         optimizer.step()
     return flat_weights(model)
+
+
+def reference_weights(steps: int) -> list[float]:
+    """Plain torch SGD over the same global batches, in one process, no faults."""
+    return plain_sgd(initial_model(), *dataset(), steps, BATCH, LR)
 
 
 def rayzero_config() -> dict:

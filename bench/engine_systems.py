@@ -24,6 +24,7 @@ import time
 import traceback
 from collections.abc import Callable
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -396,33 +397,28 @@ def _run_one(variant: dict[str, Any], model_name: str, job: dict[str, Any], rank
         held_before = torch.cuda.memory_allocated(device)
         row["gpu_memory_held_before_bytes"] = held_before
         torch.cuda.reset_peak_memory_stats(device)
-    saved_environment = {key: os.environ.get(key) for key in variant.get("env", {})}
-    os.environ.update(variant.get("env", {}))
     started = time.perf_counter()
     failed = 0
     try:
-        run = BUILDERS[family](model, world_size, int(stage_text or 0), _micro_batch(model_name, job["quick"]),
-                               job.get("optimizer_impl", "fused"), variant.get("extra"))
-        row["setup_s"] = round(time.perf_counter() - started, 3)
-        row.update(_measure(run, model_name, job["quick"], rank, job["warmup"], job["steps"], device))
-        probe_batch = models.batch(model_name, job["quick"], job["warmup"] + job["steps"], rank)
-        row.update(run.probe(*(t.to(device) for t in probe_batch)))
-        breakdown = row.get("memory_breakdown")
-        if breakdown:
-            # Ranks hold unequal shards when sizes do not divide evenly: report the largest.
-            row["model_state_bytes_per_rank"] = _max_over_ranks(sum(breakdown.values()))
-        if device.type == "cuda":
-            row["peak_gpu_memory_bytes"] = _max_over_ranks(torch.cuda.max_memory_allocated(device) - held_before)
+        with mock.patch.dict(os.environ, variant.get("env", {})):  # restored as it was, whatever happens
+            run = BUILDERS[family](model, world_size, int(stage_text or 0),
+                                   _micro_batch(model_name, job["quick"]), job.get("optimizer_impl", "fused"),
+                                   variant.get("extra"))
+            row["setup_s"] = round(time.perf_counter() - started, 3)
+            row.update(_measure(run, model_name, job["quick"], rank, job["warmup"], job["steps"], device))
+            probe_batch = models.batch(model_name, job["quick"], job["warmup"] + job["steps"], rank)
+            row.update(run.probe(*(t.to(device) for t in probe_batch)))
+            breakdown = row.get("memory_breakdown")
+            if breakdown:
+                # Ranks hold unequal shards when sizes do not divide evenly: report the largest.
+                row["model_state_bytes_per_rank"] = _max_over_ranks(sum(breakdown.values()))
+            if device.type == "cuda":
+                peak = torch.cuda.max_memory_allocated(device) - held_before
+                row["peak_gpu_memory_bytes"] = _max_over_ranks(peak)
     except Exception as error:  # noqa: BLE001 - a failing system is a row, not a crashed benchmark
         failed = 1
         row["error"] = f"{type(error).__name__}: {error}"[:2000]
         row["traceback"] = traceback.format_exc()[-4000:]
-    finally:
-        for key, value in saved_environment.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
     # A rank whose peers all failed symmetrically can go on with the next row; if only some failed,
     # this collective pairs with a peer's pending one, and the timeouts bound the damage.
     if _max_over_ranks(failed) and "error" not in row:

@@ -36,6 +36,9 @@ from typing import Any
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # `bench` as a package
+
+from bench import report
 
 
 def _spread(values: list[float]) -> dict[str, float]:
@@ -389,10 +392,7 @@ def main() -> None:
     finally:
         if args.scratch is None:
             shutil.rmtree(scratch, ignore_errors=True)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json_path:
-        Path(args.json_path).write_text(text)
+    report.emit(result, args.json_path)
 
 
 if __name__ == "__main__":

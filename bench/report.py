@@ -10,7 +10,9 @@ communication per step: 2Ψ elements for stages 0–2 (reduce-scatter + all-gath
 """
 from __future__ import annotations
 
+import json
 import os
+import pathlib
 import platform
 import statistics
 from typing import Any
@@ -220,3 +222,11 @@ def versions() -> dict[str, str | None]:
         except metadata.PackageNotFoundError:
             found[name] = None
     return found
+
+
+def emit(result: dict[str, Any], path: str | None, indent: int = 2) -> None:
+    """A benchmark's JSON result on stdout, and in `path` when one was given (`--json`)."""
+    text = json.dumps(result, indent=indent)
+    print(text)
+    if path:
+        pathlib.Path(path).write_text(text)

@@ -21,6 +21,9 @@ from pathlib import Path
 
 from rayzero.ports import server_port
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `bench` as a package
+from bench import report
+
 
 def _rate(reports: list[dict]) -> dict[str, float]:
     first, last = reports[0], reports[-1]
@@ -140,10 +143,7 @@ def main() -> None:
         "rayzero_runs": rayzero_runs,
         "torchrun_runs": torchrun_runs,
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json:
-        Path(args.json).write_text(text)
+    report.emit(result, args.json)
 
 
 if __name__ == "__main__":

@@ -103,10 +103,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"wrote {document}")
             else:
                 stale.append(document)
-    for document in stale:
-        print(f"{document}: a generated table differs from its JSON; run `python scripts/doc_tables.py --write`",
-              file=sys.stderr)
-    return 1 if stale else 0
+    if not stale:
+        return 0
+    print("\n".join(f"{document}: a generated table differs from its JSON; run "
+                    "`python scripts/doc_tables.py --write`" for document in stale), file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":

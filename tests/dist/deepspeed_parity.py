@@ -14,6 +14,7 @@ import tempfile
 import traceback
 from dataclasses import dataclass, field
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -109,10 +110,8 @@ def rayzero_side(rank: int, world: int, runs: list[Run]) -> dict:
 
     out: dict = {}
     for run in runs:
-        saved = {key: os.environ.get(key) for key in run.env}
-        os.environ.update(run.env)
         try:
-            with tempfile.TemporaryDirectory() as scratch:
+            with mock.patch.dict(os.environ, run.env), tempfile.TemporaryDirectory() as scratch:
                 config = dict(run.config)
                 zero = {**config.get("zero_optimization", {}), **{
                     key: ({k: (scratch if v == "NVME" else v) for k, v in value.items()}
@@ -129,12 +128,6 @@ def rayzero_side(rank: int, world: int, runs: list[Run]) -> dict:
                                  "loss_scale": scale, "skipped": skipped}
         except Exception:  # noqa: BLE001 - the case's test reports it
             out[run.name] = {"error": traceback.format_exc()}
-        finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
     return out
 
 

@@ -6,7 +6,9 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from testkit import elastic_loop
@@ -21,18 +23,28 @@ def _fit(tmp_path, name: str, loop_config: dict, config: dict | None = None, **f
         failure=rayzero.FailureConfig(**failure), train_loop_config=loop_config)
 
 
-def _in_thread(function):
+def _signalling_rank1(run: Callable[[], Any], pids: Path, signum: int,
+                      ready: Callable[[], bool] = lambda: True, after_s: float = 0.0) -> Any:
+    """`run()` (a fit) in a thread; `after_s` after rank 1 of attempt 0 wrote its pid, once `ready()`
+    holds, rank 1 is sent `signum`; returns what the fit returned."""
     box: dict = {}
 
     def target():
         try:
-            box["result"] = function()
+            box["result"] = run()
         except BaseException as error:  # noqa: BLE001 - re-raised by the test
             box["error"] = error
 
     thread = threading.Thread(target=target, daemon=True)
     thread.start()
-    return thread, box
+    pid = _wait_for_file(pids / "rank1.attempt0")
+    time.sleep(after_s)
+    while not ready():
+        time.sleep(0.1)
+    os.kill(pid, signum)
+    thread.join(240)
+    assert "error" not in box, box.get("error")
+    return box["result"]
 
 
 def _wait_for_file(path: Path, timeout_s: float = 90.0) -> int:
@@ -77,14 +89,9 @@ def test_a_worker_killed_mid_step_restarts_and_a_rerun_skips_a_torn_checkpoint_a
     directory = tmp_path / "killed" / "checkpoints"
     config = dict(elastic_loop.config(), checkpoint={"keep_last": 2})
     loop = {"steps": 16, "sleep": 0.1, "save_every": 3, "pid_dir": str(pids)}
-    thread, box = _in_thread(lambda: _fit(tmp_path, "killed", loop, config=config, max_failures=1, backoff_s=0))
-    pid = _wait_for_file(pids / "rank1.attempt0")
-    while not (directory / "latest").exists():
-        time.sleep(0.1)
-    os.kill(pid, signal.SIGKILL)
-    thread.join(240)
-    assert "error" not in box, box.get("error")
-    result = box["result"]
+    result = _signalling_rank1(
+        lambda: _fit(tmp_path, "killed", loop, config=config, max_failures=1, backoff_s=0),
+        pids, signal.SIGKILL, ready=lambda: (directory / "latest").exists())
     assert result.failures == 1 and not result.stopped
     _check_continued(result, 16, lost_at_most=2)  # saved every 3 steps
     assert result.checkpoint_step == 15 and _tags(directory) == [12, 15]  # a run rotates its own checkpoints
@@ -119,13 +126,8 @@ def test_sigterm_to_a_worker_is_a_preemption_checkpoint_and_regroup(local_ray, t
     pids = tmp_path / "pids"
     pids.mkdir()
     config = {"steps": 14, "sleep": 0.1, "pid_dir": str(pids)}  # the loop never saves
-    thread, box = _in_thread(lambda: _fit(tmp_path, "preempted", config))  # no retry budget needed
-    pid = _wait_for_file(pids / "rank1.attempt0")
-    time.sleep(0.5)
-    os.kill(pid, signal.SIGTERM)
-    thread.join(240)
-    assert "error" not in box, box.get("error")
-    result = box["result"]
+    # no retry budget needed; rank 1 is half a second into its loop
+    result = _signalling_rank1(lambda: _fit(tmp_path, "preempted", config), pids, signal.SIGTERM, after_s=0.5)
     assert result.failures == 0 and not result.stopped
     assert "preempted (SIGTERM)" in capsys.readouterr().out
     _check_continued(result, 14, lost_at_most=0)  # the boundary save: nothing lost

@@ -10,6 +10,8 @@ import sys
 import tempfile
 import textwrap
 
+from testkit import crash_loop
+
 import rayzero
 from rayzero.driver.metrics_store import read_metrics
 
@@ -85,24 +87,10 @@ def test_a_gone_cluster_that_was_asked_for_is_reported_in_seconds(tmp_path):
         assert len(done.stderr.strip().splitlines()) == 1, done.stderr
 
 
-def restarting_loop(config):
-    import torch.distributed as dist
-
-    context = rayzero.get_context()
-    first = 0 if context.attempt == 0 else 2  # as if the checkpoint were at step 2
-    for step in range(first, 5):
-        rayzero.report({"step": step, "attempt_seen": context.attempt})
-        # each step ends in a collective, as a training step does: rank 1 crashes after both ranks
-        # reported step 3 (and rank 0 then waits in step 4's, as a real run does). Without it rank 1
-        # could run to its crash before rank 0 reported anything, and rank 0's reports made after the
-        # failure went down with the group (CI saw metrics_history [2, 3, 4]).
-        dist.barrier()
-        if context.attempt == 0 and step == 3 and context.rank == 1:
-            raise RuntimeError("simulated crash after step 3")
-
-
 def test_re_run_steps_appear_once_in_metrics_history_and_the_log(local_ray, tmp_path, capsys):
-    result = rayzero.fit(restarting_loop, scaling=rayzero.ScalingConfig(num_workers=2),
+    # rank 1 crashes after step 3; the rerun starts at 2, as if the checkpoint were at step 2
+    result = rayzero.fit(crash_loop.restarting_loop, scaling=rayzero.ScalingConfig(num_workers=2),
+                         train_loop_config={"steps": 5, "crash_after": 3, "resume_at": 2},
                          run=rayzero.RunConfig(storage=tmp_path.as_uri(), name="r", progress_interval_s=0),
                          failure=rayzero.FailureConfig(max_failures=1))
     assert [m["step"] for m in result.metrics_history] == [0, 1, 2, 3, 4]

@@ -2,9 +2,8 @@
 its restart marked."""
 from __future__ import annotations
 
-import time
-
 import pytest
+from testkit import crash_loop
 
 import rayzero
 from rayzero import plot
@@ -12,22 +11,9 @@ from rayzero import plot
 pytest.importorskip("matplotlib")
 
 
-def restarting_loop(config):
-    import torch.distributed as dist
-
-    context = rayzero.get_context()
-    first = 0 if context.attempt == 0 else 3  # as if the checkpoint were at step 3
-    for step in range(first, 6):
-        time.sleep(0.05)
-        rayzero.report({"step": step, "loss": 5.0 - 0.5 * step, "lr": 1e-3 * (step + 1),
-                        "samples": 8 * (step + 1)})
-        dist.barrier()  # a step ends in a collective: rank 0 cannot lag behind rank 1's crash
-        if context.attempt == 0 and step == 4 and context.rank == 1:
-            raise RuntimeError("simulated crash after step 4")
-
-
 def test_plot_renders_a_real_run_with_its_restart_marked(local_ray, tmp_path, capsys):
-    result = rayzero.fit(restarting_loop, scaling=rayzero.ScalingConfig(num_workers=2),
+    result = rayzero.fit(crash_loop.restarting_loop, scaling=rayzero.ScalingConfig(num_workers=2),
+                         train_loop_config={"steps": 6, "crash_after": 4, "resume_at": 3, "sleep": 0.05},
                          run=rayzero.RunConfig(storage=tmp_path.as_uri(), name="pic", progress_interval_s=60),
                          failure=rayzero.FailureConfig(max_failures=1))
     output = tmp_path / "run.png"

@@ -97,12 +97,6 @@ def _maybe_kill_inside(phase: str, module: str, loop_config: dict, context, step
 
 def reference_weights(steps: int, batch: int = 12, lr: float = 0.05) -> list[float]:
     """Plain torch SGD over the same global batches, in one process."""
-    model = initial_model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-    inputs, targets = dataset()
-    for step in range(steps):
-        index = torch.arange(step * batch, (step + 1) * batch) % SAMPLES
-        optimizer.zero_grad()
-        torch.nn.functional.mse_loss(model(inputs[index]), targets[index]).backward()
-        optimizer.step()
-    return torch.cat([p.detach().flatten() for p in model.parameters()]).tolist()
+    from bench.chaos_loop import plain_sgd  # here, not above: this module travels by value
+
+    return plain_sgd(initial_model(), *dataset(), steps, batch, lr)
