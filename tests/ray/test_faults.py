@@ -23,10 +23,10 @@ def _fit(tmp_path, name: str, loop_config: dict, config: dict | None = None, **f
         failure=rayzero.FailureConfig(**failure), train_loop_config=loop_config)
 
 
-def _signalling_rank1(run: Callable[[], Any], pids: Path, signum: int,
-                      ready: Callable[[], bool] = lambda: True, after_s: float = 0.0) -> Any:
+def _signalling_rank1(run: Callable[[], Any], pids: Path, signum: int, ready: Callable[[], bool] = lambda: True,
+                      after_s: float = 0.0, join_s: float = 240.0) -> Any:
     """`run()` (a fit) in a thread; `after_s` after rank 1 of attempt 0 wrote its pid, once `ready()`
-    holds, rank 1 is sent `signum`; returns what the fit returned."""
+    holds (within 120 s, while the fit goes on), rank 1 is sent `signum`; returns what the fit returned."""
     box: dict = {}
 
     def target():
@@ -39,10 +39,12 @@ def _signalling_rank1(run: Callable[[], Any], pids: Path, signum: int,
     thread.start()
     pid = _wait_for_file(pids / "rank1.attempt0")
     time.sleep(after_s)
+    deadline = time.monotonic() + 120
     while not ready():
+        assert time.monotonic() < deadline and thread.is_alive(), box
         time.sleep(0.1)
     os.kill(pid, signum)
-    thread.join(240)
+    thread.join(join_s)
     assert "error" not in box, box.get("error")
     return box["result"]
 

@@ -5,7 +5,6 @@ committed there); a worker is killed and the restart must resume from the newest
 on S3 — not from step 0 — and a same-name rerun goes on from there too."""
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import subprocess
@@ -13,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_faults import _check_continued, _in_thread, _wait_for_file
+from test_faults import _check_continued, _signalling_rank1
 from testkit import elastic_loop
 
 MOTO_SERVER = Path(__file__).resolve().parents[2] / ".venv-s3" / "bin" / "moto_server"
@@ -90,16 +89,9 @@ def test_a_killed_worker_resumes_from_the_newest_checkpoint_committed_on_s3(s3_r
     pids = tmp_path / "pids"
     pids.mkdir()
     config = {"steps": 12, "sleep": 0.1, "save_every": 3, "pid_dir": str(pids)}
-    thread, box = _in_thread(lambda: _fit(config, max_failures=1, backoff_s=0))
-    pid = _wait_for_file(pids / "rank1.attempt0")
-    deadline = time.monotonic() + 120
-    while not _committed_on_s3():  # a checkpoint committed on S3 before the kill
-        assert time.monotonic() < deadline and thread.is_alive(), box
-        time.sleep(0.2)
-    os.kill(pid, signal.SIGKILL)
-    thread.join(300)
-    assert "error" not in box, box.get("error")
-    result = box["result"]
+    # SIGKILLed once a checkpoint is committed on S3
+    result = _signalling_rank1(lambda: _fit(config, max_failures=1, backoff_s=0), pids, signal.SIGKILL,
+                               ready=_committed_on_s3, join_s=300)
     assert result.failures == 1
     history = [m for m in result.metrics_history if "step" in m]
     resumed = [m for m in history if m["attempt"] == max(m["attempt"] for m in history)]
