@@ -169,10 +169,14 @@ def newest_per_tier(locations: list[str]) -> tuple[CheckpointRecord, ...]:
 
 # ---- the tracker: the newest committed checkpoint of one run, across attempts -----------------
 
+def _parent(location: str) -> str:
+    """The directory holding `location` (`.../run/global_step7` -> `.../run`); itself at a root."""
+    return location.rstrip("/").rpartition("/")[0] or location
+
+
 def _save_directory(location: str) -> str:
     """The save directory of a reported tag directory (`.../global_stepN` -> `...`)."""
-    parent, _, last = location.rstrip("/").rpartition("/")
-    return parent if last.startswith("global_step") else location
+    return _parent(location) if location.rstrip("/").rpartition("/")[2].startswith("global_step") else location
 
 
 class CheckpointTracker:
@@ -208,7 +212,7 @@ class CheckpointTracker:
             self.latest = CheckpointRecord("durable", committed[1], committed[0], time.time())
             # a heartbeat names the tag directory engine.save_checkpoint(save_dir, tag) wrote, whatever
             # the tag (global_stepN; RayZeroStrategy's `checkpoint`): its save directory is its parent
-            self._heartbeat_dir = committed[1].rstrip("/").rpartition("/")[0] or committed[1]
+            self._heartbeat_dir = _parent(committed[1])
 
     def locations(self) -> list[str]:
         """Where to list: the configured locations, then each reported tag directory's save directory,
