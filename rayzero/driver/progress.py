@@ -76,7 +76,8 @@ class Progress:
         self._last: Report | None = None
         self._printed_at = float("-inf")  # the first report prints at once
         self._resumed_from: str | None = None  # where rank 0 went back to ("step 3"), until a line has said so
-        self._attempt_resumed: int | None = None  # the checkpoint step the newest attempt began from
+        self._attempt_resumed: dict[int, int | None] = {}  # attempt -> the checkpoint step it began from
+        self._resumed_checkpoint: int | None = None  # what the restart being said resumed from
         self._said = ""  # the last line emitted (the summary does not repeat it)
         self.failures = 0  # restarts charged to FailureConfig.max_failures so far (set by the driver)
         self.max_failures = 0
@@ -87,8 +88,10 @@ class Progress:
         """An attempt's start, as the controller began it: the restart line names the checkpoint it
         resumed from. Not the newest checkpoint known when its first report arrives: by then the new
         attempt may have committed one itself (the chaos soak's line said "resumed from the
-        checkpoint of step 150" at step 139 after resuming from 138)."""
-        self._attempt_resumed = start.resumed_step
+        checkpoint of step 150" at step 139 after resuming from 138). Kept per attempt: one poll
+        can bring two attempts' starts before the first one's reports (a failure two steps after a
+        restart, within one long poll)."""
+        self._attempt_resumed[start.attempt] = start.resumed_step
 
     def observe(self, item: Report) -> None:
         self._memory[item.rank] = item.peak_memory_bytes
@@ -101,6 +104,7 @@ class Progress:
         resumed = self._first is item and self._last is not None
         if resumed:
             self._resumed_from = _position(item)
+            self._resumed_checkpoint = self._attempt_resumed.get(item.attempt)
         self._last = item
         now = time.monotonic()
         if resumed or now - self._printed_at >= self._interval_s:
@@ -118,8 +122,8 @@ class Progress:
         metrics = self._last.metrics
         parts = [_position(self._last)]
         if self._resumed_from is not None:
-            parts[0] += (f" (restarted: resumed from the checkpoint of step {self._attempt_resumed})"
-                         if self._attempt_resumed is not None else
+            parts[0] += (f" (restarted: resumed from the checkpoint of step {self._resumed_checkpoint})"
+                         if self._resumed_checkpoint is not None else
                          f" (restarted: no checkpoint known, the loop went back to {self._resumed_from})")
             self._resumed_from = None
         loss = metrics.get("loss")

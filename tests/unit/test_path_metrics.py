@@ -83,6 +83,22 @@ def test_the_progress_line_names_the_checkpoint_a_restart_resumed_from():
     assert progress.final_line() is not None  # newer reports came after the last line printed
 
 
+def test_each_restart_line_names_its_own_attempt_s_checkpoint_when_one_poll_brings_two_starts():
+    # CI: attempt 2 resumed from step 4, saved at 6 and failed, and attempt 3 began from 6, all within
+    # one long poll; the driver hands every start to Progress before that poll's reports
+    lines: list[str] = []
+    progress = Progress(None, interval_s=3600, phase_keys=False, emit=lines.append)
+    progress.attempt_began(AttemptStart(attempt=0, cause="start", time=0.0, resumed_step=None, workers=1))
+    for item in _reports(0, range(1, 5), 0):
+        progress.observe(item)
+    progress.attempt_began(AttemptStart(attempt=1, cause="loop error", time=10.0, resumed_step=2, workers=1))
+    progress.attempt_began(AttemptStart(attempt=2, cause="loop error", time=12.0, resumed_step=4, workers=1))
+    for item in _reports(0, range(3, 6), 10, attempt=1) + _reports(0, range(5, 8), 12, attempt=2):
+        progress.observe(item)
+    said = [line.split(" (restarted: ")[1].split(")")[0] for line in lines if "restarted" in line]
+    assert said == ["resumed from the checkpoint of step 2", "resumed from the checkpoint of step 4"], lines
+
+
 def test_the_summary_does_not_repeat_the_last_progress_line():
     lines: list[str] = []
     progress = Progress(None, interval_s=0, phase_keys=False, emit=lines.append)
