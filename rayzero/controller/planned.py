@@ -57,15 +57,10 @@ class PlannedStops:
     _size_cap: int | None
     _clock: Callable[[], float]
     goodput: Goodput
-
-    def _event(self, line: str) -> None:
-        raise NotImplementedError
-
-    def _end_errored(self, failure: Failure, why: str = "", killed: bool = False) -> None:
-        raise NotImplementedError
-
-    def _move(self, event: Event) -> None:
-        raise NotImplementedError
+    # The controller's methods this half calls (defined by Controller).
+    _event: Callable[[str], None]
+    _end_errored: Callable[..., None]  # (failure, why="", killed=False)
+    _move: Callable[[Event], None]
 
     # ---- requests ([Note: the control seam]) -----------------------------------------------
     def submit(self, request: ControlRequest) -> ControlRequest:

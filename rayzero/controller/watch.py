@@ -59,24 +59,13 @@ class Watch:
     _attempt_started_at: float
     _capacity: Callable[[], int | None]
     _draining: Callable[[], set[str]]
-
-    def _event(self, line: str) -> None:
-        raise NotImplementedError
-
-    def _on_failure(self, failure: Failure) -> None:
-        raise NotImplementedError
-
-    def _progress_awaiting(self) -> None:
-        raise NotImplementedError
-
-    def _begin_planned(self, request: ControlRequest) -> None:
-        raise NotImplementedError
-
-    def submit(self, request: ControlRequest) -> ControlRequest:
-        raise NotImplementedError
-
-    def _smallest(self) -> int:
-        raise NotImplementedError
+    # The controller's methods this half calls (defined by Controller and PlannedStops).
+    _event: Callable[[str], None]
+    _on_failure: Callable[[Failure], None]
+    _progress_awaiting: Callable[[], None]
+    _begin_planned: Callable[[ControlRequest], None]
+    submit: Callable[[ControlRequest], ControlRequest]
+    _smallest: Callable[[], int]
 
     def _check_heartbeats(self, now: float) -> bool:
         """Take a round of heartbeats; False when it ended the attempt (a failure)."""
