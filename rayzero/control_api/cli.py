@@ -187,15 +187,27 @@ def _checkpoint_text(checkpoint: Any) -> str:
     return f"step {checkpoint.step} ({checkpoint.tier}) at {checkpoint.location}"
 
 
-def _checkpoint_now(argv: list[str]) -> int:
-    parser = _command_parser("rayzero checkpoint now", "Checkpoint a live run at the next step every rank "
-                             "reaches; returns once it is committed.")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the commit (default 600)")
-    parser.add_argument("--json", action="store_true", help="print the checkpoint as JSON")
+def _on_the_run(parser: argparse.ArgumentParser, argv: list[str],
+                operation: Callable[[Any, argparse.Namespace], Any]) -> tuple[argparse.Namespace, Any]:
+    """Parse a control command's arguments, reach its run, and return (arguments, what `operation`
+    returned from the run's client)."""
     args = parser.parse_args(argv)
-    started = time.monotonic()
     with _client(args, parser.prog) as client:
-        checkpoint = client.checkpoint_now(args.timeout)
+        return args, operation(client, args)
+
+
+def _timeout(parser: argparse.ArgumentParser, waited_for: str) -> argparse.ArgumentParser:
+    parser.add_argument("--timeout", type=float, default=600.0,
+                        help=f"seconds to wait for {waited_for} (default 600)")
+    return parser
+
+
+def _checkpoint_now(argv: list[str]) -> int:
+    parser = _timeout(_command_parser("rayzero checkpoint now", "Checkpoint a live run at the next step every "
+                                      "rank reaches; returns once it is committed."), "the commit")
+    parser.add_argument("--json", action="store_true", help="print the checkpoint as JSON")
+    started = time.monotonic()
+    args, checkpoint = _on_the_run(parser, argv, lambda client, args: client.checkpoint_now(args.timeout))
     if args.json:
         print(json.dumps({"tier": checkpoint.tier, "location": checkpoint.location, "step": checkpoint.step,
                           "time": checkpoint.time, "seconds": time.monotonic() - started}))
@@ -205,29 +217,29 @@ def _checkpoint_now(argv: list[str]) -> int:
 
 
 def _stop(argv: list[str]) -> int:
-    parser = _command_parser(
-        "rayzero stop", "Planned stop: checkpoint at the next common step, then end the run.")
-    parser.add_argument("--timeout", type=float, default=600.0,
-                        help="seconds to wait for the final checkpoint (default 600)")
-    args = parser.parse_args(argv)
-    with _client(args, parser.prog) as client:
-        checkpoint = client.stop(args.timeout)
-    if checkpoint is None:
-        print("stopped; the run ended before a final checkpoint could be taken")
-    else:
-        print(f"stopped after checkpoint {_checkpoint_text(checkpoint)}")
+    parser = _timeout(_command_parser(
+        "rayzero stop", "Planned stop: checkpoint at the next common step, then end the run."), "the final checkpoint")
+    _, checkpoint = _on_the_run(parser, argv, lambda client, args: client.stop(args.timeout))
+    print("stopped; the run ended before a final checkpoint could be taken" if checkpoint is None else
+          f"stopped after checkpoint {_checkpoint_text(checkpoint)}")
     return 0
+
+
+def _workers_wanted(text: str) -> int:
+    try:
+        workers = int(text)
+    except ValueError:
+        workers = 0
+    if workers < 1:
+        raise argparse.ArgumentTypeError(f"workers must be an integer >= 1, got {text!r}")
+    return workers
 
 
 def _scale(argv: list[str]) -> int:
     parser = _command_parser(
         "rayzero scale", "Resize a live run (checkpoint, regroup, resume) within its elastic range.")
-    parser.add_argument("workers", type=int, help="workers (ranks) wanted")
-    args = parser.parse_args(argv)
-    if args.workers < 1:
-        raise _Usage(f"rayzero scale: workers must be >= 1, got {args.workers}")
-    with _client(args, parser.prog) as client:
-        client.scale(args.workers)
+    parser.add_argument("workers", type=_workers_wanted, help="workers (ranks) wanted")
+    args, _ = _on_the_run(parser, argv, lambda client, args: client.scale(args.workers))
     print(f"scaling {args.name or args.address} to {args.workers} worker(s)")
     return 0
 
@@ -235,9 +247,7 @@ def _scale(argv: list[str]) -> int:
 def _kill(argv: list[str]) -> int:
     parser = _command_parser("rayzero kill", "End a live run now, without a checkpoint.")
     parser.add_argument("--reason", default="killed with `rayzero kill`", help="why, for the run's log")
-    args = parser.parse_args(argv)
-    with _client(args, parser.prog) as client:
-        client.kill(args.reason)
+    _on_the_run(parser, argv, lambda client, args: client.kill(args.reason))
     print("killed")
     return 0
 
