@@ -20,6 +20,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from rayzero.demo.model import next_token_loss
+
 SEED = 1234
 
 
@@ -106,7 +108,7 @@ class GPT(nn.Module):
         self.token_embedding = nn.Embedding(spec.vocab_size, spec.width)
         self.position_embedding = nn.Embedding(spec.sequence_length, spec.width)
         self.blocks = nn.ModuleList(Block(spec.width, spec.heads) for _ in range(spec.depth))
-        self.final_norm = nn.LayerNorm(spec.width)
+        self.ln_f = nn.LayerNorm(spec.width)  # final norm
         self.head = nn.Linear(spec.width, spec.vocab_size, bias=False)
         # nanoGPT's scaled init keeps the residual stream's variance flat with depth.
         for name, parameter in self.named_parameters():
@@ -114,12 +116,7 @@ class GPT(nn.Module):
                 nn.init.normal_(parameter, std=0.02 / math.sqrt(2 * spec.depth))
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
-        x = self.token_embedding(tokens) + self.position_embedding(positions)
-        for block in self.blocks:
-            x = block(x)
-        logits = self.head(self.final_norm(x))
-        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
+        return next_token_loss(self, tokens, targets)  # the demo's GPT's forward: same module names
 
 
 class MLP(nn.Module):

@@ -63,9 +63,15 @@ class CharGPT(nn.Module):
             nn.init.zeros_(module.bias)
 
     def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(inputs.shape[1], device=inputs.device)
-        x = self.token_embedding(inputs) + self.position_embedding(positions)
-        for block in self.blocks:
-            x = block(x)
-        logits = self.head(self.ln_f(x))
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        return next_token_loss(self, inputs, targets)
+
+
+def next_token_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """A GPT's forward to its mean next-token cross-entropy: token + position embeddings, the blocks,
+    the final norm, the head. Any model naming those modules as CharGPT does (bench/models.py's GPT)."""
+    positions = torch.arange(inputs.shape[1], device=inputs.device)
+    x = model.token_embedding(inputs) + model.position_embedding(positions)
+    for block in model.blocks:
+        x = block(x)
+    logits = model.head(model.ln_f(x))
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
