@@ -12,8 +12,8 @@ and three 1-CPU worker nodes; elastic `(2, 3)` workers; checkpoints on the nodes
 small loop-mounted ext4 image (so it can be filled); the loop of bench/chaos_loop.py (a linear
 regression whose data is a pure function of the step) saving every `--save-every` steps; the driver
 is a subprocess (`python bench/chaos.py --driver spec.json`) so it can be killed and run again with
-the same name. A fault comes every 30-90 s (`--gap`), never sooner than 5 s after training resumed
-from the previous one; the first faults are every kind once in a seeded order, then kinds are drawn
+the same name. A fault comes every 30-90 s (`--gap`), never sooner than 5 s (`--settle`) after training
+resumed from the previous one; the first faults are every kind once in a seeded order, then kinds are drawn
 at random (seeded: `--seed`), and victims are drawn with the same generator:
 
   kill     SIGKILL to a worker process
@@ -217,7 +217,8 @@ def options_from(args: argparse.Namespace) -> SoakOptions:
     if unknown:
         raise SystemExit(f"--kinds: unknown {sorted(unknown)}; choose from {','.join(KINDS)}")
     return SoakOptions(minutes=args.minutes, seed=args.seed, kinds=kinds, gap=_pair(args.gap), hold=_pair(args.hold),
-                       min_faults=args.min_faults, hang_timeout_s=args.hang_timeout, sleep_s=args.sleep)
+                       min_faults=args.min_faults, hang_timeout_s=args.hang_timeout, sleep_s=args.sleep,
+                       settle_s=args.settle)
 
 
 def _pair(text: str) -> tuple[float, float]:
@@ -233,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gap", default="30:90", help="seconds between faults, low:high")
     parser.add_argument("--hold", default="10:30", help="seconds a node stays away / the disk stays full")
     parser.add_argument("--min-faults", type=int, default=0)
+    parser.add_argument("--settle", type=float, default=5.0,
+                        help="least seconds of training after a recovery before the next fault")
     parser.add_argument("--hang-timeout", type=float, default=15.0)
     parser.add_argument("--sleep", type=float, default=0.05, help="seconds per step standing for compute")
     parser.add_argument("--save-every", type=int, default=50, help="the loop's own saves (both systems)")

@@ -28,7 +28,6 @@ from chaos_world import (
 )
 
 KEEP_LAST = 3
-SETTLE_S = 5.0  # a fault never comes sooner than this after training resumed from the previous one
 COMMIT_WAIT_S = 120.0
 """How long a fault after a restart waits, beyond its gap, for a checkpoint newer than the restart's
 resume point (rayzero): rayzero's default FailureConfig ends a run after 3 failures in a row with no
@@ -47,6 +46,8 @@ class SoakOptions:
     hold: tuple[float, float] = (10.0, 30.0)
     min_faults: int = 0
     hang_timeout_s: float = 15.0
+    settle_s: float = 5.0
+    """A fault never comes sooner than this after training resumed from the previous one."""
     sleep_s: float = 0.05
     disk_mb: int = 64
     recovery_timeout_s: float = 300.0
@@ -108,7 +109,7 @@ class Soak(Faults):
         resumed_step = None  # the previous fault's resume point, when it restarted the loop
         count = max(options.min_faults, int(options.minutes * 60 / options.gap[0]) + len(options.kinds))
         for fault in schedule(options.seed, count, options.kinds, options.gap, options.hold):
-            at = max(previous_at + fault.gap_s, previous_resumed + SETTLE_S)
+            at = max(previous_at + fault.gap_s, previous_resumed + options.settle_s)
             if at > deadline and len(self.records) >= options.min_faults:
                 break
             self._wait(lambda at=at: time.time() >= at, at - time.time() + 600, "the next fault")
