@@ -6,17 +6,18 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
-# `make test` runs the test files on two pytest-xdist workers, each file whole on one worker, in two
-# lanes: one worker takes the Ray files first, the other the dist, k8s and unit files first
-# (tests/conftest.py: [Note: file order under xdist]); PYTEST_WORKERS=0 runs them serially. Two
+# `make test` runs the test files on three pytest-xdist workers, each file whole on one worker, in two
+# lanes: one worker takes the Ray files first, the others the dist, k8s and unit files first
+# (tests/conftest.py: [Note: file order under xdist]); PYTEST_WORKERS=0 runs them serially. Two or three
 # local Rays at once are safe: they only slowed each other on Ray's fixed dashboard-agent port
 # (tests/testkit/local_ray.py). Measured on the shared 2-core development machine, pytest's wall
 # time: serially 2245 s without the k8s tier (a load average of 9-12 alongside); on 2 workers 909 s
 # before the 2026-11-26 cuts, 819 s after them; one queue for both workers 753 s and 699 s (11-27); two lanes, with the
 # memory tests' ranks forked (tests/testkit/harness.py), 652 s and 654 s for 1,337 tests, about
 # 1,100 CPU-seconds of every process the run starts (process accounting; the last CI run took
-# 930 s for all of `make test` on a fresh clone, ~160 s of it installing and building).
-PYTEST_WORKERS ?= 2
+# 930 s for all of `make test` on a fresh clone, ~160 s of it installing and building). Three workers
+# and the slowest Ray files first: 688 s, against 745 s on two (same commits, 2026-11-27).
+PYTEST_WORKERS ?= 3
 XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
 .PHONY: venv s3-venv deepspeed-ops demo test test-unit test-dist test-ray test-k8s fuzz lint docs-check crd-check k8s-envtest bench clean

@@ -16,6 +16,11 @@ takes the idle core. Measured in full `make test` runs on the 2-core machine (20
 wall time; the same commits differ by up to ~50 s between runs there): one queue for both workers
 699 s and 753 s; two lanes 652 s and 654 s, with 5-6% fewer CPU-seconds (the same processes, less
 contended). The k8s tier first in gw0's lane instead (beside the CPU lane) took 675 s: no gain.
+With three workers (gw1 and gw2 in the second lane) and the slowest Ray files handed out first
+(`_SLOW_RAY_FILES`), so that the lanes end within seconds of each other: 688 s, against 745 s on two
+workers and 712 s on three in directory order (2026-11-27, the same commits). The cores are nearly
+always busy by then: lowering the CPU-bound tiers' priority (nice 10) beside the Ray files moved
+~45 s from the Ray tier to the dist tier and gained nothing.
 
 The k8s tier is one unit, not a unit per file: its files share one apiserver, etcd and operator
 (tests/k8s/conftest.py), started once and stopped after its last test. Most of its time is waiting
@@ -34,6 +39,10 @@ import pytest
 
 _TIERS = ("unit", "dist", "ray", "k8s", "gpu")
 _LONGEST_FIRST = ("ray", "dist", "k8s")
+# Within the Ray tier, the files that ran longest (tests/ray, 2026-11-27: each 45-130 s beside two other
+# files), so that the last files handed out are short ones and the lanes end together.
+_SLOW_RAY_FILES = ("test_chaos", "test_hf_trainer", "test_faults", "test_first_hour", "test_script_run",
+                   "test_node_loss", "test_job_submit", "test_planned_stop", "test_path_shipping")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -44,9 +53,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(getattr(pytest.mark, tier))
     if hasattr(config, "workerinput"):  # an xdist worker: every worker sorts alike, so collections match
         rank = {f"tests/{tier}/": index for index, tier in enumerate(_LONGEST_FIRST)}
-        # stable: each file's tests stay together and in order
-        items.sort(key=lambda item: next((index for prefix, index in rank.items() if item.nodeid.startswith(prefix)),
-                                         len(rank)))
+        slow = {f"tests/ray/{name}.py": index for index, name in enumerate(_SLOW_RAY_FILES)}
+
+        def order(item: pytest.Item) -> tuple[int, int]:
+            tier = next((index for prefix, index in rank.items() if item.nodeid.startswith(prefix)), len(rank))
+            return tier, slow.get(item.nodeid.split("::")[0], len(slow))
+
+        items.sort(key=order)  # stable: each file's tests stay together and in order
 
 
 @pytest.fixture
