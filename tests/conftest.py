@@ -18,7 +18,7 @@ wall time; the same commits differ by up to ~50 s between runs there): one queue
 contended). The k8s tier first in gw0's lane instead (beside the CPU lane) took 675 s: no gain.
 With three workers (gw1 and gw2 in the second lane) and the slowest Ray files handed out first
 (`_SLOW_RAY_FILES`), so that the lanes end within seconds of each other: 688 s, against 745 s on two
-workers and 712 s on three in directory order (2026-11-27, the same commits). The cores are nearly
+workers, 712 s on three in directory order and 727 s on four (2026-11-27, the same commits). The cores are nearly
 always busy by then: lowering the CPU-bound tiers' priority (nice 10) beside the Ray files moved
 ~45 s from the Ray tier to the dist tier and gained nothing.
 
