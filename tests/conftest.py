@@ -17,10 +17,10 @@ wall time; the same commits differ by up to ~50 s between runs there): one queue
 699 s and 753 s; two lanes 652 s and 654 s, with 5-6% fewer CPU-seconds (the same processes, less
 contended). The k8s tier first in gw0's lane instead (beside the CPU lane) took 675 s: no gain.
 With three workers (gw1 and gw2 in the second lane) and the slowest Ray files handed out first
-(`_SLOW_RAY_FILES`), so that the lanes end within seconds of each other: 688 s, against 745 s on two
-workers, 712 s on three in directory order and 727 s on four (2026-11-27, the same commits). The cores are nearly
-always busy by then: lowering the CPU-bound tiers' priority (nice 10) beside the Ray files moved
-~45 s from the Ray tier to the dist tier and gained nothing.
+(`_SLOW_RAY_FILES`), so that the lanes end within seconds of each other: 688 s, against 745 s on
+two workers, 712 s on three in directory order and 727 s on four (2026-11-27, the same commits).
+The cores are nearly always busy by then: lowering the CPU-bound tiers' priority (nice 10) beside
+the Ray files moved ~45 s from the Ray tier to the dist tier and gained nothing.
 
 The k8s tier is one unit, not a unit per file: its files share one apiserver, etcd and operator
 (tests/k8s/conftest.py), started once and stopped after its last test. Most of its time is waiting
