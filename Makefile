@@ -16,7 +16,8 @@ PYTEST_ARGS ?=
 # memory tests' ranks forked (tests/testkit/harness.py), 652 s and 654 s for 1,337 tests, about
 # 1,100 CPU-seconds of every process the run starts (process accounting; the last CI run took
 # 930 s for all of `make test` on a fresh clone, ~160 s of it installing and building). Three workers
-# and the slowest Ray files first: 688 s, against 745 s on two (same commits, 2026-11-27).
+# and the slowest Ray files first: 622 s against 700 s on two, back to back on the same commits
+# (2026-11-27; idle core-seconds 47 against 172).
 PYTEST_WORKERS ?= 3
 XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 

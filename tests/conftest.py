@@ -16,11 +16,14 @@ takes the idle core. Measured in full `make test` runs on the 2-core machine (20
 wall time; the same commits differ by up to ~50 s between runs there): one queue for both workers
 699 s and 753 s; two lanes 652 s and 654 s, with 5-6% fewer CPU-seconds (the same processes, less
 contended). The k8s tier first in gw0's lane instead (beside the CPU lane) took 675 s: no gain.
-With three workers (gw1 and gw2 in the second lane) and the slowest Ray files handed out first
-(`_SLOW_RAY_FILES`), so that the lanes end within seconds of each other: 688 s, against 745 s on
-two workers, 712 s on three in directory order and 727 s on four (2026-11-27, the same commits).
-The cores are nearly always busy by then: lowering the CPU-bound tiers' priority (nice 10) beside
-the Ray files moved ~45 s from the Ray tier to the dist tier and gained nothing.
+Three workers (gw1 and gw2 in the second lane), the slowest Ray files handed out first
+(`_SLOW_RAY_FILES`) so that the lanes end close together. Two runs back to back on the same commits
+(2026-11-27): two workers 700 s, the cores busy 87.7% of the time (172 idle core-seconds); three
+workers 622 s, busy 96.1% (47 idle), for the same ~1,220 busy core-seconds. Other runs of three:
+688 s and 746 s (in that one every tier ran ~8% slower: the shared machine); three in directory order
+712 s; four 727 s. A third worker fills the time in which the Ray files wait on their own
+processes; a fourth only contends. Lowering the CPU-bound tiers' priority (nice 10) instead moved
+~45 s from the Ray tier to the dist tier and gained nothing (Ray's workers run at nice 15 anyway).
 
 The k8s tier is one unit, not a unit per file: its files share one apiserver, etcd and operator
 (tests/k8s/conftest.py), started once and stopped after its last test. Most of its time is waiting
