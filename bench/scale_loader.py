@@ -86,8 +86,9 @@ def inventory_bytes(world_size: int, ranks_per_node: int = 8, node_local: bool =
     after = (_gather_bytes_after(spread([_pickled({tag: (FIRST_STEP, CREATED) for tag in tags})
                                          for _ in listings], empty_dict))
              + _gather_bytes_after(spread([_pickled(sorted(files)) for files in listings], nothing)))
-    return {"load_inventory_bytes_per_rank_before": before, "load_inventory_bytes_per_rank": after,
-            "load_inventory_bytes_before": before * world_size, "load_inventory_bytes": after * world_size}
+    return {"load_inventory_per_rank_bytes_before": before, "load_inventory_per_rank_bytes": after,
+            "load_inventory_per_load_bytes_before": before * world_size,
+            "load_inventory_per_load_bytes": after * world_size}
 
 
 def _exponent(sizes: list[int], values: list[int]) -> float:
@@ -109,15 +110,15 @@ def main(argv: list[str] | None = None) -> int:
         rows = [{"n": n, **inventory_bytes(n, ranks_per_node, node_local, replicas, args.checkpoints)}
                 for n in sizes]
         for row in rows:
-            row["ratio_per_rank"] = round(row["load_inventory_bytes_per_rank_before"]
-                                          / row["load_inventory_bytes_per_rank"], 2)
+            row["ratio_per_rank"] = round(row["load_inventory_per_rank_bytes_before"]
+                                          / row["load_inventory_per_rank_bytes"], 2)
         fitted = [row for row in rows if row["n"] >= 64] or rows  # the tail, past the fixed costs
+        sizes_fitted = [row["n"] for row in fitted]
         layouts[name] = {
             "rows": rows,
-            "exponent_per_rank_before": round(_exponent([r["n"] for r in fitted],
-                                                        [r["load_inventory_bytes_per_rank_before"] for r in fitted]), 2),
-            "exponent_per_rank": round(_exponent([r["n"] for r in fitted],
-                                                 [r["load_inventory_bytes_per_rank"] for r in fitted]), 2),
+            "exponent_per_rank_before": round(_exponent(
+                sizes_fitted, [row["load_inventory_per_rank_bytes_before"] for row in fitted]), 2),
+            "exponent_per_rank": round(_exponent(sizes_fitted, [row["load_inventory_per_rank_bytes"] for row in fitted]), 2),
         }
     print(json.dumps({"benchmark": "scale_loader", "checkpoints": args.checkpoints, "layouts": layouts}, indent=1))
     return 0
