@@ -20,18 +20,19 @@ zero). So a parameter used on some ranks only is averaged with the others' zeros
 used gets a zero gradient, instead of the ranks sending different buckets and crashing or hanging.
 When usage differs across ranks, a bucket goes out mid-backward on one rank and at the end on
 another; the parameter all-gathers of backward would then interleave with it differently on each
-rank, so reductions run on a process group of their own (same ranks), which orders them only
-among themselves. Their traffic is still counted by the engine's communicator.
+rank, so reductions run on process groups of their own (same ranks: `Stage3Layout.reduce`), which
+order them only among themselves. Their traffic is still counted with the engine's.
+
+With MiCS a bucket is reduce-scattered over the shard group and its shard then all-reduced over the
+replica group; with qgZ the reduce-scatter is the quantized two-stage all-to-all ([Note: stage-3
+layouts] in layout.py).
 """
 from __future__ import annotations
-
-import datetime
 
 import torch
 import torch.distributed as dist
 
-from rayzero.config.environment import COLLECTIVE_TIMEOUT_S
-from rayzero.engine.comm import Communicator
+from rayzero.engine.stage3.layout import Reductions
 from rayzero.engine.stage3.parameters import PartitionedParam
 
 
@@ -48,24 +49,17 @@ class _SeenThisBackward(set):
         self._on_clear()
 
 
-def _reduction_group(comm: Communicator) -> dist.ProcessGroup | None:
-    """A process group over the same ranks for gradient reductions only ([Note: stage 3 bucket plan]);
-    None when not distributed or when the engine runs on a subgroup (new_group must be entered by
-    every rank of the world, which a subgroup's outsiders would not do)."""
-    if not comm.distributed or comm.group is not dist.group.WORLD:
-        return None
-    timeout = COLLECTIVE_TIMEOUT_S.get()
-    return dist.new_group(backend=dist.get_backend(comm.group), timeout=datetime.timedelta(seconds=timeout))
-
-
 class GradientReducer:
     """Buckets full gradients in a fixed plan, reduce-scatters them in plan order, accumulates shards
     into master gradients ([Note: stage 3 bucket plan])."""
 
-    def __init__(self, comm: Communicator, bucket_size: int, reduce_dtype: torch.dtype,
+    def __init__(self, reductions: Reductions, bucket_size: int, reduce_dtype: torch.dtype,
                  overlap: bool, master_grads: dict[int, torch.Tensor],
                  reduce_dtypes: dict[int, torch.dtype] | None = None) -> None:
-        self.comm = comm
+        self.comm = reductions.shard
+        self.world = reductions.world
+        self.replicas = reductions.replicas
+        self.quantized = reductions.quantized
         self.bucket_size = max(1, int(bucket_size))
         self.reduce_dtype = reduce_dtype
         # id(entry) -> the dtype its gradient is reduced in, where not `reduce_dtype` (torch_autocast:
@@ -78,7 +72,6 @@ class GradientReducer:
         self._set_plan(self._keys[::-1])
         self._next = 0  # the next bucket to send, the same sequence on every rank
         self._open = False  # a backward's buckets are pending (set on the first gradient or clear)
-        self._group = _reduction_group(comm)
         self._arrival: list[int] | None = []  # first backward's arrival order, then None (re-planned)
         self._in_flight: tuple[object, torch.Tensor, list[int], torch.Tensor, bool] | None = None
         # Keys whose master-gradient shard is known to be zero (allocated zeroed; `grads_zeroed`):
@@ -103,9 +96,8 @@ class GradientReducer:
         seen = [position[key] for key in self._arrival or []]
         missing = [index for index in range(len(self._keys) - 1, -1, -1) if index not in set(seen)]
         order = torch.tensor(seen + missing, dtype=torch.int64)
-        if self.comm.distributed:
-            group = self._group or self.comm.group
-            dist.broadcast(order, src=dist.get_global_rank(group, 0), group=group)
+        if self.world.distributed:
+            dist.broadcast(order, src=self.world.ranks[0], group=self.world.group)
         self._arrival = None
         self._set_plan([self._keys[index] for index in order.tolist()])
 
@@ -214,7 +206,7 @@ class GradientReducer:
         self._zero.difference_update(keys)
         self.wait()  # at most one bucket in flight besides the one being filled
         # `send` is this bucket's own: a zeroed copy, or a gradient autograd handed over (p.grad is None).
-        work = self.comm.reduce_scatter(received, send, async_op=True, scratch=True, group=self._group)
+        work = self.comm.reduce_scatter(received, send, async_op=True, scratch=True)
         self._in_flight = (work, received, keys, send, direct)  # `send` must outlive the collective
         if not self.overlap:
             self.wait()
@@ -227,6 +219,8 @@ class GradientReducer:
         work, received, keys, _send, direct = self._in_flight
         self._in_flight = None
         self.waiter(work)
+        if self.replicas is not None:  # MiCS: the other copies' sums of the same shard
+            self.waiter(self.replicas.all_reduce(received, async_op=True))
         if direct:  # reduced straight into the (zero) master gradient
             if self.on_added is not None:
                 self.on_added(keys)

@@ -1,0 +1,86 @@
+"""How a stage-3 parameter all-gather travels: the group it spans and what it carries.
+
+A route gathers one piece per member into an output laid out member-major (`size` rows), exactly
+as `all_gather_into_tensor` does, and returns a Work. [Note: stage-3 layouts] (layout.py) says
+which route each gather takes:
+  - `Direct`: one all-gather over a communicator (the shard group, or hpZ's secondary group);
+  - `Hierarchical`: MiCS's two-stage gather over a shard group spanning nodes;
+  - `Quantized`: qwZ's int8 blocks over a communicator (wrapping either of the others' groups).
+
+[Note: hierarchical gather]
+A shard group of A nodes x L ranks: rank (node j, local l) holds shard j*L + l. Stage one gathers
+across nodes between the ranks of local index l (A pieces: shards l, L + l, ...); stage two gathers
+those A pieces inside the node (L x A pieces), which a transpose puts in shard order. Each piece
+crosses the slow link to A - 1 ranks instead of (A - 1) * L. The second stage starts when the
+first is waited on, so it is not overlapped with compute (MiCS overlaps it on a second stream).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+
+from rayzero.engine.comm import Communicator
+
+
+class GatherRoute(Protocol):
+    size: int
+    """Members contributing a piece: rows of the output."""
+
+    def all_gather(self, output: torch.Tensor, piece: torch.Tensor) -> Any:
+        """Start gathering every member's `piece` into `output` (size x piece.numel()); a Work."""
+
+
+class Direct:
+    """One all-gather over `comm`."""
+
+    def __init__(self, comm: Communicator) -> None:
+        self.comm = comm
+        self.size = comm.world_size
+
+    def all_gather(self, output: torch.Tensor, piece: torch.Tensor) -> Any:
+        return self.comm.all_gather(output, piece, async_op=True)
+
+
+class _Then:
+    """A Work that runs `after` once `first` completes (on the first wait)."""
+
+    def __init__(self, first: Any, after: Callable[[], None]) -> None:
+        self._first = first
+        self._after: Callable[[], None] | None = after
+
+    def wait(self) -> bool:
+        self._first.wait()
+        if self._after is not None:
+            after, self._after = self._after, None
+            after()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._after is None
+
+    def get_future(self) -> torch.futures.Future:
+        """The first stage's future (the stall watch waits on it; `wait` then runs the rest)."""
+        return self._first.get_future()
+
+
+class Hierarchical:
+    """[Note: hierarchical gather]: across nodes (same local index), then inside the node."""
+
+    def __init__(self, across: Communicator, inside: Communicator) -> None:
+        self.across = across
+        self.inside = inside
+        self.size = across.world_size * inside.world_size
+
+    def all_gather(self, output: torch.Tensor, piece: torch.Tensor) -> Any:
+        nodes, local, width = self.across.world_size, self.inside.world_size, piece.numel()
+        staged = torch.empty(nodes * width, dtype=output.dtype, device=output.device)
+        first = self.across.all_gather(staged, piece.to(output.dtype), async_op=True)
+
+        def second() -> None:
+            by_local = torch.empty(local * nodes * width, dtype=output.dtype, device=output.device)
+            self.inside.all_gather(by_local, staged)
+            output.view(nodes, local, width).copy_(by_local.view(local, nodes, width).transpose(0, 1))
+
+        return _Then(first, second)
