@@ -11,6 +11,16 @@ the group's parameter shards (padded): `sub_group_size` elements at most, cut at
 boundaries as DeepSpeed cuts them (one parameter larger than that is a sub-group alone). Few large
 tensors keep the fused kernels efficient; sub-groups are the tiles an offloaded step swaps
 ([Note: NVMe tiles] in offload/nvme.py).
+
+[Note: shards are the masters]
+Where the masters live on the compute device (no offload), a trainable parameter's shard is a view of
+its fp32 master, whatever the compute dtype: a gather casts the shard to bf16/fp16 on its way in
+(`ParamPartitions._send_piece`, a transient 1/N piece), as FSDP2's mixed precision does, instead of
+keeping a second, compute-dtype copy of every shard beside the master (2 bytes per parameter / N
+less at bf16). The values gathered are the same: the copy was the master cast after every step.
+Checkpoints still store `module/` pieces in the compute dtype (cast as they are written). With the
+masters offloaded (CPU, NVMe) the compute-dtype shard stays on the device: gathering from the host
+would move fp32 over the link on every gather.
 """
 from __future__ import annotations
 
