@@ -7,6 +7,9 @@ engine checks that when it starts, before the first step.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from rayzero.config.errors import Problem
 from rayzero.config.model import RayZeroConfig
 
@@ -32,6 +35,21 @@ def world_multiple(config: RayZeroConfig) -> int:
     for size in group_sizes(config).values():
         multiple = multiple * size // _gcd(multiple, size)
     return multiple
+
+
+def raw_world_multiple(raw: Mapping[str, Any] | None) -> tuple[int, str]:
+    """`world_multiple` of a DeepSpeed config dict as the user wrote it (the controller's elastic plan
+    reads the raw config), and the keys behind it ('' when 1)."""
+    zero = (raw or {}).get("zero_optimization") or {}
+    if not isinstance(zero, Mapping) or zero.get("stage") != 3:
+        return 1, ""
+    multiple, keys = 1, []
+    for key, low in (("mics_shard_size", 0), ("zero_hpz_partition_size", 1)):
+        value = zero.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > low:
+            multiple = multiple * value // _gcd(multiple, value)
+            keys.append(f"zero_optimization.{key}={value}")
+    return multiple, " and ".join(keys)
 
 
 def _gcd(a: int, b: int) -> int:
