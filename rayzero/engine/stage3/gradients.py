@@ -23,6 +23,15 @@ another; the parameter all-gathers of backward would then interleave with it dif
 rank, so reductions run on process groups of their own (same ranks: `Stage3Layout.reduce`), which
 order them only among themselves. Their traffic is still counted with the engine's.
 
+[Note: gradients copied on arrival]
+A gradient is copied into its bucket's rank-major send buffer as soon as autograd hands it over (the
+buffer is allocated, zeroed, at the bucket's first gradient), and autograd's tensor is dropped: a
+bucket costs its buffer, not its buffer plus every gradient waiting for the last one (with
+DeepSpeed's default reduce_bucket_size of 5e8, a bucket can be a whole model). A one-parameter bucket
+whose gradient is already rank-major is sent as it is. In a world of one with nothing to reduce, a
+gradient is added straight into the fp32 master gradient (after the rounding of the reduce dtype the
+reduction would have applied), with no buffer at all.
+
 With MiCS a bucket is reduce-scattered over the shard group and its shard then all-reduced over the
 replica group; with qgZ the reduce-scatter is the quantized two-stage all-to-all ([Note: stage-3
 layouts] in layout.py).
@@ -84,11 +93,24 @@ class GradientReducer:
         self.on_added = None
         # Waits on a bucket's Work ([Note: stalled stage-3 collectives]; set by the strategy).
         self.waiter = lambda work: work.wait()
+        # A world of one with nothing quantized: gradients go straight into the master gradients.
+        self._local = self.comm.world_size == 1 and self.replicas is None and self.quantized is None
 
     def _set_plan(self, ordered_keys: list[int]) -> None:
         self.plan = self._plan(ordered_keys)
         self._bucket_of = {key: index for index, keys in enumerate(self.plan) for key in keys}
-        self._arrived: list[dict[int, tuple[PartitionedParam, torch.Tensor]]] = [{} for _ in self.plan]
+        # key -> (first column, width) of its shards in its bucket's rank-major rows
+        self._column: dict[int, tuple[int, int]] = {}
+        self._bucket_numel: list[int] = []  # shard elements per rank of each bucket
+        for keys in self.plan:
+            offset = 0
+            for key in keys:
+                self._column[key] = (offset, self.master_grads[key].numel())
+                offset += self.master_grads[key].numel()
+            self._bucket_numel.append(offset)
+        self._arrived: list[set[int]] = [set() for _ in self.plan]
+        # [Note: gradients copied on arrival]: each bucket's send buffer while it fills
+        self._filling: list[torch.Tensor | None] = [None] * len(self.plan)
 
     def _replan_from_arrival(self) -> None:
         """Adopt rank 0's first-backward arrival order (one broadcast of parameter positions, once)."""
@@ -139,19 +161,54 @@ class GradientReducer:
         self.seen.add(key)
         if self._arrival is not None:
             self._arrival.append(key)
-        self._arrived[self._bucket_of[key]][key] = (entry, grad)
+        if self._local:  # [Note: gradients copied on arrival]: nothing to reduce across ranks
+            target = self.master_grads[key]
+            flat = grad.reshape(-1).to(self._dtype(key))  # the rounding a reduction in that dtype has
+            target[: flat.numel()].add_(flat.to(target.device))
+            self._zero.discard(key)
+            if self.on_added is not None:
+                self.on_added([key])
+            return
+        index = self._bucket_of[key]
+        self._place(index, key, grad)
+        self._arrived[index].add(key)
         while self._next < len(self.plan) and len(self._arrived[self._next]) == len(self.plan[self._next]):
             self._send(self._next, grad.device)
             self._next += 1
+
+    def _place(self, index: int, key: int, grad: torch.Tensor) -> None:
+        """Copy `grad` into its columns of bucket `index`'s send buffer (allocated at the bucket's first
+        gradient); a one-parameter bucket whose gradient is already rank-major keeps it as the buffer."""
+        world, flat = self.comm.world_size, grad.reshape(-1)
+        offset, width = self._column[key]
+        total, dtype = self._bucket_numel[index], self._dtype(key)
+        if len(self.plan[index]) == 1 and flat.numel() == world * total and flat.dtype == dtype \
+                and grad.is_contiguous():
+            self._filling[index] = flat  # sent as it is: one full gradient less at the peak
+            return
+        if self._filling[index] is None:
+            self._filling[index] = torch.zeros(world * total, dtype=dtype, device=grad.device)
+            self.bucket_bytes_peak = max(self.bucket_bytes_peak, world * total * dtype.itemsize)
+        rows = self._filling[index].view(world, total)
+        whole = flat.numel() // width  # ranks whose shard of this gradient is full; the next ends in padding
+        rows[:whole, offset:offset + width].copy_(flat[: whole * width].view(whole, width))
+        rest = flat.numel() - whole * width
+        if rest:
+            rows[whole, offset:offset + rest].copy_(flat[whole * width:])
 
     def flush(self) -> None:
         """Send every remaining bucket of this backward, in plan order, zeros for unused parameters."""
         if not self._open:
             return
+        if self._local:
+            self._open = False
+            if self._arrival is not None:
+                self._replan_from_arrival()
+            return
         device = next(iter(self.master_grads.values())).device if self.master_grads else torch.device("cpu")
-        for arrived in self._arrived:
-            if arrived:
-                device = next(iter(arrived.values()))[1].device
+        for filling in self._filling:
+            if filling is not None:
+                device = filling.device
                 break
         while self._next < len(self.plan):
             self._send(self._next, device)
@@ -164,41 +221,15 @@ class GradientReducer:
 
     def _send(self, index: int, device: torch.device) -> None:
         keys = self.plan[index]
-        arrived = self._arrived[index]
-        self._arrived[index] = {}
-        world = self.comm.world_size
-        dtype = self._dtype(keys[0])
-        widths = [self.master_grads[key].numel() for key in keys]
-        shard_total = sum(widths)
-        only = arrived.get(keys[0]) if len(keys) == 1 else None
-        if only is not None and only[1].numel() == world * shard_total and only[1].dtype == dtype \
-                and only[1].is_contiguous():
-            # One parameter whose gradient is already rank-major (no padding): send it as it is,
-            # instead of a zeroed copy of the same size (one full gradient less at the peak).
-            send = only[1].reshape(-1)
-            del arrived
-            self._issue(send, shard_total, keys, device)
-            return
-        send = torch.zeros(world * shard_total, dtype=dtype, device=device)
-        rows = send.view(world, shard_total)
-        offset = 0
-        for key, width in zip(keys, widths):
-            if key in arrived:
-                flat = arrived[key][1].reshape(-1)
-                if flat.numel() == world * width:
-                    rows[:, offset:offset + width].copy_(flat.view(world, width))
-                else:  # the last rank's shard ends in padding: copy the real elements, zero the rest
-                    padded = torch.zeros(world * width, dtype=dtype, device=device)
-                    padded[: flat.numel()].copy_(flat)
-                    rows[:, offset:offset + width].copy_(padded.view(world, width))
-            # else: not used on this rank in this backward -> its rows stay zero
-            offset += width
-        del arrived
-        self._issue(send, shard_total, keys, device)
+        send, self._filling[index] = self._filling[index], None
+        self._arrived[index] = set()
+        total = self._bucket_numel[index]
+        if send is None:  # no parameter of this bucket was used on this rank: its rows are zero
+            send = torch.zeros(self.comm.world_size * total, dtype=self._dtype(keys[0]), device=device)
+        self._issue(send, total, keys, device)
 
     def _issue(self, send: torch.Tensor, shard_total: int, keys: list[int], device: torch.device) -> None:
         """Reduce-scatter the rank-major `send` into this rank's shards (kept in flight until `wait`)."""
-        self.bucket_bytes_peak = max(self.bucket_bytes_peak, send.numel() * send.element_size())
         target = self.master_grads[keys[0]] if len(keys) == 1 else None
         direct = (target is not None and keys[0] in self._zero and target.dtype == send.dtype
                   and target.device == device and target.numel() == shard_total and target.is_contiguous())
