@@ -1,13 +1,15 @@
 """Block quantization speed (rayzero/engine/quantize.py, ZeRO++'s qwZ/qgZ kernels), printed as JSON:
 
-    python bench/quantize.py [--numel 16777216] [--rounds 9] [--device cpu|cuda] [--chunks 65536,...] [--json out.json]
+    python bench/quantize.py [--numel 16777216] [--rounds 9] [--device cpu|cuda] [--threads N]
+                             [--chunks 65536,...] [--json out.json]
 
 Side by side in one run, interleaved round by round (each round times every case once, in order):
 quantize at 8 and 4 bits from fp32 and from bf16, dequantize into a preallocated fp32 and bf16 tensor,
 and the baselines a quantized collective replaces: a cast fp32 -> bf16 into a preallocated tensor (what
 an unquantized bf16 gather packs) and a plain bf16 copy. Each figure: median, min and max in ms over
 `--rounds`; `ratio_to_bf16_copy` divides medians. `--chunks` also times quantize/dequantize (8 bits,
-fp32) at other CPU chunk sizes (quantize.CPU_CHUNK_ELEMENTS).
+fp32) at other CPU chunk sizes (quantize.CPU_CHUNK_ELEMENTS). Wall time and this process's CPU
+time (the figure to read on a shared machine with --threads 1).
 """
 from __future__ import annotations
 
@@ -76,29 +78,43 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--chunks", default="", help="comma-separated CPU chunk sizes to compare too")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     cases = _cases(args.numel, args.device)
     if args.chunks:
         cases.update(_chunk_cases(args.numel, [int(c) for c in args.chunks.split(",")]))
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
-    times: dict[str, list[float]] = {name: [] for name in cases}
+    wall: dict[str, list[float]] = {name: [] for name in cases}
+    cpu: dict[str, list[float]] = {name: [] for name in cases}
     for fn in cases.values():  # warm-up: first-use costs out of the rounds
         fn()
     for _ in range(args.rounds):
         for name, fn in cases.items():
             sync()
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             fn()
             sync()
-            times[name].append((time.perf_counter() - start) * 1e3)
-    baseline = statistics.median(times["bf16_copy"])
+            wall[name].append((time.perf_counter() - start) * 1e3)
+            cpu[name].append((time.process_time() - start_cpu) * 1e3)
+
+    def spread(times: dict[str, list[float]]) -> dict:
+        return {name: {"median": statistics.median(values), "min": min(values), "max": max(values)}
+                for name, values in times.items()}
+
+    def ratios(times: dict[str, list[float]]) -> dict:
+        baseline = statistics.median(times["bf16_copy"])
+        return {name: statistics.median(values) / baseline for name, values in times.items()}
+
     result = {
         "numel": args.numel, "device": args.device, "threads": torch.get_num_threads(),
         "chunk_elements": quantize.CPU_CHUNK_ELEMENTS,
-        "ms": {name: {"median": statistics.median(values), "min": min(values), "max": max(values)}
-               for name, values in times.items()},
-        "ratio_to_bf16_copy": {name: statistics.median(values) / baseline for name, values in times.items()},
+        "ms": spread(wall), "ratio_to_bf16_copy": ratios(wall),
+        # CPU time of this process: on a shared machine the wall time also counts the time the
+        # process waited for a core; with one thread the CPU time is the work done
+        "cpu_ms": spread(cpu), "cpu_ratio_to_bf16_copy": ratios(cpu),
         "machine": report.machine_description(),
     }
     report.emit(result, args.json)
