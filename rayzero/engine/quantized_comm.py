@@ -26,10 +26,11 @@ directly); with one rank in all nothing is quantized and the output is the input
 Bound, per element of the output, with A_r the absmax of rank r's contribution in that element's
 group and q = 2^(bits-1) - 1 (7 at 4 bits):
     one stage:   |error| <= sum_r A_r / (2q)
-    two stages:  |error| <= sum_r A_r / (2q) * (2 + 1/(2q))
-  (the first quantization errs by A_r/(2q) per contribution; the partial sum it gives has a group
-  absmax of at most sum_i A_i (1 + 1/(2q)), and its re-quantization errs by half that over q), plus
-  fp32 summation rounding, plus the output dtype's rounding.
+    two stages:  |error| <= sum_r A_r / q
+  (the first quantization errs by A_r/(2q) per contribution; a dequantized value never exceeds its
+  group's absmax (|code| <= q), so a partial sum over a node's ranks i has a group absmax of at most
+  sum_i A_i, and its re-quantization errs by at most half that over q), plus fp32 rounding, plus
+  the output dtype's rounding.
 Differences from DeepSpeed: groups per destination chunk from `group_size_for(chunk,
 QGZ_TARGET_GROUP_SIZE)` (DeepSpeed: numel / max(rows, cols, world) from a gradient's shape), padded,
 so every size works: DeepSpeed falls back to a plain reduce-scatter for 1-D tensors and sizes not
@@ -38,10 +39,14 @@ DeepSpeed divides the cross-node sum by the number of nodes.
 
 Bytes (all_gather_sent_bytes, reduce_scatter_sent_bytes): what one rank sends to other ranks, split
 by link class, in the collectives' own terms: an all-gather delivers this rank's piece to each other
-rank, an all-to-all sends each peer its block (the block a rank keeps for itself is not sent). These
-are the logical exchange (the ZeRO++ paper's accounting), not what a ring algorithm relays. The
+rank, an all-to-all sends each peer its block (the block a rank keeps for itself is not sent): the
+logical exchange, not what a ring algorithm relays on its way. The
 collectives' input buffers: all-gather `wire_bytes` on `group`; stage 1 local_size x num_nodes
-pieces on `intra`; stage 2 num_nodes pieces on `inter`.
+pieces on `intra`; stage 2 num_nodes pieces on `inter`. Across nodes a rank sends (num_nodes - 1)
+int4 pieces of ~chunk/2 bytes where a bf16 reduce-scatter sends (world - local_size) chunks of
+2 x chunk bytes: 1/(4 x local_size) of it (1/32 with 8 ranks per node). Inside the node it sends
+(local_size - 1) x num_nodes pieces, num_nodes/4 times what a bf16 reduce-scatter sends to those
+peers: the node's links carry the pre-reduction that spares the slow ones, as ZeRO++ intends.
 """
 from __future__ import annotations
 
@@ -83,7 +88,11 @@ def node_groups(world_size: int, local_size: int, backend: str | None = None,
     """Create the intra-node and inter-node groups of every rank. Collective: every rank of the
     default group must call it, with the same arguments and in the same order relative to every
     other group creation, because torch's new_group must be entered by all ranks for every group
-    (this creates all num_nodes node groups, then all local_size cross-node groups, in rank order)."""
+    (this creates all num_nodes node groups, then all local_size cross-node groups, in rank order,
+    through torch's new_subgroups_by_enumeration, which calls new_group for each). The same groups as
+    torch's init_device_mesh(device, (num_nodes, local_size), mesh_dim_names=("node", "local")):
+    intra is its get_group("local"), inter its get_group("node"); either can be passed to the
+    collectives, as long as group rank = local index (intra) and = node index (inter)."""
     if not dist.is_initialized():
         raise ValueError("node_groups needs an initialised default process group (init_process_group)")
     if world_size != dist.get_world_size():

@@ -100,7 +100,7 @@ def _reduce_scatter_cases(rank: int, world: int, local_size: int) -> dict:
         step = 2 * (2 ** (bits - 1) - 1)
         absmax_sum = _group_absmax(everyone, size).sum(0)
         two_stages = nodes > 1 and local_size > 1
-        bound = absmax_sum / step * ((2 + 1 / step) if two_stages else 1)
+        bound = absmax_sum / step * (2 if two_stages else 1)
         bound += absmax_sum * 2.0 ** -20  # fp32 sums and scales
         if out_dtype != torch.float32:
             bound += exact.abs() * 2.0 ** -8  # the output's own rounding
