@@ -71,6 +71,13 @@ def check_layouts(config: RayZeroConfig, world_size: int | None, notes: list[str
             "(DeepSpeed 0.19 removed MiCS altogether)",
             "use one: mics_shard_size (shard inside groups, replicate across them) or zero_hpz_partition_size "
             "(shard over every rank, gather backward inside the node)"))
+    if zero.mics_hierarchical_params_gather and "mics_shard_size" in sizes and zero.zero_quantized_weights:
+        problems.append(Problem(
+            f"{_ZERO}.zero_quantized_weights", True,
+            f"cannot be combined with {_ZERO}.mics_hierarchical_params_gather: the hierarchical gather's two "
+            "stages carry the compute dtype (DeepSpeed's MiCS never quantized its gathers)",
+            "turn one of them off (zero_quantized_weights alone quantizes MiCS's flat gathers inside the "
+            "shard group)"))
     if zero.mics_hierarchical_params_gather and "mics_shard_size" not in sizes:
         notes.append(f"ignored: `{_ZERO}.mics_hierarchical_params_gather` = true without {_ZERO}.mics_shard_size: "
                      "it only changes how a MiCS shard group spanning nodes gathers")

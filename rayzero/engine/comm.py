@@ -102,9 +102,12 @@ class Traffic:
 
 
 class _Done:
-    """Stands in for a Work handle when no collective ran (world size 1)."""
+    """Stands in for a Work handle when no collective ran (world size 1) or one already finished."""
 
     def wait(self) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
         return True
 
 
@@ -182,7 +185,7 @@ class Communicator:
         return Communicator(group, topology=self.topology, traffic=self.traffic)
 
     # ---- accounting -------------------------------------------------------------------------
-    def _count(self, kind: str, tensor: torch.Tensor, *, elements: int | None = None,
+    def count(self, kind: str, tensor: torch.Tensor, *, elements: int | None = None,
                wire_bytes: int | None = None, source: int | None = None, runs_as: str | None = None) -> None:
         """Count one collective about `tensor` ([Note: communication accounting]). A quantized
         collective passes the `elements` of the tensor it stands for and the `wire_bytes` it sends;
@@ -231,7 +234,7 @@ class Communicator:
 
     def all_reduce(self, tensor: torch.Tensor, async_op: bool = False):
         """Sum `tensor` in place across ranks."""
-        self._count("all_reduce", tensor)
+        self.count("all_reduce", tensor)
         if not self.distributed:
             return _Done() if async_op else None
         return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
@@ -242,7 +245,7 @@ class Communicator:
         the caller no longer needs `input`, which may then hold anything afterwards."""
         assert input.numel() == output.numel() * self.world_size, "reduce_scatter needs equal splits"
         direct = scratch and self._gloo_direct(input) and input.is_contiguous()
-        self._count("reduce_scatter", input, runs_as="all_reduce" if direct else None)
+        self.count("reduce_scatter", input, runs_as="all_reduce" if direct else None)
         if not self.distributed:
             output.copy_(input)
             return _Done() if async_op else None
@@ -258,7 +261,7 @@ class Communicator:
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
         """Concatenate every rank's `input` into `output` (rank order)."""
         assert output.numel() == input.numel() * self.world_size, "all_gather needs equal splits"
-        self._count("all_gather", output)
+        self.count("all_gather", output)
         if not self.distributed:
             if input.data_ptr() != output.data_ptr():
                 output.copy_(input)
@@ -285,14 +288,14 @@ class Communicator:
         """Equal-split all-to-all: rank r's j-th slice of `input` becomes rank j's r-th slice of
         `output`. `wire_bytes` / `elements`: what to count when `input` stands for another tensor
         (a quantized payload: [Note: bytes per link class])."""
-        self._count("all_to_all", input, elements=elements, wire_bytes=wire_bytes)
+        self.count("all_to_all", input, elements=elements, wire_bytes=wire_bytes)
         if not self.distributed:
             output.copy_(input)
             return _Done() if async_op else None
         return dist.all_to_all_single(output, input, group=self.group, async_op=async_op)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
-        self._count("broadcast", tensor, source=src)
+        self.count("broadcast", tensor, source=src)
         if self.distributed:
             dist.broadcast(tensor, src=dist.get_global_rank(self.group, src), group=self.group)
 
@@ -300,7 +303,7 @@ class Communicator:
                            waiter: Callable[[Any], None] | None = None) -> torch.Tensor:
         """A small synchronisation (overflow flag, norm): `op` is `sum` or `max`. A sync point;
         `waiter(work)` waits for it instead of a plain wait when given."""
-        self._count("control", tensor)
+        self.count("control", tensor)
         if self.distributed:
             reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
             work = dist.all_reduce(tensor, op=reduce_op, group=self.group, async_op=waiter is not None)

@@ -27,6 +27,8 @@ HPZ = (("zero_hpz_partition_size", 2),)
 MICS = (("mics_shard_size", 2),)
 MICS_HIERARCHICAL = (("mics_shard_size", 4), ("mics_hierarchical_params_gather", True))
 OFFLOAD = (("offload_optimizer", {"device": "cpu"}), ("offload_param", {"device": "cpu"}))
+QWZ = (("zero_quantized_weights", True),)
+QGZ = (("zero_quantized_gradients", True),)
 
 
 def _case(layout: tuple = (), **changes) -> H.Case:
@@ -47,11 +49,19 @@ CASES = {
     "flat-bf16": _case(precision="bf16"),
     "hpz-bf16": _case(HPZ, precision="bf16"),
     "mics-bf16": _case(MICS, precision="bf16"),
+    "qwz": _case(QWZ),
+    "qgz": _case(QGZ),
+    "zeropp": _case(HPZ + QWZ + QGZ),
+    "zeropp-offload": _case(HPZ + QWZ + QGZ + OFFLOAD),
+    "mics-qwz-qgz": _case(MICS + QWZ + QGZ),
     "mics-3": _case((("mics_shard_size", 3),)),
     "mics-and-hpz": _case(MICS + HPZ),
 }
 FLAT_OF = {name: "flat" + name[len(name.split("-")[0]):] for name in CASES}
 FLAT_OF["mics-hierarchical"] = "flat"
+QUANTIZED = {"qwz", "qgz", "zeropp", "zeropp-offload", "mics-qwz-qgz"}
+for _name in QUANTIZED:
+    FLAT_OF[_name] = "flat-offload" if "offload" in _name else "flat"
 
 
 @functools.cache
@@ -63,7 +73,7 @@ def results() -> dict[str, list]:
 TRAINED = [name for name in CASES if name not in ("mics-3", "mics-and-hpz")]
 
 
-@pytest.mark.parametrize("name", [n for n in TRAINED if not n.startswith("flat")])
+@pytest.mark.parametrize("name", [n for n in TRAINED if not n.startswith("flat") and n not in QUANTIZED])
 def test_layout_trains_the_weights_of_flat_stage3(name):
     per_rank, flat = results()[name], results()[FLAT_OF[name]]
     assert all(not isinstance(r, str) for r in per_rank), per_rank[0]
@@ -75,7 +85,19 @@ def test_layout_trains_the_weights_of_flat_stage3(name):
         assert abs(mine - theirs) <= tolerance * max(1.0, abs(theirs)), (step, mine, theirs)
 
 
-@pytest.mark.parametrize("name", [n for n in TRAINED if "bf16" not in n])
+@pytest.mark.parametrize("name", sorted(QUANTIZED))
+def test_quantized_collectives_train_close_to_flat_stage3(name):
+    """Within int8/int4 rounding: every step's loss within 2% of flat's (the GPT test in
+    test_zeropp_gpt.py holds the final loss of a real model to 1%)."""
+    per_rank, flat = results()[name], results()[FLAT_OF[name]]
+    assert all(not isinstance(r, str) for r in per_rank), per_rank[0]
+    for step, (mine, theirs) in enumerate(zip(per_rank[0].losses, flat[0].losses)):
+        assert abs(mine - theirs) <= 0.02 * abs(theirs), (name, step, mine, theirs)
+    masters = H.assemble_masters(per_rank)
+    assert all(not t.isnan().any() for t in masters.values()), "every element trained and covered"
+
+
+@pytest.mark.parametrize("name", [n for n in TRAINED if "bf16" not in n and n not in QUANTIZED])
 def test_fp32_layouts_match_single_process_torch(name):
     per_rank = results()[name]
     case = per_rank[0].case
@@ -110,6 +132,14 @@ def test_mics_keeps_gathers_and_reduce_scatters_inside_the_shard_group():
     hierarchical = results()["mics-hierarchical"][0].extra["comm"]["all_gather"]
     flat = results()["flat"][0].extra["comm"]["all_gather"]
     assert hierarchical["inter_node_bytes"] * 2 == flat["inter_node_bytes"], "each piece crosses once per node"
+
+
+def test_zeropp_cuts_cross_node_bytes_to_under_a_third_of_flat():
+    """hpZ + qwZ + qgZ against flat ZeRO-3 (fp32 here, so int8 weights are a quarter and int4 gradients
+    an eighth of the bytes; the ZeRO++ paper's 4x is against fp16): the issue asks <= 0.3x."""
+    flat = results()["flat"][0].extra["comm"]["total"]["inter_node_bytes"]
+    zeropp = results()["zeropp"][0].extra["comm"]["total"]["inter_node_bytes"]
+    assert zeropp <= 0.3 * flat, (zeropp, flat)
 
 
 def test_a_group_size_that_does_not_fit_is_refused_naming_both_numbers():

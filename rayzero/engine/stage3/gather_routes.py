@@ -5,7 +5,8 @@ as `all_gather_into_tensor` does, and returns a Work. [Note: stage-3 layouts] (l
 which route each gather takes:
   - `Direct`: one all-gather over a communicator (the shard group, or hpZ's secondary group);
   - `Hierarchical`: MiCS's two-stage gather over a shard group spanning nodes;
-  - `Quantized`: qwZ's int8 blocks over a communicator (wrapping either of the others' groups).
+  - `Quantized`: qwZ's int8 blocks over a communicator ([Note: quantized collectives] in
+    quantized_comm.py), its `exact` twin for gathers that must not round (closing, consolidating).
 
 [Note: hierarchical gather]
 A shard group of A nodes x L ranks: rank (node j, local l) holds shard j*L + l. Stage one gathers
@@ -22,6 +23,11 @@ from typing import Any, Protocol
 import torch
 
 from rayzero.engine.comm import Communicator
+from rayzero.engine.quantize import Layout, group_size_for
+from rayzero.engine.quantized_comm import quantized_all_gather
+
+WEIGHT_BITS = 8
+"""qwZ's weights travel as int8 blocks (DeepSpeed's CUDAQuantizer: 8 bits, symmetric)."""
 
 
 class GatherRoute(Protocol):
@@ -84,3 +90,18 @@ class Hierarchical:
             output.view(nodes, local, width).copy_(by_local.view(local, nodes, width).transpose(0, 1))
 
         return _Then(first, second)
+
+
+class Quantized:
+    """qwZ: each member's piece travels as int8 blocks and their fp32 scales, and every member
+    dequantizes every piece (its own too, so all hold the same values)."""
+
+    def __init__(self, comm: Communicator) -> None:
+        self.comm = comm
+        self.size = comm.world_size
+        self.exact = Direct(comm)
+
+    def all_gather(self, output: torch.Tensor, piece: torch.Tensor) -> Any:
+        layout = Layout(piece.numel(), WEIGHT_BITS, group_size_for(piece.numel()))
+        self.comm.count("all_gather", output, wire_bytes=layout.piece_bytes * self.size)
+        return quantized_all_gather(output, piece, self.comm.group, bits=WEIGHT_BITS, async_op=True)

@@ -41,6 +41,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from rayzero.engine.comm import Communicator, _Done
+from rayzero.engine.quantize import Layout, group_size_for
+from rayzero.engine.quantized_comm import QGZ_TARGET_GROUP_SIZE, quantized_reduce_scatter
 from rayzero.engine.stage3.layout import Reductions
 from rayzero.engine.stage3.parameters import PartitionedParam
 
@@ -236,6 +239,10 @@ class GradientReducer:
         received = target if direct else torch.empty(shard_total, dtype=send.dtype, device=device)
         self._zero.difference_update(keys)
         self.wait()  # at most one bucket in flight besides the one being filled
+        if self.quantized is not None:  # qgZ: [Note: quantized collectives] in quantized_comm.py
+            self._in_flight = (quantized_reduction(received, send, *self.quantized), received, keys, send, direct)
+            self.wait()
+            return
         # `send` is this bucket's own: a zeroed copy, or a gradient autograd handed over (p.grad is None).
         work = self.comm.reduce_scatter(received, send, async_op=True, scratch=True)
         self._in_flight = (work, received, keys, send, direct)  # `send` must outlive the collective
@@ -276,3 +283,24 @@ class GradientReducer:
     def finish(self) -> None:
         self.flush()
         self.wait()
+
+
+GRADIENT_BITS = 4
+"""qgZ's gradients travel as int4 blocks (DeepSpeed's all_to_all_quant_reduce)."""
+
+
+def quantized_reduction(output: torch.Tensor, input: torch.Tensor, inside: Communicator,
+                        across: Communicator) -> _Done:
+    """qgZ's two-stage reduce-scatter of the rank-major `input` into `output` (a sum), counted as the
+    all-to-alls it runs: all local ranks' pieces for every node inside the node, then one piece per
+    node across ([Note: bytes per link class] in comm.py). Synchronous, as DeepSpeed's."""
+    chunk, local, nodes = output.numel(), inside.world_size, across.world_size
+    layout = Layout(chunk, GRADIENT_BITS, group_size_for(chunk, QGZ_TARGET_GROUP_SIZE))
+    if local > 1:
+        inside.count("all_to_all", input, elements=local * nodes * chunk, wire_bytes=local * nodes * layout.piece_bytes)
+        layout = Layout(layout.padded_numel, GRADIENT_BITS, layout.group_size)  # the partial sums, padded
+    if nodes > 1:
+        across.count("all_to_all", input, elements=nodes * chunk, wire_bytes=nodes * layout.piece_bytes)
+    quantized_reduce_scatter(output, input, inside.group if local > 1 else None, across.group if nodes > 1 else None,
+                             bits=GRADIENT_BITS)
+    return _Done()

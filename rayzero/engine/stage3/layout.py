@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from rayzero.config.errors import RayZeroValueError
 from rayzero.engine.comm import Communicator
-from rayzero.engine.stage3.gather_routes import Direct, GatherRoute, Hierarchical
+from rayzero.engine.stage3.gather_routes import Direct, GatherRoute, Hierarchical, Quantized
 from rayzero.engine.topology import Topology
 
 
@@ -180,10 +180,11 @@ class Stage3Layout:
 
     def gather_routes(self) -> tuple[GatherRoute, GatherRoute | None, Communicator | None]:
         """(how gathers from the shards travel, how gathers from hpZ pieces travel, hpZ's group)."""
-        primary: GatherRoute = Direct(self.shard)
+        route = Quantized if self.choice.quantize_weights else Direct
+        primary: GatherRoute = route(self.shard)
         if self.across_nodes is not None and self.inside_node is not None:
             primary = Hierarchical(self.across_nodes, self.inside_node)
-        secondary = Direct(self.secondary) if self.secondary is not None else None
+        secondary = route(self.secondary) if self.secondary is not None else None
         return primary, secondary, self.secondary
 
     def reductions(self) -> Reductions:
