@@ -90,7 +90,10 @@ def _get(url: str, token: str) -> tuple[int, str]:
 
 @dataclass
 class _Head:
-    """One `ray start --head --block` of the fixture, in its own process group and temp dir."""
+    """One `ray start --head` of the fixture, in its own process group and temp dir. Not `--block`: a
+    blocking `ray start` stops the whole head when any of its processes ends, and on a loaded machine the
+    Ray Client server (which `ray start` always starts, and the tests never use) ended after its own 30 s
+    wait for the raylet, taking a head that had been ready down with it."""
 
     process: subprocess.Popen
     temp_dir: str
@@ -110,18 +113,23 @@ class _Head:
         health, body = _get(f"{self.agent}/api/local_raylet_healthz", self.token)
         return jobs == 200 and health == 200 and body.strip() == "success"
 
+    def failed(self) -> bool:
+        """Whether `ray start` ended without starting the head (it returns 0 once the head is up)."""
+        return self.process.poll() not in (None, 0)
+
     def stop(self) -> None:
-        """Its process group, then any process still naming its temp dir (e.g. a worker that started its
-        own session). Never `ray stop`: it stops every Ray on the host."""
-        try:
-            os.killpg(self.process.pid, signal.SIGTERM)  # the head's own process group, nobody else's
-            self.process.wait(timeout=3)  # `ray start --block` outlives the SIGTERM (it took the full 10 s once)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            pass
-        try:
-            os.killpg(self.process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        """Its process group (the head's processes stay in it after `ray start` returns), then any
+        process still naming its temp dir (e.g. a worker that started its own session). Never `ray
+        stop`: it stops every Ray on the host."""
+        for sent in (signal.SIGTERM, signal.SIGKILL):  # SIGTERM: the raylet ends its workers' groups too
+            try:
+                os.killpg(self.process.pid, sent)  # the head's own process group, nobody else's
+            except ProcessLookupError:
+                break
+            deadline = time.monotonic() + 5
+            while processes_naming(self.temp_dir) and time.monotonic() < deadline:
+                time.sleep(0.2)
+        self.process.wait()
         for pid in processes_naming(self.temp_dir):
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -147,7 +155,7 @@ def _start_head(log_path: Path) -> tuple[_Head, dict[str, str]]:
     )
     dashboard, agent, client = server_ports(3)
     command = [
-        str(BIN / "ray"), "start", "--head", "--block", "--num-cpus=2", "--num-gpus=0",
+        str(BIN / "ray"), "start", "--head", "--num-cpus=2", "--num-gpus=0",
         f"--temp-dir={temp_dir}", "--node-ip-address=127.0.0.1", "--port=0",
         "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
         f"--dashboard-agent-listen-port={agent}", f"--ray-client-server-port={client}",
@@ -168,14 +176,17 @@ def ray_head(tmp_path_factory):
     for attempt in range(1, HEAD_START_TRIES + 1):
         head, env = _start_head(tmp_path / f"head-{attempt}.log")
         deadline = time.monotonic() + HEAD_READY_S
-        while not head.ready() and head.process.poll() is None and time.monotonic() < deadline:
+        while not head.failed() and not head.ready() and time.monotonic() < deadline:
             time.sleep(0.5)
-        if head.process.poll() is None and head.ready():
+        if not head.failed() and head.ready():
             break
         head.stop()
         log = head.log_path.read_text()
-        if attempt == HEAD_START_TRIES or MISSED_BOUND not in log:
-            raise RuntimeError(f"the test head was not ready for jobs within {HEAD_READY_S} s (try {attempt}):\n{log}")
+        if MISSED_BOUND not in log:
+            raise RuntimeError(f"the test head was not ready for jobs within {HEAD_READY_S} s:\n{log}")
+        if attempt == HEAD_START_TRIES:
+            raise RuntimeError(f"the test head missed Ray's start-up bounds {HEAD_START_TRIES} times (the machine "
+                               f"is too busy for a Ray node to start):\n{log}")
         print(f"[tests] the test head missed Ray's start-up bounds (try {attempt} of {HEAD_START_TRIES}); "
               "starting a fresh one", flush=True)
     try:
