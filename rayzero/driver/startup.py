@@ -21,8 +21,9 @@ So a start that misses them is tried again with a fresh node (`start_retrying`),
 times, said aloud. The failed node is stopped first: Ray leaves its processes running (its GCS,
 monitor and log monitor, and an agent still importing, which outlives its raylet), and they would
 compete with the fresh node for the same CPU. Its processes are found exactly: the `Node` whose
-start raised (Ray's own list of what it started) and every process naming its session directory
-(the agents the raylet started), never by a process name.
+start raised (Ray's own list of what it started) and every process naming its node id (the agents
+its raylet started: `--node-id=...`), never by a process name, nor by the session directory, which
+the nodes of a `ray.cluster_utils.Cluster` share.
 """
 from __future__ import annotations
 
@@ -46,8 +47,8 @@ def missed_startup_bound(error: BaseException) -> bool:
 
 
 def stop_unfinished_node(error: BaseException) -> str:
-    """Stop every process of the node whose start raised `error`; its session directory, or '' when
-    the traceback holds no node (then nothing is stopped)."""
+    """Stop every process of the node whose start raised `error`; its node id, or '' when the
+    traceback holds no node (then nothing is stopped)."""
     from ray._private.node import Node
 
     node = None
@@ -59,14 +60,13 @@ def stop_unfinished_node(error: BaseException) -> str:
         trace = trace.tb_next
     if node is None:
         return ""
-    session_dir = node.get_session_dir_path()
     node.kill_all_processes(check_alive=False, allow_graceful=False, wait=True)
-    for pid in processes_naming(session_dir):
+    for pid in processes_naming(node.node_id):  # a random 56-digit hex id: nothing else names it
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    return session_dir
+    return node.node_id
 
 
 def processes_naming(text: str) -> list[int]:
