@@ -61,7 +61,7 @@ def stop_unfinished_node(error: BaseException) -> str:
     if node is None:
         return ""
     node.kill_all_processes(check_alive=False, allow_graceful=False, wait=True)
-    for pid in processes_naming(node.node_id):  # a random 56-digit hex id: nothing else names it
+    for pid in processes_naming(node.node_id):  # 56 random hex digits: nothing else names them
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
