@@ -130,7 +130,8 @@ class Stage3Strategy(ZeroStrategy):
         self.optimizer = ctx.build_optimizer(optimizer_groups)
         wire = {key: ctx.precision.wire_dtype(by_id[key].param) for key in master_grad_views}
         self.reducer = GradientReducer(self.layout.reductions(), ctx.reduce.reduce_bucket_size,
-                                       ctx.precision.reduce_dtype, ctx.reduce.overlap_comm, master_grad_views, wire)
+                                       ctx.precision.reduce_dtype, ctx.reduce.overlap_comm, master_grad_views, wire,
+                                       {key: by_id[key].shape for key in master_grad_views})
         self.coordinator = Stage3Coordinator(ctx.module, self.partitions, self.knobs, self._reduce_gradient,
                                              external_parameters(ctx.module))
         self.reducer.waiter = self.coordinator.stall.wait
