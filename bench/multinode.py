@@ -78,12 +78,14 @@ def main() -> None:
             "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds,
             "link": {"rate_mbit": args.rate_mbit, "delay_ms": args.delay_ms},
             "load_average_start": os.getloadavg(), "support": support.__dict__}
-    if support.namespaces:
+    if support.namespaces and args.mode != "model":
         result = _emulated(args, support)
+    elif args.mode == "emulated":
+        raise SystemExit(f"--mode emulated, but network namespaces are refused here: {support.reason}")
     else:
-        print(f"[multinode] network namespaces refused: {support.reason}; falling back to the alpha-beta model",
-              file=sys.stderr, flush=True)
-        result = _modelled(args, support.reason)
+        reason = support.reason or "--mode model"
+        print(f"[multinode] not emulating ({reason}); the alpha-beta model instead", file=sys.stderr, flush=True)
+        result = _modelled(args, reason)
     meta.update(load_average_end=os.getloadavg(), wall_s=time.monotonic() - started)
     result = {"meta": meta, **result}
     text = json.dumps(result, indent=1)
@@ -106,6 +108,8 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--rows", default=",".join(RAYZERO_ROWS))
     parser.add_argument("--deepspeed-rows", default=",".join(DEEPSPEED_ROWS), help="'' for none")
     parser.add_argument("--calibrate-mb", type=float, default=16.0, help="plain gloo link check; 0 skips it")
+    parser.add_argument("--mode", choices=("auto", "emulated", "model"), default="auto",
+                        help="auto: emulated where namespaces work, else the model; model: the fallback anyway")
     parser.add_argument("--json", default=str(BENCH / "results" / "multinode.json"))
     return parser.parse_args()
 
@@ -158,11 +162,12 @@ def _emulated(args: argparse.Namespace, support) -> dict[str, Any]:
                                        **multinode_deepspeed.run(cluster, args.ranks_per_node, config, loop,
                                                                  master_port=port)})
                 print(f"[multinode] round {round_index + 1}/{args.rounds} done", file=sys.stderr, flush=True)
+        facts = {"ray_nodes_start_s": ray_cluster.timings, "ray_nodes_cpu_s": ray_cluster.cpu_s}
     summaries = [_summary(row["name"], runs[row["name"]], args, row) for row in rows]
     summaries += [_summary(name, runs[name], args, {"config": config, "status": "deepspeed 0.19.8"})
                   for name, config in ds_rows.items()]
     return {"mode": "emulated", "delay_emulated": support.delay, "delay_note": support.delay_reason,
-            "calibration": calibration, "rows": summaries, "comparisons": _comparisons(summaries)}
+            "calibration": calibration, "cluster": facts, "rows": summaries, "comparisons": _comparisons(summaries)}
 
 
 def _drive(ray_cluster, job_path: Path) -> list[dict[str, Any]]:
@@ -207,7 +212,7 @@ def _modelled(args: argparse.Namespace, reason: str) -> dict[str, Any]:
                                 **alpha_beta_step_s(summary["step_time_median_s"], link_bytes, args.nodes,
                                                     args.rate_mbit, args.delay_ms, calls, world)}
         summaries.append(summary)
-    return {"mode": f"alpha-beta model: network namespaces refused ({reason}); step times measured with all "
+    return {"mode": f"alpha-beta model: not emulated ({reason}); step times measured with all "
                     f"{world} ranks on this machine's loopback, the link's share modelled",
             "rows": summaries, "comparisons": _comparisons(summaries)}
 

@@ -67,13 +67,15 @@ def _last_error(stderr: str) -> str:
 
 def _rank(job: dict[str, Any]) -> None:
     import collections
+    import copy
 
     import deepspeed
     import deepspeed.ops
     import torch
     import torch.distributed as dist
 
-    from bench.models import batch, build_model, trainable_parameters
+    from bench.models import build_model, trainable_parameters
+    from bench.multinode_loop import measure_steps
 
     torch.set_num_threads(1)
     counts = _count_collectives()
@@ -88,33 +90,16 @@ def _rank(job: dict[str, Any]) -> None:
     parameters = trainable_parameters(model)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=job["config"])
-    times, losses, before = [], [], None
-    for step in range(warmup + steps):
-        if step == warmup:
-            dist.barrier()
-            before = cluster.link_counters() if rank == 0 else None
-            dist.barrier()
-        inputs, targets = batch("gpt", size, step, rank)
-        dist.barrier()
-        counts.clear()
-        started = time.perf_counter()
-        loss = engine(inputs, targets)
-        engine.backward(loss)
-        engine.step()
-        dist.barrier()
-        times.append(time.perf_counter() - started)
-        last_step_counts = dict(counts)
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        losses.append(mean.item() / world)
-    dist.barrier()
-    if rank == 0:
-        from bench.netcluster import counter_delta
+    last_step: dict[str, dict[str, int]] = {}
 
+    def keep_last_step() -> None:
+        last_step.clear()
+        last_step.update(copy.deepcopy(counts))
+
+    measured = measure_steps(engine, cluster, size, warmup, steps, before_step=counts.clear, after_step=keep_last_step)
+    if rank == 0:
         print(json.dumps({"trainable_parameters": parameters, "world_size": world, "warmup": warmup, "steps": steps,
-                          "step_times_s": times[warmup:], "warmup_step_times_s": times[:warmup], "losses": losses,
-                          "link_bytes": counter_delta(cluster.link_counters(), before),
-                          "collectives_last_step": last_step_counts}), flush=True)
+                          **measured, "collectives_last_step": last_step}), flush=True)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -19,8 +19,8 @@ def train_loop(config: dict[str, Any]) -> None:
     import torch.distributed as dist
 
     import rayzero
-    from bench.models import batch, build_model, trainable_parameters
-    from bench.netcluster import NetCluster, counter_delta
+    from bench.models import build_model, trainable_parameters
+    from bench.netcluster import NetCluster
 
     torch.set_num_threads(1)  # 4 ranks on 2 cores: one thread each, as bench/engine.py runs them
     size, warmup, steps = config["size"], int(config["warmup"]), int(config["steps"])
@@ -31,35 +31,53 @@ def train_loop(config: dict[str, Any]) -> None:
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)
     engine, _, _, _ = rayzero.initialize(model=model, optimizer=optimizer)
 
+    measured = measure_steps(engine, cluster, size, warmup, steps)
+    placement = [None] * world
+    dist.all_gather_object(placement, _where_this_rank_runs(rank))
+    if rank != 0:
+        return
+    rayzero.report({"bench": {"trainable_parameters": parameters, "world_size": world, "warmup": warmup,
+                              "steps": steps, **measured, "comm_stats": _plain(engine.comm_stats()),
+                              "placement": placement}})
+
+
+def measure_steps(engine, cluster, size: str, warmup: int, steps: int, before_step=None, after_step=None
+                  ) -> dict[str, Any]:
+    """`warmup` + `steps` steps of bench/models.py's GPT batches through `engine` (rayzero's or
+    DeepSpeed's: `engine(inputs, targets)` is the loss), each between two barriers; the link and
+    loopback counters read around the measured steps. Rank 0's dict has them all; the losses are
+    the mean over ranks (every rank gets them)."""
+    import torch.distributed as dist
+
+    from bench.models import batch
+    from bench.netcluster import counter_delta
+
+    rank, world = dist.get_rank(), dist.get_world_size()
     times, losses, before, loopback_before = [], [], None, None
     for step in range(warmup + steps):
         if step == warmup:
             before, loopback_before = _read_counters(cluster, rank)
         inputs, targets = batch("gpt", size, step, rank)
         dist.barrier()
+        if before_step is not None:
+            before_step()
         started = time.perf_counter()
         loss = engine(inputs, targets)
         engine.backward(loss)
         engine.step()
         dist.barrier()
         times.append(time.perf_counter() - started)
+        if after_step is not None:
+            after_step()
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         losses.append(mean.item() / world)
     after, loopback_after = _read_counters(cluster, rank)
-    placement = [None] * world
-    dist.all_gather_object(placement, _where_this_rank_runs(rank))
-    if rank != 0:
-        return
-    report: dict[str, Any] = {
-        "trainable_parameters": parameters, "world_size": world, "warmup": warmup, "steps": steps,
-        "step_times_s": times[warmup:], "warmup_step_times_s": times[:warmup], "losses": losses,
-        "comm_stats": _plain(engine.comm_stats()), "placement": placement,
-    }
-    if cluster is not None:
-        report["link_bytes"] = counter_delta(after, before)
-        report["loopback_bytes"] = counter_delta(loopback_after, loopback_before)
-    rayzero.report({"bench": report})
+    out: dict[str, Any] = {"step_times_s": times[warmup:], "warmup_step_times_s": times[:warmup], "losses": losses}
+    if cluster is not None and rank == 0:
+        out["link_bytes"] = counter_delta(after, before)
+        out["loopback_bytes"] = counter_delta(loopback_after, loopback_before)
+    return out
 
 
 def _read_counters(cluster, rank: int) -> tuple[dict | None, dict | None]:

@@ -54,6 +54,8 @@ def emulated_run(tmp_path_factory):
     assert done.returncode == 0 and lines, f"driver failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     (row,) = json.loads(lines[-1])
     assert "error" not in row, f"{row['error']}\n{row.get('traceback', '')}"
+    print(f"emulated cluster: nodes up in {max(ray_cluster.timings.values()):.1f} s, its processes used "
+          f"{ray_cluster.cpu_s:.0f} CPU-s; the driver joined in {row['connect_s']:.1f} s, fit took {row['fit_wall_s']:.1f} s")
     return row
 
 
