@@ -133,3 +133,133 @@ def engine_cases(rank: int, world: int, cases: list[dict[str, Any]]) -> dict[str
 def set_world_environment(rank: int, world: int) -> None:
     """torchrun's variables (the spawn sets RANK/WORLD_SIZE/MASTER_*), for Accelerate's state."""
     os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+
+
+# ---- the ways in: the HF Trainer, Accelerate, Lightning ---------------------------------------
+HF_STAGE3 = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+             "gradient_clipping": "auto", "optimizer": {"type": "AdamW", "params": {"lr": "auto"}},
+             "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+
+
+def _gpt2():
+    import transformers
+
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=VOCAB, n_positions=SEQ, n_embd=WIDTH, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))
+
+
+def _token_rows(count: int) -> list[dict[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(5)
+    rows = torch.randint(0, VOCAB, (count, SEQ), generator=generator)
+    return [{"input_ids": row, "labels": row} for row in rows]
+
+
+def hf_trainer(rank: int, directory: str, compile_backend: str | None) -> dict[str, Any]:
+    """transformers' Trainer with `deepspeed=` (rayzero's compat `deepspeed`) and, when given,
+    `torch_compile=True`: Accelerate's dynamo plugin, which calls `engine.compile` under DeepSpeed."""
+    import transformers
+
+    reset_dynamo()
+    compile_options = {"torch_compile": True, "torch_compile_backend": compile_backend} if compile_backend else {}
+    args = transformers.TrainingArguments(
+        output_dir=os.path.join(directory, f"trainer-{compile_backend}"), deepspeed=HF_STAGE3,
+        per_device_train_batch_size=MICRO, max_steps=STEPS, learning_rate=1e-2, logging_steps=1, seed=0,
+        report_to="none", save_strategy="no", dataloader_num_workers=0, **compile_options)
+    trainer = transformers.Trainer(model=_gpt2(), args=args, train_dataset=_token_rows(2 * MICRO * STEPS))
+    trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    engine = trainer.model_wrapped
+    out = {"losses": losses, "dynamo": dynamo_counts(), "compiled": engine.is_compiled,
+           "engine": type(engine).__name__}
+    engine.close()
+    return out
+
+
+def accelerate_regional(rank: int, directory: str, compile_backend: str | None) -> dict[str, Any]:
+    """An Accelerate loop with a DeepSpeed plugin and, when given, a dynamo plugin asking for regional
+    compilation: Accelerate compiles each block in place (`compile_regions_deepspeed`)."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DeepSpeedPlugin, TorchDynamoPlugin
+
+    reset_dynamo()
+    AcceleratorState._reset_state(True)
+    dynamo = TorchDynamoPlugin(backend=compile_backend, use_regional_compilation=True) if compile_backend else None
+    ds_config = {key: value for key, value in config(3).items() if key != "optimizer"}  # the loop's own
+    plugin = DeepSpeedPlugin(hf_ds_config=ds_config)
+    accelerator = Accelerator(deepspeed_plugin=plugin, **({"dynamo_plugin": dynamo} if dynamo else {}))
+    model = build()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    engine, optimizer = accelerator.prepare(model, optimizer)
+    losses = []
+    for step in range(STEPS):
+        loss = engine(*batch(step, rank))
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    out = {"losses": losses, "dynamo": dynamo_counts(),
+           "compiled_in_place": sum(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())}
+    engine.close()
+    AcceleratorState._reset_state(True)
+    return out
+
+
+def lightning_compiled(rank: int, directory: str, compile_backend: str | None) -> dict[str, Any]:
+    """A LightningModule around TinyGPT, passed to `Trainer.fit` as `torch.compile(module)` when a
+    backend is given, trained by RayZeroStrategy at stage 3 ([Note: a compiled LightningModule])."""
+    import lightning.pytorch as pl
+
+    from rayzero.lightning import RayZeroStrategy
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = build()
+            self.losses: list[float] = []
+
+        def training_step(self, batch_data, batch_index):
+            loss = self.model(*batch_data)
+            self.losses.append(loss.item())
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    reset_dynamo()
+    rows = [batch(step, rank) for step in range(STEPS)]
+    loader = torch.utils.data.DataLoader(rows, batch_size=None)  # this rank's batches, as they are
+    module = Module()
+    trainer = pl.Trainer(accelerator="cpu", devices=world_size(), strategy=RayZeroStrategy(config={
+        "train_micro_batch_size_per_gpu": MICRO, "zero_optimization": config(3)["zero_optimization"]}), max_steps=STEPS, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0, use_distributed_sampler=False,
+        default_root_dir=directory)
+    trainer.fit(torch.compile(module, backend=compile_backend) if compile_backend else module, loader)
+    return {"losses": module.losses, "dynamo": dynamo_counts(), "uncompiled": module._compiler_ctx is None}
+
+
+def world_size() -> int:
+    return torch.distributed.get_world_size()
+
+
+def integration_cases(rank: int, world: int, directory: str) -> dict[str, Any]:
+    """Each way in, eagerly and compiled, at stage 3."""
+    import sys
+
+    from rayzero.compat import SITE_DIR
+
+    torch.set_num_threads(1)
+    set_world_environment(rank, world)
+    sys.path.insert(0, SITE_DIR)  # what `rayzero run` does for a script: `import deepspeed` is rayzero's
+    out = {}
+    for name, run, backend in (("lightning_eager", lightning_compiled, None),
+                               ("lightning_compiled", lightning_compiled, "aot_eager"),
+                               ("hf_eager", hf_trainer, None), ("hf_compiled", hf_trainer, "aot_eager"),
+                               ("accelerate_eager", accelerate_regional, None),
+                               ("accelerate_compiled", accelerate_regional, "aot_eager")):
+        started = time.process_time()
+        out[name] = run(rank, directory, backend)
+        out[name]["cpu_s"] = time.process_time() - started
+    return out
