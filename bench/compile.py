@@ -43,7 +43,8 @@ SIZES = {"small": FULL["gpt"],
 
 def _batch(spec: GPTSpec, step: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(1000 + step)
-    tokens = torch.randint(0, spec.vocab_size, (spec.batch_per_rank, spec.sequence_length + 1), generator=generator)
+    shape = (spec.batch_per_rank, spec.sequence_length + 1)
+    tokens = torch.randint(0, spec.vocab_size, shape, generator=generator)
     return tokens[:, :-1].contiguous().to(device), tokens[:, 1:].contiguous().to(device)
 
 
@@ -119,7 +120,8 @@ def run_stage(args: argparse.Namespace, stage: int, device: torch.device) -> dic
     row = {"stage": stage, "size": args.size, "precision": args.precision, "backend": args.backend,
            "device": str(device), "compile_s": compile_s,
            "eager_step_s_rounds": rounds["eager"], "compiled_step_s_rounds": rounds["compiled"],
-           "eager_step_cpu_s_rounds": rounds["eager_cpu"], "compiled_step_cpu_s_rounds": rounds["compiled_cpu"],
+           "eager_step_cpu_s_rounds": rounds["eager_cpu"],
+           "compiled_step_cpu_s_rounds": rounds["compiled_cpu"],
            "speedup_median": statistics.median(speedups), "speedup_min": min(speedups),
            "speedup_max": max(speedups),
            "cpu_speedup_median": statistics.median(cpu_speedups), "cpu_speedup_min": min(cpu_speedups),
@@ -134,7 +136,8 @@ def run_stage(args: argparse.Namespace, stage: int, device: torch.device) -> dic
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--size", default="small", choices=sorted(SIZES))
     parser.add_argument("--stages", default="3", help="comma-separated ZeRO stages (default 3)")

@@ -7,28 +7,34 @@ compiled in place (`module.compile(...)`), as DeepSpeed does.
 
 Stage 3 gathers parameters in module forward pre-hooks (all-gathers into a buffer whose storage is
 resized back from 0 bytes, then `param.data` pointed at it) and releases them in forward hooks
-(stage3/hooks.py, [Note: stage-3 parameter storage]). A compiled region cannot contain that:
-dynamo would trace the collectives and the `param.data` swaps, compare data pointers, guard on the
-hook's module index and on each parameter's shape, released (0 elements) or gathered (measured on
-torch 2.13, `block.compile()` over the unchanged hooks: 20 graphs, 24 graph breaks and the
-recompile limit hit in two micro-steps of a two-block model). So, as FSDP2 users `fully_shard` each
-block and compile each block:
+(stage3/hooks.py, [Note: stage-3 parameter storage]). A compiled region cannot contain that: dynamo
+traces the collectives and the `param.data` swaps, breaks its graph at the data-pointer comparisons
+and the multi-grad hook, and guards on the hook's module index and on each parameter's shape,
+released (0 elements) or gathered. Measured on torch 2.13, `block.compile()` of both blocks of a
+small GPT over the unchanged hooks, four steps: 20 graphs, 24 graph breaks, the recompile limit hit
+(losses still right: dynamo fell back to eager). So, as FSDP2 users `fully_shard` each block and
+compile each block:
   - the unit compiled is a *region*: by default each child of the model's largest `nn.ModuleList`
     of same-class modules (a transformer's blocks), or the modules the caller names (`regions=`);
   - each region fetches as one (`Stage3Coordinator.fuse`): its forward pre-hook gathers the
     parameters of every module under it, its forward hook releases them, and the modules under it
-    have no hooks left; the prefetch trace then records one event per region;
-  - only the region's `forward` is compiled (the `forward` attribute replaced), so its hooks stay
-    eager around the compiled code: inside it, every parameter is gathered, full-shaped, and no
-    hook runs. Measured: one graph, no graph break, no recompile for all the blocks of a model.
+    have no hooks left; the prefetch trace records one event per region (a trace recorded before
+    is dropped at the first mismatch and recorded afresh: compiling after some steps works);
+  - only the region's `forward` is compiled (the `forward` attribute replaced), so its hooks run
+    eagerly around the compiled code: inside it every parameter is gathered and full-shaped, and no
+    hook runs. Measured: one graph for all the blocks, no graph break, no recompile.
   - everything outside the regions (embeddings, the head, the loss) runs eagerly.
-Gathered parameters are views of buffers whose storage is freed and re-allocated between uses:
+Gathered parameters are views of buffers whose storage is freed and allocated again between uses:
 their data pointers change from call to call (dynamo does not guard on them; CUDA graphs,
-`mode="reduce-overhead"`, would have to re-record and are not recommended at stage 3). The hooks
-themselves are wrapped in `torch.compiler.disable`, so a region compiled some other way (a
-whole-model `torch.compile`, Accelerate's regional `module.compile()`) runs them eagerly too, at the
-cost of a graph break at each module that gathers; such a region is fused at the next forward when
-it was compiled in place (`adopt_compiled_modules`).
+`mode="reduce-overhead"`, would have to re-record: not recommended at stage 3). The backward graph
+AOT autograd compiles saves the parameters (or views of them) like eager autograd does, and the
+region's pre-backward hook gathers into the same storage before that graph runs.
+The hooks themselves are wrapped in `torch.compiler.disable`, so a region compiled some other way
+(a whole-model `torch.compile`, Accelerate's regional `module.compile()`, Lightning's compiled step)
+runs them eagerly too, at the cost of a graph break at each module that gathers (the same two
+blocks compiled in place without fusing: 9 graphs, a break at every hook, no recompile). A module
+compiled in place before the first forward is fused then (`adopt_compiled_modules`): its compiled
+`_call_impl` meets its own hooks at its edges only.
 """
 from __future__ import annotations
 
@@ -77,8 +83,8 @@ def compile_engine(engine: Any, backend: Any, compile_kwargs: dict[str, Any] | N
     """The body of `ZeroEngine.compile` ([Note: compiling stage 3])."""
     if schedule is not None:
         raise RayZeroValueError(
-            f"engine.compile(schedule={schedule!r}): schedules are DeepSpeed's DeepCompile passes, which rayzero "
-            "does not implement; drop schedule= (torch.compile itself runs without one)")
+            f"engine.compile(schedule={schedule!r}): schedules are DeepSpeed's DeepCompile passes, which "
+            "rayzero does not implement; drop schedule= (torch.compile itself runs without one)")
     if compiled_autograd_enabled:
         raise RayZeroValueError(
             "engine.compile(compiled_autograd_enabled=True) is not supported: compiled autograd would trace "
@@ -106,9 +112,10 @@ def compile_engine(engine: Any, backend: Any, compile_kwargs: dict[str, Any] | N
     elif chosen:
         compile_regions(coordinator, chosen, compiler, compiled)
     else:
-        logger.warning("engine.compile at ZeRO stage 3 found no repeated blocks (an nn.ModuleList of modules of one "
-                       "class) to compile one by one: the whole model is compiled, with a graph break at every "
-                       "module that gathers parameters; name the blocks with regions= to compile them whole")
+        logger.warning("engine.compile at ZeRO stage 3 found no repeated blocks (an nn.ModuleList of modules "
+                       "of one class) to compile one by one: the whole model is compiled, with a graph break "
+                       "at every module that gathers parameters; name the blocks with regions= to compile "
+                       "them whole")
         engine.module.compile(backend=backend, **kwargs)
         compiled.in_place.append(engine.module)
     return compiled
@@ -157,8 +164,8 @@ def find_regions(model: torch.nn.Module, regions: RegionSpec | None) -> list[tor
     for spec in regions:
         if isinstance(spec, str):
             if spec not in named:
-                raise RayZeroValueError(f"engine.compile(regions=[{spec!r}, ...]): the model has no module named "
-                                        f"{spec!r}; name modules as model.named_modules() does")
+                raise RayZeroValueError(f"engine.compile(regions=[{spec!r}, ...]): the model has no module "
+                                        f"named {spec!r}; name modules as model.named_modules() does")
             found = [named[spec]]
         elif isinstance(spec, type):
             found = [module for module in model.modules() if isinstance(module, spec)]
@@ -167,12 +174,13 @@ def find_regions(model: torch.nn.Module, regions: RegionSpec | None) -> list[tor
                                         f"{spec.__name__} module")
         elif isinstance(spec, torch.nn.Module):
             if all(module is not spec for module in model.modules()):
-                raise RayZeroValueError(f"engine.compile(regions=[...]): a {type(spec).__name__} given is not part "
-                                        "of the model this engine trains")
+                name = type(spec).__name__
+                raise RayZeroValueError(f"engine.compile(regions=[...]): a {name} given is not part of the "
+                                        "model this engine trains")
             found = [spec]
         else:
-            raise RayZeroValueError(f"engine.compile(regions=[{spec!r}, ...]): give module names, modules or module "
-                                    "classes")
+            raise RayZeroValueError(f"engine.compile(regions=[{spec!r}, ...]): give module names, modules or "
+                                    "module classes")
         chosen.extend(module for module in found if all(module is not seen for seen in chosen))
     return chosen
 

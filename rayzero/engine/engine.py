@@ -427,14 +427,15 @@ class ZeroEngine(DeepSpeedAccessors):
         with _stall_counted():
             return checkpoint_io.wait_for_checkpoint(self)
 
-    def compile(self, backend: Any = "inductor", compile_kwargs: dict[str, Any] | None = None, schedule: Any = None,
-                compiled_autograd_enabled: bool = False, regions: Any = None) -> None:
+    def compile(self, backend: Any = "inductor", compile_kwargs: dict[str, Any] | None = None,
+                schedule: Any = None, compiled_autograd_enabled: bool = False, regions: Any = None) -> None:
         """DeepSpeed's `engine.compile`: torch.compile the model, whole at stages 0-2, block by block
         at stage 3 ([Note: compiling stage 3] in compile.py); `regions` names the blocks (module
         names, modules or classes) instead of the largest ModuleList's children. Once per engine."""
         from rayzero.engine.compile import compile_engine
         if self.compiled is None:
-            self.compiled = compile_engine(self, backend, compile_kwargs, schedule, compiled_autograd_enabled, regions)
+            self.compiled = compile_engine(self, backend, compile_kwargs, schedule, compiled_autograd_enabled,
+                                           regions)
 
     @property
     def is_compiled(self) -> bool:

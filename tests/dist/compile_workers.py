@@ -27,8 +27,8 @@ class Block(torch.nn.Module):
         batch, seq, width = x.shape
         q, k, v = (t.view(batch, seq, 2, width // 2).transpose(1, 2)
                    for t in self.qkv(self.norm1(x)).split(width, dim=-1))
-        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(batch, seq, width)
-        x = x + self.proj(attended)
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(attended.transpose(1, 2).reshape(batch, seq, width))
         return x + self.down(F.gelu(self.up(self.norm2(x))))
 
 
@@ -92,7 +92,8 @@ def reset_dynamo() -> None:
     counters.clear()
 
 
-def train_engine(rank: int, stage: int, offload: bool, compile_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+def train_engine(rank: int, stage: int, offload: bool, compile_kwargs: dict[str, Any] | None
+                 ) -> dict[str, Any]:
     """STEPS steps of rayzero's engine; compiled when `compile_kwargs` is given (engine.compile's)."""
     import rayzero
 
@@ -162,7 +163,8 @@ def hf_trainer(rank: int, directory: str, compile_backend: str | None) -> dict[s
     import transformers
 
     reset_dynamo()
-    compile_options = {"torch_compile": True, "torch_compile_backend": compile_backend} if compile_backend else {}
+    compile_options = {"torch_compile": True, "torch_compile_backend": compile_backend} if compile_backend \
+        else {}
     args = transformers.TrainingArguments(
         output_dir=os.path.join(directory, f"trainer-{compile_backend}"), deepspeed=HF_STAGE3,
         per_device_train_batch_size=MICRO, max_steps=STEPS, learning_rate=1e-2, logging_steps=1, seed=0,
@@ -186,7 +188,8 @@ def accelerate_regional(rank: int, directory: str, compile_backend: str | None) 
 
     reset_dynamo()
     AcceleratorState._reset_state(True)
-    dynamo = TorchDynamoPlugin(backend=compile_backend, use_regional_compilation=True) if compile_backend else None
+    dynamo = TorchDynamoPlugin(backend=compile_backend, use_regional_compilation=True) if compile_backend \
+        else None
     ds_config = {key: value for key, value in config(3).items() if key != "optimizer"}  # the loop's own
     plugin = DeepSpeedPlugin(hf_ds_config=ds_config)
     accelerator = Accelerator(deepspeed_plugin=plugin, **({"dynamo_plugin": dynamo} if dynamo else {}))
@@ -201,7 +204,8 @@ def accelerate_regional(rank: int, directory: str, compile_backend: str | None) 
         optimizer.zero_grad()
         losses.append(loss.item())
     out = {"losses": losses, "dynamo": dynamo_counts(),
-           "compiled_in_place": sum(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())}
+           "compiled_in_place": sum(getattr(m, "_compiled_call_impl", None) is not None
+                                    for m in model.modules())}
     engine.close()
     AcceleratorState._reset_state(True)
     return out
@@ -232,10 +236,12 @@ def lightning_compiled(rank: int, directory: str, compile_backend: str | None) -
     rows = [batch(step, rank) for step in range(STEPS)]
     loader = torch.utils.data.DataLoader(rows, batch_size=None)  # this rank's batches, as they are
     module = Module()
-    trainer = pl.Trainer(accelerator="cpu", devices=world_size(), strategy=RayZeroStrategy(config={
-        "train_micro_batch_size_per_gpu": MICRO, "zero_optimization": config(3)["zero_optimization"]}), max_steps=STEPS, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0, use_distributed_sampler=False,
-        default_root_dir=directory)
+    strategy = RayZeroStrategy(config={"train_micro_batch_size_per_gpu": MICRO,
+                                       "zero_optimization": config(3)["zero_optimization"]})
+    trainer = pl.Trainer(accelerator="cpu", devices=world_size(), strategy=strategy, max_steps=STEPS,
+                         logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         enable_checkpointing=False, num_sanity_val_steps=0, use_distributed_sampler=False,
+                         default_root_dir=directory)
     trainer.fit(torch.compile(module, backend=compile_backend) if compile_backend else module, loader)
     return {"losses": module.losses, "dynamo": dynamo_counts(), "uncompiled": module._compiler_ctx is None}
 

@@ -3,9 +3,9 @@ signature) on 1 and 2 gloo ranks gives eager's losses (<= 1e-4, fp32) at stages 
 with CPU offload; at stage 3 it compiles each block whole, with no graph break or recompile, and
 still gathers one block at a time ([Note: compiling stage 3] in rayzero/engine/compile.py). The HF
 Trainer's `torch_compile`, Accelerate's regional compilation and a compiled LightningModule train
-at stage 3 as they do eagerly. The oracle is the same model and loop trained eagerly. Backends: "aot_eager" where AOT autograd's
-traced backward must meet stage 3's released and re-gathered parameters, "eager" where tracing is
-what matters, and one real "inductor" case."""
+at stage 3 as they do eagerly. The oracle is the same model and loop trained eagerly. Backends:
+"aot_eager" where AOT autograd's traced backward must meet stage 3's released and re-gathered
+parameters, "eager" where tracing is what matters, and one real "inductor" case."""
 from __future__ import annotations
 
 import pytest
