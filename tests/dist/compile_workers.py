@@ -92,21 +92,24 @@ def reset_dynamo() -> None:
     counters.clear()
 
 
-def train_engine(rank: int, stage: int, offload: bool, compile_kwargs: dict[str, Any] | None
-                 ) -> dict[str, Any]:
-    """STEPS steps of rayzero's engine; compiled when `compile_kwargs` is given (engine.compile's)."""
+def train_engine(rank: int, case: dict[str, Any], compile_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """STEPS optimizer steps of rayzero's engine (of `case["gas"]` micro-steps each); compiled with
+    `compile_kwargs` (engine.compile's) when given, before the optimizer step `case["compile_at"]`."""
     import rayzero
 
-    engine, *_ = rayzero.initialize(model=build(), config=config(stage, offload))
-    if compile_kwargs is not None:
-        reset_dynamo()
-        engine.compile(**compile_kwargs)
+    stage, gas = case["stage"], case.get("gas", 1)
+    reset_dynamo()
+    engine, *_ = rayzero.initialize(model=build(), config={**config(stage, case.get("offload", False)),
+                                                           "gradient_accumulation_steps": gas})
     losses = []
     for step in range(STEPS):
-        loss = engine(*batch(step, rank))
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
+        if compile_kwargs is not None and step == case.get("compile_at", 0):
+            engine.compile(**compile_kwargs)
+        for micro in range(gas):
+            loss = engine(*batch(step * gas + micro, rank))
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
     out = {"losses": losses, "dynamo": dynamo_counts(), "compiled": engine.is_compiled}
     if stage == 3:
         out["peak_live"] = engine.memory_stats()["peak_live_param_elements"]
@@ -123,9 +126,9 @@ def engine_cases(rank: int, world: int, cases: list[dict[str, Any]]) -> dict[str
     out = {}
     for case in cases:
         started = time.process_time()
-        eager = train_engine(rank, case["stage"], case.get("offload", False), None)
+        eager = train_engine(rank, case, None)
         middle = time.process_time()
-        compiled = train_engine(rank, case["stage"], case.get("offload", False), case["compile"])
+        compiled = train_engine(rank, case, case["compile"])
         out[case["name"]] = {"eager": eager, "compiled": compiled,
                              "cpu_s": (middle - started, time.process_time() - middle)}
     return out
