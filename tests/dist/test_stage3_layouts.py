@@ -129,6 +129,8 @@ def test_mics_keeps_gathers_and_reduce_scatters_inside_the_shard_group():
     comm = results()["mics"][0].extra["comm"]
     assert comm["all_gather"]["inter_node_bytes"] == 0 and comm["reduce_scatter"]["inter_node_bytes"] == 0
     assert comm["all_reduce"]["inter_node_bytes"] > 0, "gradient shards are all-reduced across the replicas"
+    once = results()["mics-sgd-gas2"][0].extra["comm"]["all_reduce"]
+    assert once["calls"] == comm["all_reduce"]["calls"], "two micro-steps, one all-reduce a bucket (at the boundary)"
     hierarchical = results()["mics-hierarchical"][0].extra["comm"]["all_gather"]
     flat = results()["flat"][0].extra["comm"]["all_gather"]
     assert hierarchical["inter_node_bytes"] * 2 == flat["inter_node_bytes"], "each piece crosses once per node"

@@ -33,8 +33,15 @@ gradient is added straight into the fp32 master gradient (after the rounding of 
 reduction would have applied), with no buffer at all.
 
 With MiCS a bucket is reduce-scattered over the shard group and its shard then all-reduced over the
-replica group; with qgZ the reduce-scatter is the quantized two-stage all-to-all ([Note: stage-3
+replica group ([Note: MiCS replicas sync once a step]); with qgZ the reduce-scatter is the quantized two-stage all-to-all ([Note: stage-3
 layouts] in layout.py).
+
+[Note: MiCS replicas sync once a step]
+With gradient accumulation, the replicas' all-reduce runs only in the backward that ends the window
+(DeepSpeed's MiCS does it once, at the boundary): earlier micro-steps add their reduce-scattered
+shards into the master gradients unsynced, and each boundary bucket folds them back in (fp32: the
+accumulation's precision) before its one all-reduce. At one micro-step per step nothing changes: the
+bucket is all-reduced in the reduce dtype, as it arrives.
 """
 from __future__ import annotations
 
@@ -99,6 +106,10 @@ class GradientReducer:
         self.on_added = None
         # Waits on a bucket's Work ([Note: stalled stage-3 collectives]; set by the strategy).
         self.waiter = lambda work: work.wait()
+        # [Note: MiCS replicas sync once a step]: this backward ends the accumulation window; earlier
+        # micro-steps of the window added shards not yet summed across the replicas.
+        self.boundary = True
+        self._unsynced = False
         # A world of one with nothing quantized: gradients go straight into the master gradients.
         self._local = self.comm.world_size == 1 and self.replicas is None and self.quantized is None
 
@@ -262,7 +273,8 @@ class GradientReducer:
         work, received, keys, _send, direct = self._in_flight
         self._in_flight = None
         self.waiter(work)
-        if self.replicas is not None:  # MiCS: the other copies' sums of the same shard
+        if self.replicas is not None and self.boundary:  # [Note: MiCS replicas sync once a step]
+            received, direct = self._with_unsynced(received, keys, direct)
             self.waiter(self.replicas.all_reduce(received, async_op=True))
         if direct:  # reduced straight into the (zero) master gradient
             if self.on_added is not None:
@@ -281,13 +293,35 @@ class GradientReducer:
         if self.on_added is not None:
             self.on_added(keys)
 
+    def _with_unsynced(self, received: torch.Tensor, keys: list[int], direct: bool) -> tuple[torch.Tensor, bool]:
+        """[Note: MiCS replicas sync once a step] At the boundary: this bucket's shards plus what
+        earlier micro-steps of the window added to its master gradients (taken out of them), in
+        fp32, ready for the one all-reduce across the replicas."""
+        if not self._unsynced or direct:  # nothing accumulated, or it is already in `received`
+            return received, direct
+        total = received.to(torch.float32, copy=True)
+        offset = 0
+        for key in keys:
+            target = self.master_grads[key]
+            total[offset:offset + target.numel()].add_(target.to(total.device))
+            target.zero_()
+            offset += target.numel()
+        return total, False
+
+    def backward_done(self) -> None:
+        """A backward's buckets are all added: outside the boundary, they wait for it unsynced."""
+        if self.replicas is not None:
+            self._unsynced = not self.boundary
+
     def grads_zeroed(self) -> None:
         """Every master gradient was just set to zero (the strategy's zero_grad)."""
         self._zero = set(self.master_grads)
+        self._unsynced = False
 
     def finish(self) -> None:
         self.flush()
         self.wait()
+        self.backward_done()
 
 
 GRADIENT_BITS = 4

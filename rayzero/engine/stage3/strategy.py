@@ -183,6 +183,7 @@ class Stage3Strategy(ZeroStrategy):
 
     def before_backward(self, is_boundary: bool) -> None:
         self.reducer.seen.clear()
+        self.reducer.boundary = is_boundary
         if self._step_early:
             self._wait_steps()
             self._stepper.check_consumed()
