@@ -53,3 +53,18 @@ def run(rank: int, world: int, cases: list[H.Case]) -> list[Any]:
         except Exception as error:  # noqa: BLE001 - a refused layout is a result the test checks
             out.append(f"{type(error).__name__}: {error}")
     return out
+
+
+def checkpoint_leg(rank: int, world: int, leg: dict) -> H.CaseResult:
+    """Steps [first, last) of `leg["case"]`, resuming from `leg["load"]` if given, saving to `leg["save"]`:
+    one leg of a run that changes layout and world size at each checkpoint."""
+    case = leg["case"]
+    engine, _ = H.start_engine(rank, case)
+    if leg.get("load"):
+        engine.load_checkpoint(leg["load"])
+    loaded = H.master_pieces(engine)
+    losses = H.train_steps(engine, rank, world, case, leg["first"], leg["last"])
+    engine.save_checkpoint(leg["save"], asynchronous=False)
+    result = H.CaseResult(case, losses, H.master_pieces(engine), extra={"loaded": loaded})
+    engine.close()
+    return result

@@ -12,7 +12,8 @@ from bench import comm_measure
 from bench import comm_model as M
 
 LAYOUTS = [M.Layout("flat"), M.Layout("hpz", 2), M.Layout("mics", 2), M.Layout("zeropp", 2)]
-QUANTIZED = (1 + 4 / M.elements_per_scale()[0], 0.5 + 4 / M.elements_per_scale()[1])
+QWZ_BLOCK, QGZ_BLOCK, _ = M.elements_per_scale(comm_measure.WIDTH)
+QUANTIZED = (1 + 4 / QWZ_BLOCK, 0.5 + 4 / QGZ_BLOCK)
 
 
 def test_formulas_equal_a_fresh_measurement_on_two_nodes_of_two():

@@ -18,7 +18,8 @@ from __future__ import annotations
 import functools
 
 import pytest
-from layout_workers import nodes_init, run
+import torch
+from layout_workers import checkpoint_leg, nodes_init, run
 from testkit import harness as H
 
 WORLD = 4
@@ -32,7 +33,7 @@ QGZ = (("zero_quantized_gradients", True),)
 
 
 def _case(layout: tuple = (), **changes) -> H.Case:
-    return H.Case(stage=3, steps=6, zero=KNOBS + layout, **changes)
+    return H.Case(stage=3, zero=KNOBS + layout, **{"steps": 6, **changes})
 
 
 CASES = {
@@ -142,6 +143,26 @@ def test_zeropp_cuts_cross_node_bytes_to_under_a_third_of_flat():
     flat = results()["flat"][0].extra["comm"]["total"]["inter_node_bytes"]
     zeropp = results()["zeropp"][0].extra["comm"]["total"]["inter_node_bytes"]
     assert zeropp <= 0.3 * flat, (zeropp, flat)
+
+
+def test_checkpoints_move_between_layouts_and_world_sizes(tmp_path):
+    """MiCS on 2 nodes x 2 -> flat ZeRO-3 on 1 node x 2 -> hpZ on 2 nodes x 2, a checkpoint between each
+    leg (the one format: [Note: flat-range partitioning]): each leg resumes from exactly the weights the
+    last one saved, and the 9 steps end with single-process torch's weights (the global batch is the
+    same at every world size: 4 ranks x 2, 2 ranks x 4)."""
+    legs = [(4, _case(MICS, steps=9), 0, 3), (2, _case(steps=9, micro_batch=4), 3, 6), (4, _case(HPZ, steps=9), 6, 9)]
+    saved, losses = None, []
+    for index, (world, case, first, last) in enumerate(legs):
+        leg = {"case": case, "load": saved, "save": str(tmp_path / f"leg{index}"), "first": first, "last": last}
+        per_rank = H.spawn(world, checkpoint_leg, leg, init=nodes_init)
+        if saved is not None:
+            loaded = H.assemble_masters([type(r)(r.case, [], r.extra["loaded"]) for r in per_rank])
+            assert all(torch.equal(loaded[n], previous[n]) for n in previous), f"leg {index} resumed elsewhere"
+        previous = H.assemble_masters(per_rank)
+        losses += [sum(r.losses[step] for r in per_rank) / world for step in range(last - first)]
+        saved = leg["save"]
+    ref_losses, ref_params = H.reference_run(4, _case(MICS, steps=9))
+    H.assert_matches_reference("fp32", losses, previous, ref_losses, ref_params)
 
 
 def test_a_group_size_that_does_not_fit_is_refused_naming_both_numbers():
