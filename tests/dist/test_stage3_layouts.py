@@ -55,12 +55,13 @@ CASES = {
     "zeropp": _case(HPZ + QWZ + QGZ),
     "zeropp-offload": _case(HPZ + QWZ + QGZ + OFFLOAD),
     "mics-qwz-qgz": _case(MICS + QWZ + QGZ),
+    "frozen-int8": _case((("zero_quantized_nontrainable_weights", True),)),
     "mics-3": _case((("mics_shard_size", 3),)),
     "mics-and-hpz": _case(MICS + HPZ),
 }
 FLAT_OF = {name: "flat" + name[len(name.split("-")[0]):] for name in CASES}
 FLAT_OF["mics-hierarchical"] = "flat"
-QUANTIZED = {"qwz", "qgz", "zeropp", "zeropp-offload", "mics-qwz-qgz"}
+QUANTIZED = {"qwz", "qgz", "zeropp", "zeropp-offload", "mics-qwz-qgz", "frozen-int8"}
 for _name in QUANTIZED:
     FLAT_OF[_name] = "flat-offload" if "offload" in _name else "flat"
 
@@ -135,6 +136,15 @@ def test_mics_keeps_gathers_and_reduce_scatters_inside_the_shard_group():
     hierarchical = results()["mics-hierarchical"][0].extra["comm"]["all_gather"]
     flat = results()["flat"][0].extra["comm"]["all_gather"]
     assert hierarchical["inter_node_bytes"] * 2 == flat["inter_node_bytes"], "each piece crosses once per node"
+
+
+def test_frozen_weights_are_stored_as_int8_blocks():
+    """zero_quantized_nontrainable_weights: the frozen layer's shard is held in int8 (a quarter of its fp32
+    bytes, plus scales), the trainable ones as before."""
+    flat, frozen = results()["flat"][0].memory["params"], results()["frozen-int8"][0].memory["params"]
+    frozen_layer = H.HIDDEN * H.HIDDEN + H.HIDDEN  # ParityModel.frozen: a Linear
+    saved = flat - frozen
+    assert 0.7 * frozen_layer * 4 / WORLD * 0.75 <= saved <= frozen_layer * 4 / WORLD, (flat, frozen)
 
 
 def test_zeropp_cuts_cross_node_bytes_to_under_a_third_of_flat():

@@ -23,7 +23,8 @@ from typing import Any, Protocol
 import torch
 
 from rayzero.engine.comm import Communicator
-from rayzero.engine.quantize import Layout, group_size_for
+from rayzero.engine.comm import _all_gather_flat, _Composed
+from rayzero.engine.quantize import Layout, dequantize_into, group_size_for
 from rayzero.engine.quantized_comm import quantized_all_gather
 
 WEIGHT_BITS = 8
@@ -112,3 +113,28 @@ class Quantized:
         self.comm.count("all_gather", output, wire_bytes=layout.piece_bytes * self.size)
         return quantized_all_gather(output, piece, self.comm.group, bits=WEIGHT_BITS,
                                     group_size=layout.group_size, async_op=True)
+
+
+def stored_layout(numel: int) -> Layout:
+    """How a frozen parameter's shard of `numel` padded elements is stored quantized."""
+    return Layout(numel, WEIGHT_BITS, group_size_for(numel, WEIGHT_BLOCK))
+
+
+class Stored:
+    """zero_quantized_nontrainable_weights: shards kept as int8 blocks travel as they are stored (no
+    second quantization) and are dequantized on arrival; DeepSpeed gathers them quantized too."""
+
+    def __init__(self, comm: Communicator) -> None:
+        self.comm = comm
+        self.size = comm.world_size
+
+    def all_gather(self, output: torch.Tensor, piece: torch.Tensor) -> Any:
+        layout = stored_layout(output.numel() // self.size)
+        self.comm.count("all_gather", output, wire_bytes=layout.piece_bytes * self.size)
+        pieces = torch.empty(self.size, layout.piece_bytes, dtype=torch.uint8, device=output.device)
+        if self.comm.distributed:
+            works = [_all_gather_flat(pieces.view(-1), piece, group=self.comm.group, async_op=True)]
+        else:
+            pieces[0].copy_(piece)
+            works = []
+        return _Composed(works, lambda: dequantize_into(*layout.split(pieces), layout, output.view(self.size, -1)))

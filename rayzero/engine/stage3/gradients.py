@@ -39,9 +39,9 @@ layouts] in layout.py).
 [Note: MiCS replicas sync once a step]
 With gradient accumulation, the replicas' all-reduce runs only in the backward that ends the window
 (DeepSpeed's MiCS does it once, at the boundary): earlier micro-steps add their reduce-scattered
-shards into the master gradients unsynced, and each boundary bucket folds them back in (fp32: the
-accumulation's precision) before its one all-reduce. At one micro-step per step nothing changes: the
-bucket is all-reduced in the reduce dtype, as it arrives.
+shards into the master gradients unsynced, and each boundary bucket folds them back in (summed in
+fp32, carried in the reduce dtype as every bucket is) before its one all-reduce: the replicas' bytes
+per step are those of one micro-step, whatever the accumulation.
 """
 from __future__ import annotations
 
@@ -295,8 +295,8 @@ class GradientReducer:
 
     def _with_unsynced(self, received: torch.Tensor, keys: list[int], direct: bool) -> tuple[torch.Tensor, bool]:
         """[Note: MiCS replicas sync once a step] At the boundary: this bucket's shards plus what
-        earlier micro-steps of the window added to its master gradients (taken out of them), in
-        fp32, ready for the one all-reduce across the replicas."""
+        earlier micro-steps of the window added to its master gradients (taken out of them), summed
+        in fp32 and carried in the reduce dtype, ready for the one all-reduce across the replicas."""
         if not self._unsynced or direct:  # nothing accumulated, or it is already in `received`
             return received, direct
         total = received.to(torch.float32, copy=True)
@@ -306,7 +306,7 @@ class GradientReducer:
             total[offset:offset + target.numel()].add_(target.to(total.device))
             target.zero_()
             offset += target.numel()
-        return total, False
+        return total.to(received.dtype), False
 
     def backward_done(self) -> None:
         """A backward's buckets are all added: outside the boundary, they wait for it unsynced."""

@@ -40,7 +40,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from rayzero.engine.comm import Communicator
 from rayzero.engine.partition import padded_size, split_evenly
-from rayzero.engine.stage3.gather_routes import Direct, GatherRoute
+from rayzero.engine.quantize import Layout, dequantize_into, quantize_into
+from rayzero.engine.stage3.gather_routes import Direct, GatherRoute, Stored
 
 # Parameters whose gathered size is at least this gather in a collective of their own ([Note:
 # coalesced gathers]): 1M elements is ~4 MiB in fp32, ~1-4 ms on gloo here against ~0.5 ms per call.
@@ -89,13 +90,18 @@ class PartitionedParam:
     wire_dtype: torch.dtype | None = None
     """dtype the all-gather carries it in when not the compute dtype: torch_autocast's lower precision
     for a lower-precision-safe module's weight ([Note: torch_autocast] in autocast.py)."""
+    stored: Layout | None = None
+    """zero_quantized_nontrainable_weights: `shard` holds this frozen parameter's piece as int8 blocks
+    (Layout.piece_bytes of uint8), gathered as stored ([Note: stage-3 layouts] in layout.py)."""
     secondary: torch.Tensor | None = None
     """hpZ: this rank's piece of the gathered values over its secondary group, kept from the last
     release until the values change ([Note: stage-3 layouts] in layout.py); None without hpZ."""
 
     @property
     def shard_numel(self) -> int:
-        return self.swap.numel if self.swap is not None else self.shard.numel()
+        if self.swap is not None:
+            return self.swap.numel
+        return self.stored.numel if self.stored is not None else self.shard.numel()
 
 
 class _GatherBatch:
@@ -202,6 +208,8 @@ class ParamPartitions:
         self._secondary_comm = secondary_comm
         self.secondary_elements = 0
         """Elements held in hpZ secondary pieces right now."""
+        self.stored_route = Stored(comm)
+        """How shards stored as int8 blocks are gathered (zero_quantized_nontrainable_weights)."""
         self.coordinator = None
         """The hooks that use these partitions (set by Stage3Coordinator; None inside Init)."""
         self.store = None
@@ -217,17 +225,18 @@ class ParamPartitions:
 
     # ---- building ---------------------------------------------------------------------------
     def add(self, param: torch.nn.Parameter, name: str, shard: torch.Tensor, shape: torch.Size,
-            persistent: bool, swap: Any = None) -> PartitionedParam:
-        """Register `param`, whose local padded shard is `shard` (or, swapped, `swap`); its data
-        becomes released (a persistent one is gathered by the next `refresh_persistent`)."""
+            persistent: bool, swap: Any = None, stored: Layout | None = None) -> PartitionedParam:
+        """Register `param`, whose local padded shard is `shard` (or, swapped, `swap`; or, `stored`,
+        int8 blocks); its data becomes released (a persistent one is gathered by the next
+        `refresh_persistent`)."""
         numel = int(torch.Size(shape).numel())
         world = self.comm.world_size
-        shard_numel = swap.numel if swap is not None else shard.numel()
+        shard_numel = swap.numel if swap is not None else stored.numel if stored is not None else shard.numel()
         assert shard_numel == padded_size(numel, world) // world, "shard of the wrong size"
         full = torch.empty(shard_numel * world, dtype=self.dtype or shard.dtype, device=self.device)
         full.untyped_storage().resize_(0)
         entry = PartitionedParam(param=param, name=name, shape=torch.Size(shape), numel=numel,
-                                 shard=shard, full=full, persistent=persistent, swap=swap)
+                                 shard=shard, full=full, persistent=persistent, swap=swap, stored=stored)
         param.data = _placeholder(full)
         self.entries.append(entry)
         _REGISTRY[param] = (weakref.ref(self), weakref.ref(entry)) if self.coordinator is not None else (self, entry)
@@ -271,8 +280,8 @@ class ParamPartitions:
         batches: dict[tuple[str, torch.dtype], list[PartitionedParam]] = {}
         for entry in todo:
             wire = entry.full.dtype if exact or entry.wire_dtype is None else entry.wire_dtype
-            if wire == entry.full.dtype and entry.full.numel() >= COALESCE_MAX_ELEMENTS:
-                alone.append(entry)
+            if entry.stored is not None or wire == entry.full.dtype and entry.full.numel() >= COALESCE_MAX_ELEMENTS:
+                alone.append(entry)  # stored int8 bytes never join a batch of another dtype
             else:
                 batches.setdefault((self._route_name(entry, exact), wire), []).append(entry)
         for key, together in list(batches.items()):
@@ -292,6 +301,8 @@ class ParamPartitions:
 
     @staticmethod
     def _route_name(entry: PartitionedParam, exact: bool) -> str:
+        if entry.stored is not None:
+            return "stored"  # its exact values are the stored ones
         if exact:
             return "exact"
         return "secondary" if entry.secondary is not None else "primary"
@@ -300,6 +311,8 @@ class ParamPartitions:
         """The route called `name` and the piece of `entry` this rank sends on it."""
         if name == "secondary":
             return self.secondary, entry.secondary
+        if name == "stored":
+            return self.stored_route, entry.shard.to(self.device, non_blocking=True)
         return (self.exact if name == "exact" else self.primary), self._send_piece(entry)
 
     def _send_piece(self, entry: PartitionedParam) -> torch.Tensor:
@@ -315,6 +328,10 @@ class ParamPartitions:
         """The padded shard's values: the shard itself, or a copy read from its swap file."""
         if entry.swap is not None:
             return self.store.copy_out(entry.swap, torch.device("cpu"))
+        if entry.stored is not None:
+            values = torch.empty(entry.stored.numel, dtype=entry.full.dtype, device=entry.shard.device)
+            dequantize_into(*entry.stored.split(entry.shard), entry.stored, values)
+            return values
         return entry.shard
 
     def write_shard(self, entry: PartitionedParam, values: torch.Tensor) -> None:
@@ -322,6 +339,10 @@ class ParamPartitions:
         them stays zero."""
         if entry.swap is not None:
             self.store.write(entry.swap, values)
+        elif entry.stored is not None:
+            padded = torch.zeros(entry.stored.numel, dtype=torch.float32, device=entry.shard.device)
+            padded[: values.numel()].copy_(values.reshape(-1))
+            quantize_into(padded, entry.stored, *entry.stored.split(entry.shard))
         else:
             entry.shard[: values.numel()].copy_(values.reshape(-1))
 
@@ -331,6 +352,8 @@ class ParamPartitions:
         when the writer gets to it ([Note: streamed save])."""
         if entry.swap is not None:
             return self.store.lazy_piece(entry.swap, count, offset)
+        if entry.stored is not None:
+            return self.read_shard(entry)[offset:offset + count]
         return entry.shard[offset:offset + count].detach().to(entry.full.dtype)
 
     def read_ahead(self, entries: Iterable[PartitionedParam]) -> None:
@@ -357,7 +380,7 @@ class ParamPartitions:
         if entry.users > 0 and not force:
             return False
         self.wait(entry)  # an in-flight collective still writes into the buffer
-        if self.secondary is not None and entry.secondary is None and not entry.persistent:
+        if self.secondary is not None and entry.secondary is None and not entry.persistent and entry.stored is None:
             self._keep_secondary(entry)
         entry.param.data = _placeholder(entry.full)
         entry.full.untyped_storage().resize_(0)

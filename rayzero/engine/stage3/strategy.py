@@ -38,6 +38,8 @@ from rayzero.engine.partition import split_evenly
 from rayzero.engine.stage3.gradients import GradientReducer
 from rayzero.engine.comm import Communicator
 from rayzero.engine.stage3.hooks import Stage3Coordinator, Stage3Knobs
+from rayzero.engine.quantize import quantize_into
+from rayzero.engine.stage3.gather_routes import stored_layout
 from rayzero.engine.stage3.layout import LayoutChoice, Stage3Layout
 from rayzero.engine.stage3.parameters import ParamPartitions, PartitionedParam, external_parameters, lookup
 from rayzero.engine.strategy import StrategyContext, ZeroStrategy
@@ -106,15 +108,19 @@ class Stage3Strategy(ZeroStrategy):
                 optimizer_groups.append({**hyper, "params": group_masters})
             self.partitions.store = self.offload.param_store()
             for name, param, piece, shape, persistent in pieces.values():
-                swap = None
+                swap = stored = None
                 if self.aliased and id(param) in masters:
                     shard = masters[id(param)]
                 elif self.partitions.store is not None:  # [Note: NVMe parameter shards]
                     shard, swap = self.partitions.store.place(piece, self.precision.param_dtype, name)
+                elif self.layout.choice.quantize_frozen_weights and id(param) not in masters:
+                    stored = stored_layout(piece.numel())  # a frozen weight kept as int8 blocks
+                    shard = self.offload.allocate(StateKind.PARAM_SHARD, stored.piece_bytes, torch.uint8)
+                    quantize_into(piece, stored, *stored.split(shard))
                 else:
                     shard = self.offload.allocate(StateKind.PARAM_SHARD, piece.numel(), self.precision.param_dtype)
                     shard.copy_(piece)
-                entry = self.partitions.add(param, name, shard, shape, persistent, swap)
+                entry = self.partitions.add(param, name, shard, shape, persistent, swap, stored)
                 entry.master = masters.get(id(param))
                 if ctx.precision.autocast is not None:  # [Note: torch_autocast] in autocast.py
                     wire = ctx.precision.wire_dtype(param)
