@@ -48,19 +48,18 @@ LINKS = ("intra_node_bytes", "inter_node_bytes")
 FIT_TOLERANCE = 0.01
 """A coefficient within 1 % of 1 (and every point within 1 % of the fitted line) is a match."""
 
-ASSUMED_ELEMENTS_PER_SCALE = 2048
-"""qwZ/qgZ: elements per fp32 scale where rayzero.engine.quantize does not say (not merged yet)."""
+MODEL_WIDTH = 4096
+"""The layer width qgZ's blocks follow at the modelled scale (7B: 4096; 70B's 8192 is capped at 4096)."""
 
 
-def elements_per_scale() -> tuple[int, int, str]:
-    """(qwZ, qgZ) elements per fp32 scale, and where they come from."""
-    try:
-        from rayzero.engine import quantize, quantized_comm
+def elements_per_scale(width: int = MODEL_WIDTH) -> tuple[int, int, str]:
+    """(qwZ, qgZ) elements per fp32 scale for layers `width` wide, and where they come from: the engine's
+    own constants and rule (qgZ's blocks follow the layer width: [Note: qgZ block size])."""
+    from rayzero.engine.stage3.gather_routes import WEIGHT_BLOCK
+    from rayzero.engine.stage3.gradients import qgz_block_size
 
-        sizes = int(quantize.DEEPSPEED_TARGET_GROUP_SIZE), int(quantized_comm.QGZ_TARGET_GROUP_SIZE)
-    except (ImportError, AttributeError):
-        return ASSUMED_ELEMENTS_PER_SCALE, ASSUMED_ELEMENTS_PER_SCALE, "assumed (rayzero.engine.quantize absent)"
-    return (*sizes, "rayzero.engine.quantize.DEEPSPEED_TARGET_GROUP_SIZE, quantized_comm.QGZ_TARGET_GROUP_SIZE")
+    return (WEIGHT_BLOCK, qgz_block_size([(width, width)]),
+            f"rayzero.engine.stage3.gather_routes.WEIGHT_BLOCK, gradients.qgz_block_size at width {width}")
 
 
 # ---- layouts and their collectives ------------------------------------------------------------------
@@ -221,7 +220,9 @@ def compare(measurement: dict[str, Any], quantized: tuple[float, float]) -> list
         for kind in sorted(set(formula) | set(row["kinds"])):
             for link in LINKS:
                 got = row["kinds"].get(kind, {}).get(link, 0.0) / psi
-                want = gas * formula.get(kind, {}).get(link, 0.0)  # rayzero: every collective per micro-batch
+                # every collective per micro-batch, but MiCS's replica all-reduce once a step ([Note: MiCS
+                # replicas sync once a step] in rayzero/engine/stage3/gradients.py)
+                want = (1 if kind == "all_reduce" else gas) * formula.get(kind, {}).get(link, 0.0)
                 points.append({"layout": layout.label, "fit_key": layout.fit_key, "nodes": nodes, "local": local,
                                "gas": gas, "kind": kind, "link": link, "measured": got, "formula": want,
                                "spread": row["spread"].get(kind, {}).get(link, 0.0) / psi,
@@ -368,7 +369,11 @@ def build(measurement: dict[str, Any] | None) -> dict[str, Any]:
 
     qwz_group, qgz_group, source = elements_per_scale()
     quantized = (1 + 4 / qwz_group, 0.5 + 4 / qgz_group)
-    points = compare(measurement, quantized) if measurement else []
+    # the measured model's layers are narrower: qgZ's blocks there follow its width
+    from bench import comm_measure
+
+    measured_qwz, measured_qgz, _ = elements_per_scale(comm_measure.WIDTH)
+    points = compare(measurement, (1 + 4 / measured_qwz, 0.5 + 4 / measured_qgz)) if measurement else []
     fitted = fit(points)
     coefficient = coefficients(fitted)
     honoured = [p["quantized_by_engine"] for p in points if p["quantized_by_engine"] is not None]
