@@ -47,8 +47,9 @@ def _check(rank: int, world: int, _: object) -> dict:
         _reduce_scatter_flat(expected, source.clone(), op=dist.ReduceOp.SUM)
         for async_op in (False, True):
             for group in (None, other):
+                on = comm if group is None else Communicator(other)
                 got = torch.full((shard,), float("nan"))
-                work = comm.reduce_scatter(got, source.clone(), async_op=async_op, scratch=True, group=group)
+                work = on.reduce_scatter(got, source.clone(), async_op=async_op, scratch=True)
                 if async_op:
                     work.get_future().wait()
                     work.wait()

@@ -75,10 +75,18 @@ def test_allgather_keys_at_stage_3_warn_ignored():
 
 
 def test_recognised_but_unimplemented_keys_warn_by_name():
-    notes = _notes({"zero_optimization": {"stage": 3, "zero_quantized_weights": True},
+    notes = _notes({"zero_optimization": {"stage": 3, "zenflow": {"topk_ratio": 0.1}},
                     "flops_profiler": {"enabled": True}, "aio": {"use_gds": True}})
-    for key in ("zero_optimization.zero_quantized_weights", "flops_profiler", "aio.use_gds"):
+    for key in ("zero_optimization.zenflow", "flops_profiler", "aio.use_gds"):
         assert any(f"recognised but not implemented: `{key}`" in n for n in notes), key
+
+
+@pytest.mark.parametrize("key, value", [("zero_quantized_weights", True), ("zero_quantized_gradients", True),
+                                        ("zero_quantized_nontrainable_weights", True),
+                                        ("zero_hpz_partition_size", 1), ("mics_shard_size", -1)])
+def test_zero_plus_plus_and_mics_keys_are_no_longer_called_unimplemented(key, value):
+    notes = _notes({"zero_optimization": {"stage": 3, key: value}})
+    assert not any("recognised but not implemented" in n for n in notes), notes
 
 
 @pytest.mark.parametrize("old, new_path, expected", [
