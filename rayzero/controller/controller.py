@@ -160,6 +160,7 @@ class Controller(PlannedStops, Watch):
         self.message = ""  # the newest event, for status()
         self.last_rank0_report: Report | None = None  # for status(): step, loss, time
         self.first_rank0_report: Report | None = None  # of the current attempt: status()'s rates start here
+        self.layout: tuple[int, dict] | None = None  # (attempt, rank 0's engine.layout()): for status()
         self.stragglers: list[Straggler] = []  # reported, in order ([Note: stragglers])
         self._slow_rounds: dict[int, int] = {}  # rank -> consecutive heartbeat rounds it was slow
         self._factory = group_factory
@@ -325,6 +326,8 @@ class Controller(PlannedStops, Watch):
                 if self.first_rank0_report is None or throughput.went_back(item, self.last_rank0_report):
                     self.first_rank0_report = item
                 self.last_rank0_report = item
+                if item.layout is not None:
+                    self.layout = (item.attempt, item.layout)
             if item.checkpoint:
                 self.checkpoints.note_reported(item.checkpoint)
         if polled.failures:

@@ -83,7 +83,8 @@ def run_status(controller: Controller, run_name: str, started_at: float, table: 
         ranks=ranks,
         message=controller.message,
         extra={**({"stopped": str(controller.stopped).lower()} if controller.state.is_terminal else {}),
-               **controller.interval.describe(controller.nodes(), controller.failures, float(goodput.get("wall_s") or 0))},
+               **controller.interval.describe(controller.nodes(), controller.failures, float(goodput.get("wall_s") or 0)),
+               **layout_extra(controller.layout, controller.attempt), **link_extra(report)},
         goodput=goodput.get("goodput"),
         wall_s=float(goodput.get("wall_s") or 0.0),
         badput_s=dict(goodput.get("badput_s") or {}),
@@ -92,3 +93,43 @@ def run_status(controller: Controller, run_name: str, started_at: float, table: 
 
 def _number(value: object) -> float | None:
     return float(value) if isinstance(value, (int, float)) else None
+
+
+def layout_extra(layout: tuple[int, dict] | None, attempt: int) -> dict[str, str]:
+    """`layout` / `groups`: the nodes and rank 0's groups of the current attempt's engine (its
+    `engine.layout()`), as `rayzero status` prints them; nothing before its first report."""
+    if layout is None or layout[0] != attempt:
+        return {}
+    described = layout[1]
+    groups = [f"{name} {_ranks(described[key])}" for key, name in
+              (("shard_group", "shard"), ("replica_group", "replicas (MiCS)"), ("hpz_group", "hpZ secondary"))
+              if described.get(key)]
+    quantized = [name for key, name in (("quantized_weights", "weights (qwZ)"),
+                                        ("quantized_gradients", "gradients (qgZ)")) if described.get(key)]
+    out = {"layout": str(described.get("nodes", "?")), "groups": "rank 0: " + "; ".join(groups)}
+    if quantized:
+        out["groups"] += "; int8/int4 " + " and ".join(quantized)
+    return out
+
+
+def link_extra(report: object) -> dict[str, str]:
+    """`link bytes`: what rank 0's engine sent in its last step inside its node and to other nodes
+    ([Note: bytes per link class]); metrics.parquet has every rank's."""
+    intra, inter = getattr(report, "intra_node_bytes", None), getattr(report, "inter_node_bytes", None)
+    if intra is None or inter is None:
+        return {}
+    return {"link bytes": f"rank 0, last step: {_amount(intra)} inside its node, {_amount(inter)} to other nodes"}
+
+
+def _ranks(ranks: list[int]) -> str:
+    if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ",".join(map(str, ranks))
+
+
+def _amount(count: int) -> str:
+    """Decimal units, as network rates are read: 0 B, 512 B, 12.3 kB, 4.56 MB, 7.89 GB."""
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if count >= size:
+            return f"{count / size:.3g} {unit}" if count < 100 * size else f"{count / size:.0f} {unit}"
+    return f"{count} B"

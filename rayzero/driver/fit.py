@@ -304,6 +304,9 @@ def _collect_result(streamed: _Streamed, progress: Progress, metrics_log: Metric
     final_line = progress.final_line() if last_metrics is not None else None
     if final_line is not None:
         print(final_line, flush=True)
+    memory_line = progress.memory_line()
+    if memory_line is not None:
+        print(memory_line, flush=True)
     checkpoint_dir = where.checkpoint_dir
     record = final.checkpoint if final is not None else None
     if record is not None:

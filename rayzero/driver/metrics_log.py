@@ -54,7 +54,7 @@ METRICS_FILE = METRICS_DIR  # the name users and older code know
 def report_row(item: Report, attempt: int) -> dict[str, Any]:
     """A flat row: the runtime's columns, then the loop's metrics (a clashing key as `metric_<key>`)."""
     row: dict[str, Any] = {field.name: getattr(item, field.name) for field in dataclasses.fields(item)
-                           if field.name != "metrics"}
+                           if field.name not in ("metrics", "layout")}
     row["attempt"] = attempt
     for key, value in item.metrics.items():
         row[metric_column(str(key))] = value

@@ -43,7 +43,7 @@ METRICS_DIR = "metrics.parquet"
 PART = re.compile(r"^part-a(\d+)-(\d+)\.parquet$")
 
 REPORT_COLUMNS = ("rank", "seq", "time", "checkpoint", "peak_memory_bytes", "placement", "attempt", "engine_lr",
-                  "goodput_cause", "goodput_seconds")
+                  "intra_node_bytes", "inter_node_bytes", "goodput_cause", "goodput_seconds")
 """Columns the runtime adds to every row; a loop's metric of the same name is stored as `metric_<name>`."""
 
 

@@ -56,6 +56,11 @@ def _human_bytes(count: float) -> str:
     return f"{count:.1f}GiB"
 
 
+# engine.memory_stats kinds of the model state, as the closing memory line names them
+_STATE_KINDS = (("params", "parameters"), ("grads", "gradients"), ("master_weights", "fp32 master"),
+                ("optimizer_state", "optimizer state"))
+
+
 def _human_rate(value: float) -> str:
     return f"{value / 1000:.1f}k" if value >= 10_000 else f"{value:.1f}"
 
@@ -161,6 +166,32 @@ class Progress:
         """The closing progress line, or None when the last line printed says the same."""
         line = self.line()
         return None if line == self._said else line
+
+    def memory_line(self) -> str | None:
+        """The run's closing memory line: rank 0's peak and what the engine's state in it was made of
+        (its newest report's `placement`: engine.memory_stats), the rest named; None without an engine."""
+        where, peak = self._placement, self._memory.get(0)
+        if not where or not peak:
+            return None
+        on_gpu = "peak_device_allocated" in where
+        if on_gpu:
+            peak = where["peak_device_allocated"]
+        kinds = [(label, where.get(key, 0)) for key, label in _STATE_KINDS if where.get(key)]
+        state = where.get("device_bytes", 0)
+        parts = [f"peak {_human_bytes(peak)} ({'GPU allocated' if on_gpu else 'process RSS'})",
+                 f"model state on the {'GPU' if on_gpu else 'compute device'} {_human_bytes(state)} ("
+                 + ", ".join(f"{label} {_human_bytes(count)}" for label, count in kinds) + ")"]
+        offloaded = [f"{name} {_human_bytes(where[key])}" for key, name in (("host_bytes", "host"), ("nvme_bytes", "NVMe"))
+                     if where.get(key)]
+        if offloaded:
+            parts.append("offloaded " + ", ".join(offloaded))
+        transient = [f"{label} {_human_bytes(where[key])}" for key, label in
+                     (("peak_live_param_bytes", "gathered parameters at most"), ("bucket_buffers", "reduce buckets"))
+                     if where.get(key)]
+        rest = "the rest " + _human_bytes(max(0, peak - state)) + ": activations, temporaries" + (
+            "" if on_gpu else ", the process itself (interpreter, libraries)")
+        parts.append(rest + (f" ({'; '.join(transient)})" if transient else ""))
+        return "[rayzero] memory, rank 0: " + "; ".join(parts)
 
     def peak_memory(self) -> dict[int, int]:
         return dict(self._memory)

@@ -309,6 +309,13 @@ class ZeroEngine(DeepSpeedAccessors):
         """Per collective kind, for the last optimizer step ([Note: communication accounting])."""
         return self.comm.last_step()
 
+    def layout(self) -> dict[str, Any]:
+        """Where the ranks run and which groups this rank's state is sharded and replicated over
+        (global ranks): `nodes` ('2 nodes x 4 ranks'), `node_of_rank`, `shard_group`, and at stage 3
+        `replica_group` (MiCS), `hpz_group` (hpZ's secondary partition), `quantized_weights` and
+        `quantized_gradients` ([Note: stage-3 layouts]). `rayzero status` shows it."""
+        return self.strategy.describe_layout(self.comm)
+
     def memory_stats(self) -> dict[str, int]:
         """Bytes this rank holds, by kind, plus `model_state` (their sum), `peak_rss` (peak process
         memory) and on CUDA `peak_device_allocated` (the allocator's peak on the engine's device;

@@ -139,6 +139,12 @@ class ZeroStrategy(abc.ABC):
     def memory_stats(self) -> dict[str, int]:
         """Bytes held by this rank: params, grads, master_weights, optimizer_state, buffers."""
 
+    def describe_layout(self, comm: Communicator) -> dict[str, Any]:
+        """The node layout and this rank's groups (`engine.layout()`): stages 0-2 shard over the
+        whole group; stage 3 says its own ([Note: stage-3 layouts])."""
+        return {"nodes": comm.topology.describe(), "node_of_rank": list(comm.topology.node_of),
+                "shard_group": list(comm.ranks)}
+
     def close(self) -> None:
         """Remove hooks (the engine is being discarded)."""
 

@@ -28,6 +28,10 @@ from dataclasses import dataclass
 from typing import Any
 
 NODE_LOCAL_RESUME = "node-local:"
+# engine.memory_stats keys a report's `placement` carries: where the model state lives, what it is
+# made of, and stage 3's most gathered parameter bytes at once (the closing memory line's parts)
+PLACEMENT_KEYS = ("device_bytes", "host_bytes", "nvme_bytes", "params", "grads", "master_weights",
+                  "optimizer_state", "bucket_buffers", "peak_live_param_bytes", "peak_device_allocated")
 """RAYZERO_RESUME_FROM value meaning: resume from this node's own checkpoint directory.
 
 [Note: node-local runs]
@@ -147,6 +151,7 @@ class StepBoundary:
         self.micro_step = 0
         self.stepped = False  # an engine stepped: stops go through the agreed boundary
         self._engine: weakref.ref | None = None  # the engine that stepped last (for placement)
+        self._layout_told: weakref.ref | None = None  # the engine whose layout a report carried (new_layout)
         self.saving = False
         self.stop_committed = False
         self.finished = False
@@ -176,13 +181,32 @@ class StepBoundary:
         return not self.stepped and self._pending_kind is BoundaryRequest.STOP
 
     def placement(self) -> dict[str, int] | None:
-        """Where the engine's model state lives now (device/host/nvme bytes, engine.memory_stats),
-        for the progress line; None before an engine stepped."""
+        """Where the engine's model state lives now (device/host/nvme bytes) and what it is made of
+        (engine.memory_stats), for the progress line and the run's closing memory line; None before an
+        engine stepped."""
         engine = self._engine() if self._engine is not None else None
         if engine is None or engine.closed:
             return None
         stats = engine.memory_stats()
-        return {key: int(stats[key]) for key in ("device_bytes", "host_bytes", "nvme_bytes")}
+        return {key: int(stats[key]) for key in PLACEMENT_KEYS if key in stats}
+
+    def link_bytes(self) -> tuple[int | None, int | None]:
+        """Bytes this rank sent in the engine's last step inside its node and to other nodes
+        ([Note: bytes per link class] in rayzero/engine/comm.py); (None, None) before an engine stepped."""
+        engine = self._engine() if self._engine is not None else None
+        if engine is None or engine.closed:
+            return None, None
+        total = engine.comm_stats().get("total", {})
+        return int(total.get("intra_node_bytes", 0)), int(total.get("inter_node_bytes", 0))
+
+    def new_layout(self) -> dict[str, Any] | None:
+        """The engine's node layout and groups (`engine.layout()`) the first time it is asked for
+        each engine, else None: it changes only with a new engine, and travels once."""
+        engine = self._engine() if self._engine is not None else None
+        if engine is None or engine.closed or (self._layout_told is not None and self._layout_told() is engine):
+            return None
+        self._layout_told = weakref.ref(engine)
+        return engine.layout()
 
     def learning_rate(self) -> float | None:
         """The learning rate of the engine that stepped last, for the metrics (None before one did)."""

@@ -122,6 +122,13 @@ class Report:
     """The controller's attempt (worker group) this report came from (RAYZERO_ATTEMPT)."""
     engine_lr: float | None = None
     """The learning rate of the rank's engine when it reported (its `get_lr()[0]`; None: no engine)."""
+    intra_node_bytes: int | None = None
+    """Bytes the rank's engine sent to ranks on its own node in its last step (None: no engine)."""
+    inter_node_bytes: int | None = None
+    """Bytes the rank's engine sent to ranks on other nodes in its last step (None: no engine)."""
+    layout: dict[str, Any] | None = None
+    """The engine's node layout and groups (`engine.layout()`), on the first report after an engine
+    stepped; None on the others. Not a metrics column: `rayzero status` shows rank 0's."""
 
 
 def peak_memory_bytes() -> int:
@@ -157,8 +164,10 @@ class WorkerSession:
         with self._lock:  # a loop may report from several threads; keep seq and queue order equal
             placement = self.boundary.placement() if self.boundary is not None else None
             learning_rate = self.boundary.learning_rate() if self.boundary is not None else None
+            intra, inter = self.boundary.link_bytes() if self.boundary is not None else (None, None)
+            layout = self.boundary.new_layout() if self.boundary is not None else None
             item = Report(self.rank, self._seq, time.time(), dict(metrics), checkpoint, peak_memory_bytes(),
-                          placement, self.attempt, learning_rate)
+                          placement, self.attempt, learning_rate, intra, inter, layout)
             self._seq += 1
             self.reports.put(item)
         if self.boundary is not None:

@@ -39,12 +39,18 @@ def test_a_short_chaos_soak_survives_one_fault_of_each_of_the_first_six_kinds_an
     if problem:
         pytest.skip(f"the soak's `enospc` fault needs a small loop-mounted disk (root and mount(2)): {problem}")
     out = tmp_path / "chaos.json"
-    done = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "chaos.py"), "--systems", "rayzero", "--seed", "0",
-         "--minutes", "1", "--min-faults", "6", "--kinds", ",".join(FIRST_SIX), "--gap", "2:4", "--hold", "3:5",
-         "--settle", "2", "--hang-timeout", "6",
-         "--scratch", str(tmp_path), "--json", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=840, check=False)
+    try:
+        done = subprocess.run(
+            [sys.executable, str(REPO / "bench" / "chaos.py"), "--systems", "rayzero", "--seed", "0",
+             "--minutes", "1", "--min-faults", "6", "--kinds", ",".join(FIRST_SIX), "--gap", "2:4", "--hold", "3:5",
+             "--settle", "2", "--hang-timeout", "6",
+             "--scratch", str(tmp_path), "--json", str(out)],
+            cwd=REPO, capture_output=True, text=True, timeout=840, check=False)
+    except subprocess.TimeoutExpired as expired:  # what the soak had said by then: where it stood
+        said = [(part if isinstance(part, str) else part.decode(errors="replace")) if part else ""
+                for part in (expired.stdout, expired.stderr)]
+        pytest.fail(f"the soak did not end in {expired.timeout:.0f} s; its output so far:\n"
+                    + said[0][-4000:] + "\n--- stderr ---\n" + said[1][-4000:])
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     run = json.loads(out.read_text())["rayzero"]
     faults = run["faults"]

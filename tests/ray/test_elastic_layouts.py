@@ -72,10 +72,21 @@ def test_hpz_run_shrinks_to_one_node_and_grows_back_to_two(two_nodes, tmp_path, 
             pass
         time.sleep(0.2)
     assert _world(controller) == 4
+    # `rayzero status` shows the node layout and rank 0's groups, and what it sent on each link class
+    wide = ray.get(controller.status.remote())
+    assert wide.extra["layout"] == "2 nodes x 2 ranks", wide.extra
+    assert wide.extra["groups"] == "rank 0: shard 0-3; hpZ secondary 0,1", wide.extra
+    assert wide.extra["link bytes"].startswith("rank 0, last step: ") and " 0 B" not in wide.extra["link bytes"], wide.extra
     made.remove_node(nodes[1])
     while _world(controller) != 2 or ray.get(controller.status.remote()).step < 12:
         assert time.monotonic() - deadline < 600 and thread.is_alive(), box  # a guard, not a timing
         time.sleep(0.5)
+    narrow = ray.get(controller.status.remote())
+    assert narrow.extra["layout"] == "1 node x 2 ranks", narrow.extra
+    # one node: the hpZ group is the whole world, so no secondary partition is kept (it would be the primary)
+    assert narrow.extra["groups"] == "rank 0: shard 0,1", narrow.extra
+    assert narrow.extra["link bytes"].endswith(" inside its node, 0 B to other nodes"), narrow.extra
+    assert " 0 B inside" not in narrow.extra["link bytes"], narrow.extra
     add_node(made, num_cpus=2)
     while thread.is_alive() and _world(controller) != 4:
         assert time.monotonic() - deadline < 900, box
@@ -89,3 +100,14 @@ def test_hpz_run_shrinks_to_one_node_and_grows_back_to_two(two_nodes, tmp_path, 
     final = [m for m in result.metrics_history if "final" in m][-1]
     assert final["final_step"] == STEPS
     assert final["final"] == pytest.approx(elastic_loop.reference_weights(STEPS, batch=BATCH), abs=1e-5)
+    # metrics.parquet carries every rank's bytes per link class: across nodes only while on two nodes
+    rows = rayzero.read_metrics(result.path, columns=["rank", "attempt", "world", "intra_node_bytes",
+                                                      "inter_node_bytes"]).to_pylist()
+    stepped = [row for row in rows if row["intra_node_bytes"] is not None and row["world"] is not None]
+    assert {row["rank"] for row in stepped} == {0, 1, 2, 3}
+    for row in stepped:
+        assert row["intra_node_bytes"] > 0, row
+        assert (row["inter_node_bytes"] > 0) == (row["world"] == 4), row
+    # the run's closing lines say where rank 0's memory went ([rayzero] memory, rank 0: ...)
+    memory = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[rayzero] memory, rank 0: ")]
+    assert len(memory) == 1 and "model state on the compute device" in memory[0] and "parameters" in memory[0], memory

@@ -121,6 +121,25 @@ def test_the_progress_line_says_where_offloaded_state_lives():
     assert lines[-1].endswith("state r0 device 3MiB host 5.0GiB nvme 7.0GiB"), lines[-1]
 
 
+def test_the_closing_memory_line_says_where_the_memory_went():
+    progress = Progress(None, interval_s=0, phase_keys=False, emit=lambda line: None)
+    assert progress.memory_line() is None  # no engine, no line
+    cpu = {"device_bytes": 300 << 20, "host_bytes": 0, "nvme_bytes": 0, "params": 100 << 20, "grads": 100 << 20,
+           "optimizer_state": 100 << 20, "bucket_buffers": 8 << 20, "peak_live_param_bytes": 50 << 20}
+    progress.observe(Report(rank=0, seq=0, time=1.0, metrics={"step": 1}, peak_memory_bytes=1 << 30, placement=cpu))
+    assert progress.memory_line() == (
+        "[rayzero] memory, rank 0: peak 1.0GiB (process RSS); model state on the compute device 300MiB "
+        "(parameters 100MiB, gradients 100MiB, optimizer state 100MiB); the rest 724MiB: activations, "
+        "temporaries, the process itself (interpreter, libraries) (gathered parameters at most 50MiB; "
+        "reduce buckets 8MiB)")
+    gpu = {"device_bytes": 2 << 30, "host_bytes": 6 << 30, "nvme_bytes": 0, "params": 1 << 30,
+           "master_weights": 4 << 30, "peak_device_allocated": 5 << 30}
+    progress.observe(Report(rank=0, seq=1, time=2.0, metrics={"step": 2}, peak_memory_bytes=5 << 30, placement=gpu))
+    line = progress.memory_line()
+    assert line.startswith("[rayzero] memory, rank 0: peak 5.0GiB (GPU allocated); model state on the GPU 2.0GiB")
+    assert "; offloaded host 6.0GiB; the rest 3.0GiB: activations, temporaries" in line and "interpreter" not in line
+
+
 def test_a_report_without_a_step_is_not_shown_as_one():
     lines: list[str] = []
     progress = Progress(None, interval_s=0, phase_keys=False, emit=lines.append)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -349,6 +350,9 @@ class Stage3Strategy(ZeroStrategy):
         self.comm.discard_current()
 
     # ---- instrumentation --------------------------------------------------------------------
+    def describe_layout(self, comm: Communicator) -> dict[str, Any]:
+        return self.layout.describe()
+
     def memory_stats(self) -> dict[str, int]:
         def nbytes(t: torch.Tensor | None) -> int:
             return 0 if t is None else t.numel() * t.element_size()
@@ -369,6 +373,7 @@ class Stage3Strategy(ZeroStrategy):
             # (what max_live_parameters bounds), and what prefetch issued ahead of use.
             "live_param_elements": self.partitions.live_elements,
             "peak_live_param_elements": self.partitions.peak_live_elements,
+            "peak_live_param_bytes": self.partitions.peak_live_elements * element,
             "persistent_param_elements": self.partitions.persistent_elements,
             "prefetched_param_elements": self.coordinator.prefetched_elements,
         }
