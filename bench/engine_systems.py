@@ -81,9 +81,19 @@ OPTIMIZER_IMPLS = {"fused": {"fused": True}, "for-loop": {"fused": False, "forea
 REDUCE_BUCKET_ELEMENTS = 500_000_000
 
 
-def _torch_adam(parameters, impl: str) -> torch.optim.Optimizer:
-    return torch.optim.Adam(parameters, lr=LEARNING_RATE, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
-                            **OPTIMIZER_IMPLS[impl])
+def _torch_optimizer(parameters, impl: str, extra: dict[str, Any] | None = None) -> torch.optim.Optimizer:
+    """The client optimizer every system gets, in implementation `impl`: the config's optimizer
+    section read as torch would run it, `extra`'s if it has one (`"type": "AdamW"` -> torch's AdamW,
+    bench/gpu_transformers.py), else deepspeed_config's torch Adam."""
+    section = (extra or {}).get("optimizer") or deepspeed_config(0, 0)["optimizer"]
+    kind = torch.optim.AdamW if section["type"].lower() == "adamw" else torch.optim.Adam
+    params = section["params"]
+    return kind(parameters, lr=params["lr"], betas=tuple(params["betas"]), eps=params["eps"],
+                weight_decay=params["weight_decay"], **OPTIMIZER_IMPLS[impl])
+
+
+def _bf16(extra: dict[str, Any] | None) -> bool:
+    return bool((extra or {}).get("bf16", {}).get("enabled"))
 
 
 def _without_optimizer(config: dict[str, Any]) -> dict[str, Any]:
@@ -156,7 +166,7 @@ def _build_ddp(model: torch.nn.Module, world_size: int, stage: int, micro_batch:
 
     wrapped = DistributedDataParallel(model, bucket_cap_mb=REDUCE_BUCKET_ELEMENTS * 4 / 2**20,
                                       device_ids=_device_ids(model))
-    return _torch_run(wrapped, _torch_adam(wrapped.parameters(), impl), model)
+    return _torch_run(wrapped, _torch_optimizer(wrapped.parameters(), impl, extra), model)
 
 
 def _build_ddp_default(model: torch.nn.Module, world_size: int, stage: int, micro_batch: int, impl: str,
@@ -165,19 +175,24 @@ def _build_ddp_default(model: torch.nn.Module, world_size: int, stage: int, micr
     from torch.nn.parallel import DistributedDataParallel
 
     wrapped = DistributedDataParallel(model, device_ids=_device_ids(model))
-    return _torch_run(wrapped, _torch_adam(wrapped.parameters(), impl), model)
+    return _torch_run(wrapped, _torch_optimizer(wrapped.parameters(), impl, extra), model)
 
 
 def _build_fsdp2(model: torch.nn.Module, world_size: int, stage: int, micro_batch: int, impl: str,
                  extra: dict[str, Any] | None = None) -> _Run:
+    """Each sharding unit, then the root. With `"bf16": {"enabled": true}` in the config the others
+    get, FSDP2's mixed precision as its users write it: bf16 compute, fp32 gradient reduction (the
+    sharded parameters and the optimizer stay fp32, as DeepSpeed's and rayzero's masters do)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if _bf16(extra) \
+        else MixedPrecisionPolicy()
     mesh = init_device_mesh(_device_of(model).type, (world_size,))
     for unit in models.sharding_units(model):
-        fully_shard(unit, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return _torch_run(model, _torch_adam(model.parameters(), impl), model)
+        fully_shard(unit, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return _torch_run(model, _torch_optimizer(model.parameters(), impl, extra), model)
 
 
 def _build_deepspeed(model: torch.nn.Module, world_size: int, stage: int, micro_batch: int, impl: str,
@@ -195,7 +210,7 @@ def _build_deepspeed(model: torch.nn.Module, world_size: int, stage: int, micro_
     deepspeed.ops.__dict__.setdefault("__compatible_ops__", collections.defaultdict(bool))
 
     engine, _, _, _ = deepspeed.initialize(
-        model=model, optimizer=_torch_adam(model.parameters(), impl),
+        model=model, optimizer=_torch_optimizer(model.parameters(), impl, extra),
         config=engine_config(stage, micro_batch, extra),
     )
 
@@ -212,7 +227,7 @@ def _build_rayzero(model: torch.nn.Module, world_size: int, stage: int, micro_ba
                  extra: dict[str, Any] | None = None) -> _Run:
     import rayzero
 
-    engine, _, _, _ = rayzero.initialize(model=model, optimizer=_torch_adam(model.parameters(), impl),
+    engine, _, _, _ = rayzero.initialize(model=model, optimizer=_torch_optimizer(model.parameters(), impl, extra),
                                          config=engine_config(stage, micro_batch, extra))
 
     def step(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -387,16 +402,16 @@ def _run_one(variant: dict[str, Any], model_name: str, job: dict[str, Any], rank
     family, _, stage_text = variant["system"].partition("-stage")
     world_size = dist.get_world_size()
     row: dict[str, Any] = {"system": variant["label"], "world_size": world_size, "model": model_name}
-    model = models.build_model(model_name, job["quick"]).to(device)
-    row["trainable_parameters"] = models.trainable_parameters(model)
     held_before = 0
     if device.type == "cuda":
         # An earlier row's engine may still hold memory (DeepSpeed 0.19.8's engines at stages 1-3
         # outlive their owner, checked on CPU with weak references): the peak counts from what this
-        # row found allocated.
+        # row found allocated before its model was built, so the model's own bytes are in it.
         held_before = torch.cuda.memory_allocated(device)
         row["gpu_memory_held_before_bytes"] = held_before
         torch.cuda.reset_peak_memory_stats(device)
+    model = models.build_model(model_name, job["quick"], device).to(device)
+    row["trainable_parameters"] = models.trainable_parameters(model)
     started = time.perf_counter()
     failed = 0
     try:

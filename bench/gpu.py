@@ -1,6 +1,6 @@
 """rayzero on CUDA against torch DDP, torch FSDP2 and DeepSpeed ZeRO 0–3, side by side in one run.
 
-    python bench/gpu.py --json bench/results/gpu.json        # ~4 min on one H100 / H200
+    python bench/gpu.py --json bench/results/gpu.json        # ~12 min on one H100 / H200 (2 rounds)
     python bench/gpu.py --device cpu --rounds 1 --quick      # the same code path on a CPU (a dry run)
 
 One NCCL process group over every GPU of the machine (world size = GPUs; one GPU is a group of
@@ -19,6 +19,9 @@ Sections (`--sections`), each job repeated in `--rounds` interleaved rounds:
   (`RAYZERO_OFFLOAD_OVERLAP_STEP=0`) at stages 1–2; rayzero stage 3 with optimizer state on NVMe
   (the machine's disk; DeepSpeed's NVMe path needs libaio, absent there). Both use torch's Adam on the
   host (`torch_adam`, `zero_force_ds_cpu_optimizer: false`); DeepSpeedCPUAdam would need a JIT build.
+- `transformers`: transformers' GPT2LMHeadModel at GPT-2 medium and XL, bf16, fused AdamW: rayzero
+  against FSDP2 and DeepSpeed at stage 3, DeepSpeed at stage 2 and at stage 3 with CPU offload, each
+  row in its own process, on DeepSpeed's default ZeRO knobs (bench/gpu_transformers.py says which).
 
 Comparisons: throughput ratio = reference median step time / rayzero's (> 1: rayzero faster), from
 the median over rounds of each round's median step; peak memory ratio rayzero / reference; the
@@ -40,8 +43,12 @@ from typing import Any
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # `bench` as a package
 
 from bench.engine import FORK_SERVER_PRELOAD, merge_rounds, run_job
+from bench.gpu_transformers import transformers_jobs
 
 STAGES = (0, 1, 2, 3)
+SECTIONS = ("engine", "offload", "transformers")
+MINIMUM_JOB_S = 20.0  # a job started with less left than this would only be cut off
+SKIPPED = "skipped"  # how a row that --budget-s left unrun begins its error
 PINNED_CPU = {"device": "cpu", "pin_memory": True}
 # DeepSpeed refuses a client optimizer under offload unless told; torch's Adam on the host for both.
 HOST_ADAM = {"zero_force_ds_cpu_optimizer": False}
@@ -97,27 +104,33 @@ def plan(args: argparse.Namespace, scratch: pathlib.Path) -> list[dict[str, Any]
     if "offload" in args.sections:
         (scratch / "nvme").mkdir()
         templates += offload_jobs(str(scratch / "nvme"))
+    if "transformers" in args.sections:
+        templates += transformers_jobs()
     jobs = []
     for round_index in range(args.rounds):
         for template in templates:
             offload = template["section"] == "offload"
-            jobs.append({**template, "systems": [v["label"] for v in template["variants"]],
-                         "name": f"{template['section']}-{template['precision']}",
+            steps = template.get("steps", 4 if offload else 10)
+            jobs.append({"name": f"{template['section']}-{template['precision']}", **template,
+                         "systems": [v["label"] for v in template["variants"]],
                          "world_size": world_size, "round": round_index, "device": args.device,
                          "quick": "quick" if args.quick else "gpu", "optimizer_impl": "fused",
-                         "warmup": 2 if offload else 3, "steps": (4 if offload else 10) if not args.quick else 3,
+                         "warmup": template.get("warmup", 2 if offload else 3), "steps": 3 if args.quick else steps,
                          "collective_timeout_s": 300})
     return jobs
 
 
 def merge(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per (system, model): bench/engine.py's merge (the median over rounds of each round's
-    median step), with the largest peak memory of the rounds."""
+    median step), with the largest peak memory of the rounds and the spread of the timed steps of
+    every round around the median ((max - min) / median: what one round already shows)."""
     merged = merge_rounds(rows)
     for row in merged:
-        peaks = [r.get("peak_gpu_memory_bytes") or 0 for r in rows
-                 if (r["system"], r["model"]) == (row["system"], row["model"]) and "error" not in r]
-        row["peak_gpu_memory_bytes"] = max(peaks, default=0) or None
+        good = [r for r in rows if (r["system"], r["model"]) == (row["system"], row["model"]) and "error" not in r]
+        row["peak_gpu_memory_bytes"] = max((r.get("peak_gpu_memory_bytes") or 0 for r in good), default=0) or None
+        steps = [t for r in good for t in r.get("step_times_s", [])]
+        if steps and row.get("step_time_median_s"):
+            row["step_time_step_spread"] = round((max(steps) - min(steps)) / row["step_time_median_s"], 4)
     return merged
 
 
@@ -161,18 +174,20 @@ def comparisons(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def table(rows: list[dict[str, Any]], pairs: list[dict[str, Any]]) -> str:
-    lines = [f"{'system':40} {'model':5} {'step ms':>9} {'spread':>7} {'peak GiB':>9}"]
+    lines = [f"{'system':40} {'model':11} {'step ms':>9} {'rounds':>7} {'steps':>7} {'peak GiB':>9}"
+             "   (spreads: (max - min) / median of the round medians, of every timed step)"]
     for row in rows:
         if row.get("step_time_median_s") is None:
-            lines.append(f"{row['system']:40} {row['model']:5} ERROR {str(row.get('error'))[:80]}")
+            lines.append(f"{row['system']:40} {row['model']:11} ERROR {str(row.get('error'))[:80]}")
             continue
         peak = row.get("peak_gpu_memory_bytes")
-        lines.append(f"{row['system']:40} {row['model']:5} {row['step_time_median_s'] * 1e3:9.2f} "
-                     f"{row['step_time_round_spread']:7.3f} {peak / 2**30 if peak else float('nan'):9.2f}")
+        lines.append(f"{row['system']:40} {row['model']:11} {row['step_time_median_s'] * 1e3:9.2f} "
+                     f"{row['step_time_round_spread']:7.3f} {row.get('step_time_step_spread', float('nan')):7.3f} "
+                     f"{peak / 2**30 if peak else float('nan'):9.2f}")
     lines.append("")
     for pair in pairs:
         memory = f"{pair['peak_memory_ratio']:.3f}" if pair.get("peak_memory_ratio") else "-"
-        lines.append(f"{pair['rayzero']:40} vs {pair['reference']:34} {pair['model']:5} "
+        lines.append(f"{pair['rayzero']:40} vs {pair['reference']:34} {pair['model']:11} "
                      f"throughput {pair['throughput_ratio']:.3f}x  memory "
                      f"{memory:>5}x  loss gap "
                      f"{pair.get('loss_max_relative_gap', float('nan')):.2e}")
@@ -199,12 +214,19 @@ def _machine(device: str) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    parser.add_argument("--sections", type=lambda s: s.split(","), default=["engine", "offload"])
+    parser.add_argument("--sections", type=lambda s: s.split(","), default=list(SECTIONS),
+                        help=f"comma-separated subset of {','.join(SECTIONS)}")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="bench/models.py's quick sizes (a dry run)")
     parser.add_argument("--job-timeout-s", type=float, default=600.0)
+    parser.add_argument("--budget-s", type=float, default=float("inf"),
+                        help="start no job after this many seconds (each job's deadline is cut to what is left); "
+                             "the jobs not run are error rows, and the table is still printed")
     parser.add_argument("--json", type=pathlib.Path)
     args = parser.parse_args(argv)
+    unknown = set(args.sections) - set(SECTIONS)
+    if unknown:
+        parser.error(f"--sections: unknown {sorted(unknown)}; choose from {','.join(SECTIONS)}")
     import multiprocessing
 
     multiprocessing.set_forkserver_preload(FORK_SERVER_PRELOAD)
@@ -213,19 +235,26 @@ def main(argv: list[str] | None = None) -> int:
     merged: list[dict[str, Any]] = []  # stays empty if the plan has no job
     with tempfile.TemporaryDirectory(prefix="rayzero-bench-gpu-") as scratch:
         for job in plan(args, pathlib.Path(scratch)):
-            job_rows = run_job(job, args.job_timeout_s, pathlib.Path(scratch))
+            left = args.budget_s - (time.monotonic() - began)
+            if left < MINIMUM_JOB_S:
+                job_rows = [{"system": system, "world_size": job["world_size"], "model": model, "round": job["round"],
+                             "error": f"{SKIPPED}: --budget-s {args.budget_s:.0f} spent"}
+                            for system in job["systems"] for model in job["models"]]
+            else:
+                job_rows = run_job(job, min(args.job_timeout_s, left), pathlib.Path(scratch))
             for row in job_rows:
-                row.update(section=job["section"], precision=job["precision"])
+                row.update(section=job["section"], precision=job["precision"], job=job["name"])
             rows += job_rows
             errors = sum("error" in row for row in job_rows)
-            print(f"[{time.monotonic() - began:6.1f} s] {job['section']} {job['precision']} round {job['round']}: "
+            print(f"[{time.monotonic() - began:6.1f} s] {job['name']} round {job['round']}: "
                   f"{len(job_rows)} rows, {errors} errors", flush=True)
             # Written after every job, so a run cut off by a lease's time limit keeps what it measured.
             merged = _write(args, rows, began)
     print(table(merged, comparisons(merged)))
     if args.json:
         print(f"wrote {args.json}")
-    failed = [row for row in merged if row["system"].startswith("rayzero") and row.get("step_time_median_s") is None]
+    failed = [row for row in merged if row["system"].startswith("rayzero") and row.get("step_time_median_s") is None
+              and not str(row.get("error")).startswith(SKIPPED)]
     return 1 if failed else 0
 
 
@@ -233,7 +262,8 @@ def _write(args: argparse.Namespace, rows: list[dict[str, Any]], began: float) -
     merged = merge(rows)
     document = {"results": merged, "comparisons": comparisons(merged), "rows": rows,
                 "meta": {"machine": _machine(args.device), "rounds": args.rounds, "sections": args.sections,
-                         "jobs_done": len({(row["section"], row["precision"], row["round"]) for row in rows}),
+                         "jobs_done": len({(row["job"], row["round"]) for row in rows
+                                           if not str(row.get("error")).startswith(SKIPPED)}),
                          "total_wall_s": round(time.monotonic() - began, 1), "fp32": "strict (TF32 off)",
                          "load_average_1_5_15_min_at_end": [round(x, 2) for x in os.getloadavg()]}}
     if args.json:
