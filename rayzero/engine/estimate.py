@@ -82,7 +82,9 @@ def _one(stage, opt_off, param_off, psi, largest, world, per_node, p, s, bucket)
     where["nvme" if opt_off == "nvme" else home] += state
     working = 0
     if stage == 2:
-        working = 2 * min(bucket, psi) * p
+        # the staging pair is two of the largest bucket, and a parameter larger than
+        # reduce_bucket_size is a bucket of its own (partition.plan_buckets)
+        working = 2 * min(max(bucket, largest), psi) * p
     elif stage == 3:
         working = 2 * largest * p + min(bucket, psi) * p
         if param_off == "nvme":  # host buffers holding a shard each: the largest layer's, at most

@@ -47,6 +47,22 @@ def test_rows_follow_the_layout_table() -> None:
     assert fp32[(1, "none")].device_bytes == 4 * psi + 4 * psi + 8 * psi // n  # master and grad alias
 
 
+def test_stage2_staging_holds_a_parameter_larger_than_the_bucket() -> None:
+    """Stage 2 stages gradients in two buffers of its largest bucket, and partition.plan_buckets gives
+    a parameter larger than reduce_bucket_size a bucket of its own: with a small bucket the staging
+    pair is two of the largest layer (once wrongly two of the bucket)."""
+    from rayzero.engine.partition import plan_buckets
+
+    psi, largest, bucket = 10_000_000, 2_000_000, 500_000
+    layout = plan_buckets([largest] + [bucket // 2] * 32, bucket, 1)
+    assert max(b.padded_numel for b in layout.buckets) == largest
+    rows = {(r.stage, r.offload_optimizer): r for r in estimate(psi, largest, precision="bf16",
+                                                                reduce_bucket_size=bucket)}
+    assert rows[(2, "none")].working_bytes == 2 * largest * 2
+    rows = {(r.stage, r.offload_optimizer): r for r in estimate(psi, largest, precision="bf16")}
+    assert rows[(2, "none")].working_bytes == 2 * psi * 2  # DeepSpeed's 5e8 bucket: the whole model
+
+
 def test_cli_table_json_and_fits(capsys) -> None:
     assert main(["--params", "7e9", "--gpus-per-node", "8", "--device-memory", "16", "--host-memory", "512",
                  "--json"]) == 0
