@@ -37,6 +37,8 @@ def test_rounds_merge_into_a_median_with_its_spread_and_an_estimate() -> None:
     assert predicted == 18 * PSI + 2 * (PSI // 10) * 2 + PSI * 2
     assert ours["estimate_error"] == pytest.approx(predicted / (17.5 * PSI) - 1, abs=1e-4)
     assert "estimate_error" not in merged["fsdp2-bf16"]
+    # DeepSpeed's own estimator for stage 3: the largest layer in fp32 + 18 bytes per parameter per rank
+    assert merged["deepspeed-stage3-bf16"]["estimate_bytes_per_param"] == pytest.approx(18 + 4 * 0.1)
     assert merged["rayzero-stage2-bf16"]["errors"] == ["RuntimeError: boom"]
 
 
