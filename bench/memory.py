@@ -96,7 +96,7 @@ def run_row(job: dict[str, Any], deadline_s: float, scratch: pathlib.Path) -> di
 
 
 def predicted_bytes(system: str, world_size: int, parameters: int, largest_layer: int,
-                    zero: dict[str, Any]) -> int | None:
+                    extra: dict[str, Any]) -> int | None:
     """`rayzero estimate`'s device bytes + working bytes per rank for a rayzero row (no offload); for a
     DeepSpeed row, DeepSpeed's own estimate (`estimate_zero2/3_model_states_mem_needs`, which
     `rayzero estimate` reports beside its own); None for FSDP2."""
@@ -105,7 +105,8 @@ def predicted_bytes(system: str, world_size: int, parameters: int, largest_layer
     family, stage, precision = parse_system(system)
     if family == "fsdp2":
         return None
-    bucket = zero.get("reduce_bucket_size", 500_000_000)  # DeepSpeed's default, the bench's config's
+    # DeepSpeed's default, the bench's config's, unless --set changed it
+    bucket = extra.get("zero_optimization", {}).get("reduce_bucket_size", 500_000_000)
     rows = estimate(parameters, largest_layer, gpus_per_node=world_size, precision=precision,
                     reduce_bucket_size=int(bucket))
     row = next(r for r in rows if (r.stage, r.offload_optimizer, r.offload_param) == (stage, "none", "none"))
@@ -117,7 +118,7 @@ def _spread(values: list[float]) -> dict[str, float]:
 
 
 def merge(rows: list[dict[str, Any]], parameters: int, largest_layer: int,
-          zero: dict[str, Any]) -> list[dict[str, Any]]:
+          extra: dict[str, Any]) -> list[dict[str, Any]]:
     """One row per (system, world size): the median over rounds of bytes/param, with the spread."""
     grouped: dict[tuple[str, int], list[dict[str, Any]]] = {}
     for row in rows:
@@ -145,7 +146,7 @@ def merge(rows: list[dict[str, Any]], parameters: int, largest_layer: int,
         out["where"] = _where(out, last)
         out["file_backed_growth_bytes"] = max(row["file_backed_growth_bytes"] for row in good)
         out["losses"] = [round(x, 6) for x in last["losses"]]
-        predicted = predicted_bytes(system, world_size, parameters, largest_layer, zero)
+        predicted = predicted_bytes(system, world_size, parameters, largest_layer, extra)
         if predicted is not None:
             measured = statistics.median(row["peak_growth_bytes"] for row in good)
             out["estimate_bytes_per_param"] = round(predicted / parameters, 3)
@@ -236,19 +237,28 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--length", type=int, default=16,
                         help="tokens per sequence (few: bf16 matmuls are slow on CPUs without AVX-512, and "
                              "activations are not what this measures)")
-    parser.add_argument("--zero", action="append", default=[], metavar="KEY=VALUE",
-                        help="a zero_optimization key for rayzero and DeepSpeed alike (JSON value), e.g. "
-                             "reduce_bucket_size=500000; repeatable")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="config",
+                        help="a config key for rayzero and DeepSpeed alike, dotted, its value JSON: "
+                             "zero_optimization.reduce_bucket_size=500000, communication_data_type='\"fp32\"'; "
+                             "repeatable")
     parser.add_argument("--row-timeout-s", type=float, default=1800.0)
     parser.add_argument("--json", type=pathlib.Path, help="write the JSON here too")
     parser.add_argument("--rederive", type=pathlib.Path, metavar="JSON",
                         help="measure nothing: recompute `results` and `comparisons` of a run's JSON from its raw "
                              "`rows` (after a change to how rows are merged), in place")
     args = parser.parse_args(argv)
-    try:
-        args.zero = {key: json.loads(value) for key, _, value in (item.partition("=") for item in args.zero)}
-    except json.JSONDecodeError as error:
-        parser.error(f"--zero: each value must be JSON (a number, true/false, a quoted string): {error}")
+    overrides: dict[str, Any] = {}
+    for item in args.config:
+        key, _, value = item.partition("=")
+        *parents, leaf = key.split(".")
+        place = overrides
+        for parent in parents:
+            place = place.setdefault(parent, {})
+        try:
+            place[leaf] = json.loads(value)
+        except json.JSONDecodeError as error:
+            parser.error(f"--set {item}: the value must be JSON (a number, true/false, a quoted string): {error}")
+    args.config = overrides
     unknown = set(args.systems) - set(SYSTEMS)
     if unknown:
         parser.error(f"--systems: unknown {sorted(unknown)}; choose from {','.join(SYSTEMS)}")
@@ -271,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
             for world_size in args.world_sizes:
                 for system in args.systems:
                     job = {"system": system, "world_size": world_size, "round": round_index, "model": args.model,
-                           "steps": args.steps, "batch": args.batch, "length": args.length, "zero": args.zero,
+                           "steps": args.steps, "batch": args.batch, "length": args.length, "config": args.config,
                            "collective_timeout_s": int(args.row_timeout_s)}
                     row = run_row(job, args.row_timeout_s, pathlib.Path(scratch))
                     rows.append(row)
@@ -288,12 +298,12 @@ def main(argv: list[str] | None = None) -> int:
 def _document(args: argparse.Namespace, rows: list[dict[str, Any]], parameters: int, largest_layer: int,
               began: float) -> dict[str, Any]:
     """The JSON result of the rows so far, written to `--json` when given."""
-    merged = merge(rows, parameters, largest_layer, args.zero)
+    merged = merge(rows, parameters, largest_layer, args.config)
     result = {
         "command": "python bench/memory.py " + " ".join(sys.argv[1:]),
         "results": merged, "comparisons": comparisons(merged, rows, parameters), "rows": rows,
         "meta": {"started": args.started_utc, "model": args.model, "trainable_parameters": parameters, "largest_layer": largest_layer,
-                 "zero_optimization_extra": args.zero, "steps": args.steps, "batch_per_rank": args.batch,
+                 "config_extra": args.config, "steps": args.steps, "batch_per_rank": args.batch,
                  "tokens_per_sequence": args.length, "rounds": args.rounds, "world_sizes": args.world_sizes,
                  "threads_per_rank": 1, "backend": "gloo",
                  "malloc": f"glibc mmap threshold fixed at {MMAP_THRESHOLD} bytes (mallopt) in every rank",
@@ -311,7 +321,8 @@ def rederive(path: pathlib.Path) -> int:
     result = json.loads(path.read_text())
     meta, rows = result["meta"], result["rows"]
     parameters, largest_layer = meta["trainable_parameters"], meta["largest_layer"]
-    result["results"] = merge(rows, parameters, largest_layer, meta.get("zero_optimization_extra", {}))
+    extra = meta.get("config_extra", {"zero_optimization": meta.get("zero_optimization_extra", {})})
+    result["results"] = merge(rows, parameters, largest_layer, extra)
     result["comparisons"] = comparisons(result["results"], rows, parameters)
     path.write_text(json.dumps(result, indent=1) + "\n")
     print(table(result["results"], result["comparisons"]))

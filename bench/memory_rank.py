@@ -104,24 +104,24 @@ def _engine_step(engine) -> Step:
     return step
 
 
-def _config(stage: int, precision: str, micro_batch: int, zero: dict[str, Any]) -> dict[str, Any]:
+def _config(stage: int, precision: str, micro_batch: int, extra: dict[str, Any]) -> dict[str, Any]:
     """bench/engine_systems.py's DeepSpeed config (less its optimizer: the client AdamW is used),
-    bf16 on for bf16 rows, `zero` on top of its zero_optimization."""
-    extra: dict[str, Any] = {"zero_optimization": zero}
+    bf16 on for bf16 rows, `extra` (bench/memory.py --set) on top: its zero_optimization key by key."""
+    extra = {"zero_optimization": {}, **extra}
     if precision == "bf16":
-        extra["bf16"] = {"enabled": True}
+        extra = {"bf16": {"enabled": True}, **extra}
     return engine_config(stage, micro_batch, extra)
 
 
-def _rayzero(model, stage: int, precision: str, micro_batch: int, zero: dict[str, Any]) -> Step:
+def _rayzero(model, stage: int, precision: str, micro_batch: int, extra: dict[str, Any]) -> Step:
     import rayzero
 
     engine, _, _, _ = rayzero.initialize(model=model, optimizer=adamw(model.parameters()),
-                                         config=_config(stage, precision, micro_batch, zero))
+                                         config=_config(stage, precision, micro_batch, extra))
     return _engine_step(engine)
 
 
-def _deepspeed(model, stage: int, precision: str, micro_batch: int, zero: dict[str, Any]) -> Step:
+def _deepspeed(model, stage: int, precision: str, micro_batch: int, extra: dict[str, Any]) -> Step:
     import deepspeed
     import deepspeed.ops
 
@@ -129,11 +129,11 @@ def _deepspeed(model, stage: int, precision: str, micro_batch: int, zero: dict[s
     # unavailable skips DeepSpeed's compile probes (no collective changes).
     deepspeed.ops.__dict__.setdefault("__compatible_ops__", collections.defaultdict(bool))
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=adamw(model.parameters()),
-                                           config=_config(stage, precision, micro_batch, zero))
+                                           config=_config(stage, precision, micro_batch, extra))
     return _engine_step(engine)
 
 
-def _fsdp2(model, stage: int, precision: str, micro_batch: int, zero: dict[str, Any]) -> Step:
+def _fsdp2(model, stage: int, precision: str, micro_batch: int, extra: dict[str, Any]) -> Step:
     """fully_shard per transformer block, then the root (embeddings and the tied head); bf16:
     bf16 parameters in compute, fp32 gradient reduction (FSDP2's usual mixed precision)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -226,7 +226,7 @@ def measure(job: dict[str, Any], rank: int) -> dict[str, Any]:
     out: dict[str, Any] = {"baseline_rss_bytes": base_kib * 1024, "phases": {}}
     model = build_model(job["model"])
     out["phases"]["build"] = grown()
-    step = BUILDERS[family](model, stage, precision, job["batch"], job["zero"])
+    step = BUILDERS[family](model, stage, precision, job["batch"], job["config"])
     out["phases"]["setup"] = grown()
     losses = []
     for index in range(job["steps"]):
