@@ -320,9 +320,10 @@ def _document(args: argparse.Namespace, rows: list[dict[str, Any]], parameters: 
 def rederive(path: pathlib.Path) -> int:
     result = json.loads(path.read_text())
     meta, rows = result["meta"], result["rows"]
+    if "zero_optimization_extra" in meta:  # a run from before --set: its --zero keys
+        meta["config_extra"] = {"zero_optimization": meta.pop("zero_optimization_extra")}
     parameters, largest_layer = meta["trainable_parameters"], meta["largest_layer"]
-    extra = meta.get("config_extra", {"zero_optimization": meta.get("zero_optimization_extra", {})})
-    result["results"] = merge(rows, parameters, largest_layer, extra)
+    result["results"] = merge(rows, parameters, largest_layer, meta.get("config_extra", {}))
     result["comparisons"] = comparisons(result["results"], rows, parameters)
     path.write_text(json.dumps(result, indent=1) + "\n")
     print(table(result["results"], result["comparisons"]))
