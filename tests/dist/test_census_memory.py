@@ -162,16 +162,16 @@ def measured() -> dict:
 
 
 # What each case missing the formula holds beyond it (bytes per parameter, the census's kind/dtype
-# columns, measured 2026-11-28): (stage, precision) -> why, at both world sizes.
+# columns, measured 2026-11-28 after main's stage-3 [Note: shards are the masters]): (stage,
+# precision) -> why, at both world sizes. Stage 3 bf16 meets the formula since that note (its bf16
+# shard was a second copy beside the fp32 master, +2/N: 18.0 against 16 on 1 rank, 9.0 against 8 on 2).
 FAILS_TODAY = {
-    (0, "bf16"): "a full fp32 gradient (the master gradient) beside the bf16 gradient buffer: 20.0 against 16 "
-                 "on 1 and 2 ranks",
+    (0, "bf16"): "a full fp32 gradient (the master gradient, 'other/float32' 8 = it and the fp32 master) beside "
+                 "the bf16 gradient buffer: 20.0 against 16 on 1 and 2 ranks",
     (1, "bf16"): "an fp32 gradient shard beside the full bf16 gradient buffer, +4/N: 20.0 against 16 (1 rank), "
                  "12.0 against 10 (2 ranks)",
-    (2, "bf16"): "an fp32 gradient shard (4/N) where the formula has a bf16 one (2/N), +2/N, and the bf16 staging "
-                 "pair (+0.12): 18.1 against 16 (1 rank), 10.1 against 9 (2 ranks)",
-    (3, "bf16"): "a persistent bf16 copy of the parameter shard beside its fp32 master, +2/N: 18.0 against 16 "
-                 "(1 rank), 9.0 against 8 (2 ranks)",
+    (2, "bf16"): "an fp32 gradient shard (4/N) where the formula has a bf16 one (2/N), +2/N (the staging pair, "
+                 "+0.12 as uint8, is within the allowance): 18.1 against 16 (1 rank), 10.1 against 9 (2 ranks)",
 }
 
 
