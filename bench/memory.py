@@ -108,7 +108,7 @@ def predicted_bytes(system: str, world_size: int, parameters: int, largest_layer
     # DeepSpeed's default, the bench's config's, unless --set changed it
     bucket = extra.get("zero_optimization", {}).get("reduce_bucket_size", 500_000_000)
     rows = estimate(parameters, largest_layer, gpus_per_node=world_size, precision=precision,
-                    reduce_bucket_size=int(bucket))
+                    reduce_bucket_size=int(bucket), communication_data_type=extra.get("communication_data_type"))
     row = next(r for r in rows if (r.stage, r.offload_optimizer, r.offload_param) == (stage, "none", "none"))
     return row.deepspeed_device_bytes if family == "deepspeed" else row.device_bytes + row.working_bytes
 
