@@ -63,9 +63,34 @@ def recovery_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def memory_table(result: dict[str, Any]) -> str:
+    meta = result["meta"]
+    versus = {(c["system"], c["world_size"]): c for c in result["comparisons"] if "reference" in c}
+    heading = (f"`{result['command']}`, started {meta['started']}: {meta['model']} "
+               f"({meta['trainable_parameters'] / 1e6:.1f}M parameters), {meta['steps']} steps of "
+               f"{meta['batch_per_rank']} x {meta['tokens_per_sequence']} tokens per rank, {meta['rounds']} round(s); "
+               f"{meta['machine']}.")
+    columns = ("| system | ranks | peak growth, B/param: median (min-max) | tensors alive, B/param | peak / FSDP2's "
+               "| loss gap to FSDP2 | estimate's error |")
+    lines = [heading, "", columns, "|---|---|---|---|---|---|---|"]
+    for row in sorted(result["results"], key=lambda r: (r["world_size"], r["system"])):
+        if "peak_bytes_per_param" not in row:
+            lines.append(f"| {row['system']} | {row['world_size']} | failed: {row.get('errors', ['?'])[0][:60]} "
+                         "| | | | |")
+            continue
+        compared = versus.get((row["system"], row["world_size"]), {})
+        ratio, gap, error = compared.get("peak_ratio"), compared.get("loss_max_abs_gap"), row.get("estimate_error")
+        lines.append(f"| {row['system']} | {row['world_size']} | {_spread(row['peak_bytes_per_param'], '', 2)} | "
+                     f"{row['census_resident_bytes_per_param']['total']:.2f} | "
+                     f"{'-' if ratio is None else _spread(ratio, '', 3)} | {'-' if gap is None else f'{gap:.1e}'} | "
+                     f"{'-' if error is None else f'{error:+.1%}'} |")
+    return "\n".join(lines)
+
+
 # table name -> (the document it sits in, its JSON, the renderer)
 TABLES: dict[str, tuple[str, str, Callable[[dict[str, Any]], str]]] = {
     "recovery": ("docs/controller.md", "bench/results/recovery.json", recovery_table),
+    "memory": ("bench/README.md", "bench/results/memory.json", memory_table),
 }
 
 

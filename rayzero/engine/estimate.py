@@ -54,21 +54,24 @@ class Estimate:
 
 
 def estimate(params: int, largest_layer: int, gpus_per_node: int = 1, nodes: int = 1, precision: str = "bf16",
-             optimizer_state_bytes: int = 8, reduce_bucket_size: int = 500_000_000) -> list[Estimate]:
-    """Every stage × offload option for a model of `params` trainable elements."""
+             optimizer_state_bytes: int = 8, reduce_bucket_size: int = 500_000_000,
+             communication_data_type: str | None = None) -> list[Estimate]:
+    """Every stage × offload option for a model of `params` trainable elements. Gradients are
+    reduced in `communication_data_type` (the config key; default: the compute dtype)."""
     world = gpus_per_node * nodes
     p = 4 if precision == "fp32" else 2
+    r = p if communication_data_type is None else 4 if communication_data_type == "fp32" else 2
     out = []
     for stage in range(4):
         for opt_off, param_off in OPTIONS:
             if param_off != "none" and stage != 3 or opt_off != "none" and stage == 0:
                 continue
             out.append(_one(stage, opt_off, param_off, params, largest_layer, world, gpus_per_node, p,
-                            optimizer_state_bytes, reduce_bucket_size))
+                            optimizer_state_bytes, reduce_bucket_size, r))
     return out
 
 
-def _one(stage, opt_off, param_off, psi, largest, world, per_node, p, s, bucket) -> Estimate:
+def _one(stage, opt_off, param_off, psi, largest, world, per_node, p, s, bucket, r) -> Estimate:
     shard = 1 if stage == 0 else world
     aliased = opt_off == "none" and param_off == "none" and (p == 4 or stage == 3)
     shard_p = 4 if aliased and stage == 3 else p  # [Note: shards are the masters]
@@ -85,9 +88,14 @@ def _one(stage, opt_off, param_off, psi, largest, world, per_node, p, s, bucket)
     where["nvme" if opt_off == "nvme" else home] += state
     working = 0
     if stage == 2:
-        working = 2 * min(bucket, psi) * p
+        # the staging pair is two of the largest bucket, and a parameter larger than
+        # reduce_bucket_size is a bucket of its own (partition.plan_buckets)
+        working = 2 * min(max(bucket, largest), psi) * p
     elif stage == 3:
-        working = 2 * largest * p + min(bucket, psi) * p
+        # the largest layer gathered and its full gradient (compute dtype); that gradient copied into
+        # a send buffer when reduced in another dtype ([Note: gradients copied on arrival]); the
+        # bucket before it still in flight
+        working = 2 * largest * p + (largest * r if r != p else 0) + min(bucket, psi) * r
         if param_off == "nvme":  # host buffers holding a shard each: the largest layer's, at most
             working += PARAM_STAGING_BUFFERS * -(-largest // world) * p
     ds_device, ds_host = _deepspeed(stage, opt_off != "none", param_off != "none", psi, largest, per_node,
@@ -144,6 +152,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--gpus-per-node", type=int, default=1)
     parser.add_argument("--nodes", type=int, default=1)
     parser.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16")
+    parser.add_argument("--communication-data-type", choices=("bf16", "fp16", "fp32"), default=None,
+                        help="the config's communication_data_type: the dtype gradients are reduced in "
+                             "(default: the precision's)")
     parser.add_argument("--optimizer", choices=("adam", "sgd"), default="adam",
                         help="adam keeps 8 bytes of state per element, sgd with momentum 4")
     parser.add_argument("--device-memory", type=float, default=None,
@@ -166,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"rayzero estimate: {flag} must be positive (got {value})", file=sys.stderr)
             return 2
     rows = estimate(params, largest, args.gpus_per_node, args.nodes, args.precision,
-                    8 if args.optimizer == "adam" else 4)
+                    8 if args.optimizer == "adam" else 4, communication_data_type=args.communication_data_type)
     device_from, host_from = "--device-memory", "--host-memory"
     if args.device_memory is None:
         args.device_memory, device_from = _local_device_gib(), "this machine's GPU 0"
