@@ -29,33 +29,35 @@ def group_sizes(config: RayZeroConfig) -> dict[str, int]:
     return out
 
 
-def world_multiple(config: RayZeroConfig) -> int:
-    """Every world size the run takes must be a multiple of this (1: any)."""
-    multiple = 1
-    for size in group_sizes(config).values():
-        multiple = multiple * size // _gcd(multiple, size)
-    return multiple
+def effective_size(key: str, size: int, world_size: int) -> int:
+    """The group size a world of `world_size` ranks gets: DeepSpeed builds hpZ's groups of
+    min(zero_hpz_partition_size, world) ranks (utils/groups.py `_create_zero_param_parallel_group`), so
+    a stock config's `zero_hpz_partition_size: 8` runs on fewer ranks with the whole world as its
+    group; MiCS's shard size is taken as written."""
+    return min(size, world_size) if key == "zero_hpz_partition_size" else size
 
 
-def raw_world_multiple(raw: Mapping[str, Any] | None) -> tuple[int, str]:
-    """`world_multiple` of a DeepSpeed config dict as the user wrote it (the controller's elastic plan
-    reads the raw config), and the keys behind it ('' when 1)."""
+def world_refusal(groups: Mapping[str, int], world_size: int) -> str:
+    """'' when `world_size` ranks split into every group of `groups` ({key: size}); else why not."""
+    for key, size in groups.items():
+        effective = effective_size(key, size, world_size)
+        if world_size % effective:
+            return f"zero_optimization.{key}={size} groups {effective} consecutive ranks, which {world_size} cannot split into"
+    return ""
+
+
+def raw_layout_groups(raw: Mapping[str, Any] | None) -> dict[str, int]:
+    """`group_sizes` of a DeepSpeed config dict as the user wrote it (the controller's elastic plan
+    reads the raw config)."""
     zero = (raw or {}).get("zero_optimization") or {}
     if not isinstance(zero, Mapping) or zero.get("stage") != 3:
-        return 1, ""
-    multiple, keys = 1, []
+        return {}
+    out = {}
     for key, low in (("mics_shard_size", 0), ("zero_hpz_partition_size", 1)):
         value = zero.get(key)
         if isinstance(value, int) and not isinstance(value, bool) and value > low:
-            multiple = multiple * value // _gcd(multiple, value)
-            keys.append(f"zero_optimization.{key}={value}")
-    return multiple, " and ".join(keys)
-
-
-def _gcd(a: int, b: int) -> int:
-    while b:
-        a, b = b, a % b
-    return a
+            out[key] = value
+    return out
 
 
 def check_layouts(config: RayZeroConfig, world_size: int | None, notes: list[str], problems: list[Problem]) -> None:
@@ -86,8 +88,13 @@ def check_layouts(config: RayZeroConfig, world_size: int | None, notes: list[str
                      f"{_ZERO}.zero_quantized_gradients: gradient buckets travel as int4 blocks with fp32 scales")
     if world_size is None:
         return
+    hpz = sizes.get("zero_hpz_partition_size", 0)
+    if hpz > world_size:
+        notes.append(f"`{_ZERO}.zero_hpz_partition_size` = {hpz} is more than the {world_size} ranks: the hpZ group is "
+                     f"the whole world, as in DeepSpeed (min of the two), so no secondary partition is kept and "
+                     "hpZ changes nothing at this size")
     for key, size in sizes.items():
-        if world_size % size:
+        if world_size % effective_size(key, size, world_size):
             problems.append(Problem(
                 f"{_ZERO}.{key}", size, f"does not divide the world size {world_size} (groups of {size} "
                 f"consecutive ranks must cover every rank)",

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rayzero.config.errors import RayZeroValueError
-from rayzero.config.layouts import raw_world_multiple
+from rayzero.config.layouts import raw_layout_groups, world_refusal
 
 # DeepSpeed's elasticity/elasticity.py HCN_LIST: highly composite numbers.
 _HCN = [1, 2, 4, 6, 12, 24, 36, 48, 60, 120, 180, 240, 360, 720, 840, 1260, 1680, 2520, 5040, 7560, 10080,
@@ -134,11 +134,12 @@ def plan_batches(config: dict[str, Any] | None, min_workers: int, max_workers: i
     """The batch plan of a run whose DeepSpeed config is `config` ([Note: elastic batch]); a world
     size the stage-3 layout's groups do not divide is skipped too ([Note: stage-3 layouts])."""
     plan = _plan_batches(config, min_workers, max_workers)
-    multiple, keys = raw_world_multiple(config)
+    groups = raw_layout_groups(config)
     for size in range(min_workers, max_workers + 1):
-        if size % multiple and size not in plan.skipped:
+        refusal = world_refusal(groups, size) if groups else ""
+        if refusal and size not in plan.skipped:
             plan.splits.pop(size, None)
-            plan.skipped[size] = f"{keys} groups {multiple} consecutive ranks, which {size} workers cannot split into"
+            plan.skipped[size] = refusal.replace(f"which {size} cannot", f"which {size} workers cannot")
     return plan
 
 

@@ -50,9 +50,23 @@ def test_config_refuses_what_cannot_run_before_any_worker_starts():
     assert any("only applies to ZeRO stage 3" in note for note in ignored.notes)
 
 
+def test_a_stock_hpz_size_larger_than_the_world_runs_as_deepspeeds_does():
+    # a fine-tuning framework's stock zero3.json sets zero_hpz_partition_size 8; DeepSpeed 0.19.8 builds
+    # groups of min(8, world) ranks, so it runs on 2 or 4 GPUs (with no secondary partition)
+    config = load_config(_config(zero_hpz_partition_size=8), world_size=4)
+    assert any("zero_hpz_partition_size` = 8 is more than the 4 ranks" in note for note in config.notes), config.notes
+    assert LayoutChoice(hpz_size=8).problems(TWO_BY_TWO) == []
+    with pytest.raises(ConfigError, match="zero_hpz_partition_size.*does not divide the world size 12"):
+        load_config(_config(zero_hpz_partition_size=8), world_size=12)
+
+
 def test_an_elastic_run_skips_world_sizes_its_groups_cannot_split():
     plan = plan_batches(_config(zero_hpz_partition_size=2), 1, 4)
-    assert plan.valid_sizes() == [2, 4]
-    assert "zero_hpz_partition_size=2" in plan.skipped[1]
+    assert plan.valid_sizes() == [1, 2, 4]  # one rank: the hpZ group is the world (DeepSpeed's min(K, world))
+    assert 3 in plan.skipped  # the batch 4 does not split over 3 workers either
+    unbatched_hpz = plan_batches({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2}}, 1, 4)
+    assert unbatched_hpz.valid_sizes() == [1, 2, 4] and "zero_hpz_partition_size=2" in unbatched_hpz.skipped[3]
+    stock = plan_batches({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 8}}, 1, 16)
+    assert stock.valid_sizes() == [1, 2, 3, 4, 5, 6, 7, 8, 16] and "groups 8 consecutive ranks" in stock.skipped[12]
     unbatched = plan_batches({"zero_optimization": {"stage": 3, "mics_shard_size": 2}}, 1, 6)
     assert unbatched.valid_sizes() == [2, 4, 6] and "mics_shard_size=2" in unbatched.skipped[5]

@@ -35,6 +35,7 @@ from typing import Any
 import torch.distributed as dist
 
 from rayzero.config.errors import RayZeroValueError
+from rayzero.config.layouts import effective_size
 from rayzero.engine.comm import Communicator
 from rayzero.engine.stage3.gather_routes import Direct, GatherRoute, Hierarchical, Quantized
 from rayzero.engine.topology import Topology
@@ -88,21 +89,22 @@ class LayoutChoice:
             key = "zero_quantized_gradients" if self.quantize_gradients else "mics_hierarchical_params_gather"
             out.append(f"zero_optimization.{key} needs the same number of ranks on every node, and this run has "
                        f"{topology.describe()}: run as many workers on each node, or turn {key} off")
-        for key, size in (("mics_shard_size", self.mics_shard_size), ("zero_hpz_partition_size", self.hpz_size)):
+        for key, asked in (("mics_shard_size", self.mics_shard_size), ("zero_hpz_partition_size", self.hpz_size)):
+            size = effective_size(key, asked, world)  # hpZ: min(K, world), as DeepSpeed's groups
             if size <= 1:
                 continue
             if world % size:
-                out.append(f"zero_optimization.{key}={size} does not divide the world size {world}: use a "
+                out.append(f"zero_optimization.{key}={asked} does not divide the world size {world}: use a "
                            f"divisor of {world} (the ranks per node, {topology.node_sizes()[0]}, usually), or "
                            f"run a multiple of {size} workers")
             elif not topology.contiguous():
-                out.append(f"zero_optimization.{key}={size} needs each node's ranks to be consecutive, and "
+                out.append(f"zero_optimization.{key}={asked} needs each node's ranks to be consecutive, and "
                            f"they are not (node of each rank: {list(topology.node_of)}): start the ranks "
                            "node by node (rayzero's workers and torchrun do)")
             else:
                 split = topology.groups_fit_nodes(size)
                 if split:
-                    out.append(f"zero_optimization.{key}={size} splits a node: {split}; use a divisor of the "
+                    out.append(f"zero_optimization.{key}={asked} splits a node: {split}; use a divisor of the "
                                f"ranks per node or a multiple of it that divides the world size {world}")
         return out
 
