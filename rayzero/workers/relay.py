@@ -1,4 +1,5 @@
-"""One relay per node: its ranks' heartbeats and reports gathered there, one call to the controller.
+"""One relay per node (or per group of small nodes): its ranks' heartbeats and reports gathered
+there, one call to the controller.
 
 [Note: node relays]
 The controller hears from every rank once per heartbeat round: the rank's `Heartbeat` (hangs,
@@ -8,8 +9,9 @@ Ray's submission path alone (bench/scale.py: profiled, most of it `submit_actor_
 call per rank per round for heartbeats and another per rank for reports, the controller spent about
 two cores on calls at 4,096 ranks. A `NodeRelay` actor on each node instead asks its node's ranks
 (`TrainWorker.collect`: the heartbeat and the queued reports in one answer) and hands the controller
-the whole node in one `NodeRound`: one call per node per round (a 512th of the ranks' calls at 8
-ranks a node) and the node's calls stay on the node.
+the whole node in one `NodeRound`: one call per node per round (a 16th of the two calls per rank at 8
+ranks a node) and the node's calls stay on the node. Nodes of fewer ranks share a relay, so each
+gathers at least 8 ([Note: relays for small nodes] in rayzero/controller/relay_rounds.py).
 
 What the protocol keeps:
 - Order: the controller has at most one `collect` outstanding per relay, a relay at most one call
@@ -19,7 +21,7 @@ What the protocol keeps:
   and it is simply absent from the round's heartbeats, which is what hang detection counts.
 - Death: the controller still holds every rank's `run()` call and learns of a death from it at once;
   a relay reports a rank whose call failed too, and the relay's own death (its node is gone) fails
-  the controller's call.
+  the controller's call; the controller then asks that relay's ranks itself.
 - The last reports: `fresh` makes the relay ask again every rank whose answer came from a call made
   before this collect, so after a rank's loop returned, one fresh collect holds everything it reported.
 Requests for the step boundary go out through the relays too (one call per node); stacks for a hang
