@@ -57,6 +57,7 @@ from rayzero.driver.metrics_store import (
     read_attempts,
     rows_to_table,
 )
+from rayzero.workers.heap import release_free_heap
 from rayzero.workers.session import Report
 
 METRICS_FILE = METRICS_DIR  # the name users and older code know
@@ -255,6 +256,7 @@ class MetricsLog:
                     attempts = []
                 if self._tables:
                     self._write()
+                    release_free_heap()  # [Note: the allocator's free pages]
                 pause = 0.0
                 if self._trouble is not None:
                     self._emit(f"[rayzero] metrics: writing to {self.uri} works again")

@@ -29,12 +29,14 @@ report are asked of every rank directly (once per hang, and they must reach a ra
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import ray
 
 from rayzero.workers.boundary import Heartbeat
+from rayzero.workers.heap import TRIM_INTERVAL_S, release_free_heap
 from rayzero.workers.session import Report
 
 RELAY_WAIT_S = 0.25
@@ -82,6 +84,7 @@ class NodeRelay:
         self._node_id = node_id
         self._workers = dict(workers)  # rank -> TrainWorker handle; a dead rank is dropped
         self._calls: dict[int, Any] = {}  # rank -> its outstanding collect() call
+        self._trimmed_at = time.monotonic()  # when its free heap pages last went back to the system
 
     def ready(self) -> str:
         """Answers once the relay runs (the group waits for it with the workers' setup)."""
@@ -92,6 +95,9 @@ class NodeRelay:
         answer came from a call made before this collect are asked once more. `grace_s`: how long a
         rank whose loop has not ended and has nothing queued waits for a report (`TrainWorker.collect`)."""
         out = NodeRound(self._node_id)
+        if time.monotonic() - self._trimmed_at >= TRIM_INTERVAL_S:  # [Note: the allocator's free pages]
+            release_free_heap()
+            self._trimmed_at = time.monotonic()
         asked_now = self._ask(set(self._workers), grace_s)
         answered = self._take(wait_s, out)
         if fresh:
