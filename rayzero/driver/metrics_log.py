@@ -108,7 +108,6 @@ class MetricsLog:
         self._cond = threading.Condition()
         self._flush_now = False
         self._closing = False
-        self._writer: threading.Thread | None = None
         self._writing = False  # a batch is being written (flush() waits for it)
         self.rows_written = 0
         self.parts_written = 0
@@ -117,6 +116,9 @@ class MetricsLog:
         # per written batch, the newest 10,000: rows written before it, its rows, seconds (bench/longrun.py)
         self.flush_log: deque[dict[str, float]] = deque(maxlen=10_000)
         self._trouble: str | None = None  # the sink's current error, said once per streak
+        # started at once: its first conversion's imports are done before the first reports come
+        self._writer = threading.Thread(target=self._write_loop, name="rayzero-metrics", daemon=True)
+        self._writer.start()
 
     # ---- the driver's side: O(1) per report -------------------------------------------------
     def add(self, item: Report) -> None:
@@ -129,18 +131,10 @@ class MetricsLog:
             self._pending.append(row)
             if len(self._pending) >= CHUNK_ROWS or self._queued() >= self._rows_per_part:
                 self._cond.notify()
-        if self._writer is None:
-            with self._cond:
-                self._start_writer()
 
     def _queued(self) -> int:
         """Rows not yet written (the caller holds the lock)."""
         return len(self._pending) + self._converting + self._table_rows
-
-    def _start_writer(self) -> None:
-        if self._writer is None:
-            self._writer = threading.Thread(target=self._write_loop, name="rayzero-metrics", daemon=True)
-            self._writer.start()
 
     def add_attempt(self, start: AttemptStart) -> None:
         """Record an attempt's start (written with the next batch: [Note: attempts on record])."""
@@ -176,8 +170,6 @@ class MetricsLog:
         """Write every queued row now; True when all were written within `timeout_s`."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
-            if self._writer is None:
-                self._start_writer()
             self._flush_now = True
             self._cond.notify()
             while self._unwritten() and time.monotonic() < deadline:
@@ -205,6 +197,9 @@ class MetricsLog:
 
     # ---- the writer thread ------------------------------------------------------------------
     def _write_loop(self) -> None:
+        # pyarrow's first conversion of Python values imports pandas (~0.7 s): paid now, not while the
+        # first chunk's rows wait (a feeder at tens of thousands of rows a second filled the bound meanwhile)
+        rows_to_table([{"warm": 1}])
         pause = 0.0  # after a failed write: wait before the next try
         written_at = time.monotonic()
         while True:
