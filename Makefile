@@ -56,6 +56,7 @@ docs-check: $(STAMP)
 	$(BIN)/python -m rayzero.config.environment_docs --check docs/environment.md
 	$(BIN)/python scripts/doc_tables.py --check
 	$(BIN)/python bench/scale.py --doc docs/scale.md --check
+	$(BIN)/python bench/comm_model.py --doc docs/scale.md --check
 
 # The RayZeroJob CRD is generated from rayzero/config/k8s_job.py, deploy/rbac.yaml from the chart.
 crd-check: $(STAMP)

@@ -9,12 +9,10 @@ import itertools
 import os
 import random
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -116,14 +114,18 @@ def local_cluster(node_local_root: Path, workers: int = 3, dashboard: bool = Fal
     rerun waits forever for "ready resources for 0 workers"."""
     from ray.cluster_utils import Cluster
 
+    from rayzero.ports import server_port
+
     saved = {key: os.environ.get(key) for key in ("RAYZERO_NODE_LOCAL_DIR", "PYTHONPATH")}
     os.environ["RAYZERO_NODE_LOCAL_DIR"] = str(node_local_root)  # inherited by the nodes' workers
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(BENCH), str(REPO), saved["PYTHONPATH"]]))
-    head = {"num_cpus": 0, "include_dashboard": dashboard}
-    if dashboard:  # a free port: other Ray instances on this machine may hold the default 8265
-        head.update(dashboard_host="127.0.0.1", dashboard_port=_free_port())
-    cluster = Cluster(initialize_head=True, head_node_args=head)
+    # the head's agent on a port the kernel picks: another Ray on this machine may hold Ray's fixed 52365
+    head = {"num_cpus": 0, "include_dashboard": dashboard, "dashboard_agent_listen_port": 0}
+    if dashboard:  # other Ray instances on this machine may hold the default 8265
+        head.update(dashboard_host="127.0.0.1", dashboard_port=server_port())
+    cluster = Cluster()
     try:
+        add_node_retrying(cluster, "the head", **head)
         for _ in range(workers):
             add_worker_node(cluster)
         cluster.wait_for_nodes()
@@ -137,31 +139,25 @@ def local_cluster(node_local_root: Path, workers: int = 3, dashboard: bool = Fal
                 os.environ[key] = value
 
 
-NODE_START_TRIES = 2
-"""Ray bounds a node's start-up at 30 s (ray/_private/node.py: raylet_start_wait_time_s). On a loaded
-2-core machine a node has missed it: a joining node of the soak's cluster whose raylet never
-registered (the first node-info request timing out after 30 s; about one full test run in four,
-always a returning node), and a test's head. One more try with a fresh node, said aloud."""
+NODE_START_TRIES = 3
+"""Starts of a node while it misses Ray's start-up bounds on a loaded machine ([Note: Ray's start-up
+bounds] in rayzero/driver/startup.py): seen for a joining node of the soak's cluster (always a returning
+node; about one full test run in four) and for a test's head."""
 
 
-def add_node_retrying(cluster, who: str, **node_args) -> object:
-    """`cluster.add_node(**node_args)`, tried again once if the node misses Ray's start-up bound
-    (`who` names it in the line that says so). Used by the tests' clusters too (tests/testkit)."""
-    for attempt in range(1, NODE_START_TRIES + 1):
-        try:
-            return cluster.add_node(**node_args)
-        except Exception as error:  # Ray raises a bare Exception on a start-up timeout
-            if attempt == NODE_START_TRIES or "timed out during startup" not in str(error):
-                raise
-            print(f"{who} missed Ray's start-up bound ({error}); starting a fresh one", flush=True)
-            time.sleep(1.0)
-    raise AssertionError("unreachable")
+def add_node_retrying(cluster, who: str, tag: str = "[chaos]", **node_args) -> object:
+    """`cluster.add_node(**node_args)`, the failed node stopped and a fresh one started while it misses
+    Ray's start-up bounds (`who` names it in the lines that say so). Used by the tests' clusters too
+    (tests/testkit)."""
+    from rayzero.driver.startup import start_retrying
+
+    return start_retrying(lambda: cluster.add_node(**node_args), who, NODE_START_TRIES, tag=tag)
 
 
 def add_worker_node(cluster) -> object:
-    """A 1-CPU worker node, its dashboard agent on a free port (Ray's fixed 52365 is taken by the first
-    node: each later node's agent would retry it ~3.4 s before its raylet registers)."""
-    return add_node_retrying(cluster, "[chaos] a node", num_cpus=1, dashboard_agent_listen_port=_free_port())
+    """A 1-CPU worker node (Ray gives its dashboard agent a port the kernel picks: a joining node's
+    agent never contends for the head's)."""
+    return add_node_retrying(cluster, "a node", num_cpus=1)
 
 
 # ---- the loops' trail ------------------------------------------------------------------------------
@@ -233,12 +229,6 @@ class Trail:
                 "steps_redone": max(0, len(self.steps) - final),
                 "invocations": len(by_invocation),
                 "median_step_s": round(statistics.median(intervals), 4) if intervals else None}
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _alive(pid: int) -> bool:

@@ -2,7 +2,8 @@
 # The GPU checks in one pass, as run on a lent H100/H200 (bench/README.md, "On a GPU"):
 #   tests/gpu (the engine on CUDA/NCCL against fp32 torch), bench/gpu.py (rayzero against DDP, FSDP2
 #   and DeepSpeed on the GPU; ZeRO-Offload), bench/offload.py's host sections (swap files against dd,
-#   the CPU Adam step) on that machine's cores and disk.
+#   the CPU Adam step) on that machine's cores and disk, bench/compile.py (engine.compile at stage 3
+#   against eager on GPT-2 medium's shape, bf16: the issue's >= 1.2x).
 # Each part has its own time limit, so one that hangs leaves the others their figures. Outputs go
 # to $OUT (default /tmp/rayzero-gpu-check). Packages the machine lacks travel as wheels in .whl/.
 set -u
@@ -30,3 +31,7 @@ start=$(date +%s)
 timeout 90 $PY bench/offload.py --quick --sections swap,cpu_step --rounds 3 --json "$OUT/offload-host.json" \
   ${OFFLOAD_BENCH_ARGS:-} > "$OUT/offload-host.log" 2>&1
 echo "bench/offload.py: exit $? after $(( $(date +%s) - start )) s"
+start=$(date +%s)
+timeout 300 $PY bench/compile.py --device cuda --size gpt2-medium --precision bf16 --stages 3 --rounds 3 \
+  --json "$OUT/compile-gpu.json" ${COMPILE_BENCH_ARGS:-} > "$OUT/compile-gpu.log" 2>&1
+echo "bench/compile.py: exit $? after $(( $(date +%s) - start )) s"; grep -E '"(speedup_|max_loss|compile_s)' "$OUT/compile-gpu.log"

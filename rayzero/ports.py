@@ -43,17 +43,32 @@ def free_port(host: str = "127.0.0.1") -> int:
 def server_port(host: str = "127.0.0.1") -> int:
     """A free port on `host` for a server bound later, below the kernel's ephemeral range
     ([Note: ports below the ephemeral range]); any free port where the range leaves no room."""
+    return server_ports(1, host)[0]
+
+
+def server_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """`count` distinct free ports on `host` for servers bound later, as `server_port` picks them (each
+    probe is held until all are chosen, so no port is picked twice)."""
     try:
         low = int(pathlib.Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
         low = 32768
     chooser = random.Random()
-    for _ in range(100 if low > 20001 else 0):
-        port = chooser.randrange(20000, low)
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+    probes: list[socket.socket] = []
+    try:
+        for _ in range(100 * count if low > 20000 + count else 0):
+            if len(probes) == count:
+                break
+            probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             try:
-                probe.bind((host, port))
-            except OSError:
+                probe.bind((host, chooser.randrange(20000, low)))
+            except OSError:  # taken, or one of ours already
+                probe.close()
                 continue
-        return port
-    return free_port(host)
+            probes.append(probe)
+        if len(probes) < count:
+            return free_ports(count, host)
+        return [int(probe.getsockname()[1]) for probe in probes]
+    finally:
+        for probe in probes:
+            probe.close()

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import itertools
 import os
+import pickle
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -61,6 +63,27 @@ def _let_gloo_settle() -> None:
 atexit.register(_let_gloo_settle)
 DEFAULT_TIMEOUT_S = 1800.0
 
+# [Note: gathering uneven objects]
+# torch's all_gather_object pads every rank's pickled object to the largest one, so each rank
+# receives world size x the largest. A load's exchanges are that uneven: with shared storage one
+# rank lists a checkpoint's N files and the other N-1 send nothing, so every rank received N copies
+# of an N-file listing (O(N^2) bytes per rank). `CheckpointComm.all_gather_object` gathers the sizes
+# first and, when padding would cost more than twice the bytes there are, sums a buffer in which
+# each rank wrote only its own bytes instead (an all-reduce moves about twice its size per rank):
+# each rank then receives about twice the total, whatever its shape. Even objects (a save's specs
+# and file entries) keep the single padded all-gather, which moves the least for them.
+# `gather_cost` is the choice and its cost; bench/scale_loader.py uses it for its figures.
+
+
+def gather_cost(sizes: Sequence[int]) -> tuple[bool, int]:
+    """(padded?, bytes each rank receives) of gathering objects of these pickled sizes, one per rank,
+    after the all-gather of the sizes themselves (8 bytes a rank): padded, each rank receives every
+    other rank's slot of the largest size; summed, a ring all-reduce's two passes over the total."""
+    world = len(sizes)
+    padded = (world - 1) * max(sizes, default=0)
+    summed = 2 * (world - 1) * sum(sizes) // max(world, 1)
+    return (padded <= summed, min(padded, summed))
+
 
 class CheckpointComm:
     """Rank, world and the collectives the checkpoint layer needs; a no-op group of one without
@@ -83,11 +106,27 @@ class CheckpointComm:
         self.node_ids: list[str] = self.all_gather_object(NODE_ID.get() or "node0")
 
     def all_gather_object(self, value: Any) -> list[Any]:
+        """Every rank's `value`, in rank order ([Note: gathering uneven objects])."""
         if self.group is None:
             return [value]
-        gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, value, group=self.group)
-        return gathered
+        payload = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+        dist.all_gather(sizes, torch.tensor([len(payload)], dtype=torch.int64), group=self.group)
+        lengths = [int(size) for size in sizes]
+        padded, _ = gather_cost(lengths)
+        if padded:
+            mine = torch.zeros(max(lengths), dtype=torch.uint8)
+            mine[:len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            slots = [torch.empty_like(mine) for _ in range(self.world_size)]
+            dist.all_gather(slots, mine, group=self.group)
+            blobs = [slot[:length] for slot, length in zip(slots, lengths)]
+        else:
+            offsets = list(itertools.accumulate(lengths, initial=0))
+            packed = torch.zeros(offsets[-1], dtype=torch.uint8)  # each rank fills only its own bytes
+            packed[offsets[self.rank]:offsets[self.rank + 1]] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            dist.all_reduce(packed, group=self.group)  # a sum of disjoint pieces: every rank's bytes
+            blobs = [packed[offsets[rank]:offsets[rank + 1]] for rank in range(self.world_size)]
+        return [pickle.loads(memoryview(blob.numpy())) for blob in blobs]
 
     def broadcast_object(self, value: Any, src: int = 0) -> Any:
         if self.group is None:

@@ -98,10 +98,6 @@ class DeepSpeedEngine(ZeroEngine, torch.nn.Module):
     def destroy(self) -> None:
         self.close()
 
-    def compile(self, *args: Any, **kwargs: Any) -> None:
-        refuse("DeepSpeedEngine.compile", "rayzero's stage hooks are not traced by torch.compile yet; compile "
-               "submodules yourself before initialize, or drop the dynamo/compile option")
-
 
 def translate_in_process_values(config: Any) -> Any:
     """Values DeepSpeed accepts in a config dict built in-process that JSON cannot hold."""

@@ -21,6 +21,7 @@ from rayzero.config.errors import ConfigError, Problem
 from rayzero.config.migrate import migrate
 from rayzero.config.model import RayZeroConfig
 from rayzero.config.prepare import prepare
+from rayzero.config.layouts import check_layouts
 from rayzero.config.rules import check_resolved, check_rules
 
 logger = logging.getLogger("rayzero.config")
@@ -55,6 +56,7 @@ def load_config(
     resolve(config, world_size=world_size, hidden_size=hidden_size, trainer=trainer,
             allow_unresolved=allow_unresolved, notes=notes, problems=problems)
     check_resolved(config, problems, notes)
+    check_layouts(config, world_size, notes, problems)
     if problems:
         raise ConfigError(problems, name)
     notes[:] = list(dict.fromkeys(notes))  # each note once, in order

@@ -111,20 +111,26 @@ class ZeroConfig(ConfigModel):
     round_robin_gradients: Bool = Field(False, json_schema_extra=_TODO)
     """Stage 1-2 with CPU offload: spread gradient copies to CPU across ranks in turn; recognised,
     not implemented."""
-    zero_hpz_partition_size: Int = Field(1, ge=0, json_schema_extra={**_S3, **_TODO})
-    """ZeRO++ hierarchical partitioning: ranks per secondary weight partition; recognised, not implemented."""
-    zero_quantized_weights: Bool = Field(False, json_schema_extra={**_S3, **_TODO})
-    """ZeRO++: quantize weights for all-gather; recognised, not implemented."""
-    zero_quantized_nontrainable_weights: Bool = Field(False, json_schema_extra={**_S3, **_TODO})
-    """ZeRO++: keep frozen weights quantized; recognised, not implemented."""
-    zero_quantized_gradients: Bool = Field(False, json_schema_extra=_TODO)
-    """ZeRO++: quantize gradients for reduce-scatter; recognised, not implemented."""
+    zero_hpz_partition_size: Int = Field(1, ge=0, json_schema_extra=_S3)
+    """ZeRO++ hpZ: ranks per secondary weight partition (the ranks of a node, usually). After its forward
+    each parameter keeps a 1/K piece over these ranks, so backward gathers it inside the group; 0 or 1 off.
+    Must divide the world size without splitting a node."""
+    zero_quantized_weights: Bool = Field(False, json_schema_extra=_S3)
+    """ZeRO++ qwZ: parameter all-gathers carry int8 blocks and their scales instead of the compute dtype."""
+    zero_quantized_nontrainable_weights: Bool = Field(False, json_schema_extra=_S3)
+    """ZeRO++: frozen parameters are stored int8-quantized (a quarter of fp32's memory) and gathered so."""
+    zero_quantized_gradients: Bool = Field(False, json_schema_extra=_S3)
+    """ZeRO++ qgZ: each gradient bucket is reduced by two int4 all-to-alls (inside each node, then across
+    nodes) instead of a reduce-scatter."""
     zeropp_loco_param: Optional[dict[str, Any]] = Field(None, json_schema_extra=_TODO)
     """ZeRO++ LoCo error-feedback parameters (`err_beta`, `reset_T`); recognised, not implemented."""
-    mics_shard_size: Int = Field(-1, json_schema_extra=_TODO)
-    """MiCS: shard parameters within groups of this many ranks (-1 off); recognised, not implemented."""
-    mics_hierarchical_params_gather: Bool = Field(False, json_schema_extra=_TODO)
-    """MiCS hierarchical all-gather; recognised, not implemented."""
+    mics_shard_size: Int = Field(-1, json_schema_extra=_S3)
+    """MiCS: shard parameters, gradients and optimizer state within groups of this many consecutive ranks
+    and replicate across the groups (-1 off). Must divide the world size without splitting a node.
+    (DeepSpeed 0.19 removed MiCS; rayzero keeps DeepSpeed 0.18's meaning.)"""
+    mics_hierarchical_params_gather: Bool = Field(False, json_schema_extra=_S3)
+    """MiCS: when a shard group spans nodes, gather across nodes first (ranks of the same local index),
+    then inside each node."""
     memory_efficient_linear: Bool = Field(True, json_schema_extra=_TODO)
     """Stage 3: DeepSpeed's memory-efficient linear autograd function; recognised, not implemented."""
     pipeline_loading_checkpoint: Bool = Field(False, json_schema_extra=_TODO)

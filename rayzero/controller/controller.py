@@ -276,7 +276,7 @@ class Controller(PlannedStops, Watch):
             latest = self.checkpoints.latest
             resumed = latest.step if latest is not None and self._resume_from else None
             with self._lock:
-                self._attempts.append(AttemptStart(self.attempt, cause, time.time(), resumed, workers))
+                self._attempts.append(AttemptStart(self.attempt, cause, time.time(), resumed, workers, self.failures))
             self.goodput.attempt_began(self.attempt, cause, time.time(), resumed)
             self._attempt_started_at = time.time()
         group = self._factory(self.attempt, self._resume_from, workers)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rayzero.config.errors import RayZeroValueError
+from rayzero.config.layouts import raw_world_multiple
 
 # DeepSpeed's elasticity/elasticity.py HCN_LIST: highly composite numbers.
 _HCN = [1, 2, 4, 6, 12, 24, 36, 48, 60, 120, 180, 240, 360, 720, 840, 1260, 1680, 2520, 5040, 7560, 10080,
@@ -94,7 +95,7 @@ class BatchPlan:
 
     def valid_sizes(self) -> list[int]:
         if self.train_batch_size is None:
-            return list(range(self.min_workers, self.max_workers + 1))
+            return [size for size in range(self.min_workers, self.max_workers + 1) if size not in self.skipped]
         return sorted(self.splits)
 
     def choose(self, fitting: int | None) -> int | None:
@@ -130,7 +131,18 @@ def _int_key(config: dict[str, Any], key: str) -> int | None:
 
 
 def plan_batches(config: dict[str, Any] | None, min_workers: int, max_workers: int) -> BatchPlan:
-    """The batch plan of a run whose DeepSpeed config is `config` ([Note: elastic batch])."""
+    """The batch plan of a run whose DeepSpeed config is `config` ([Note: elastic batch]); a world
+    size the stage-3 layout's groups do not divide is skipped too ([Note: stage-3 layouts])."""
+    plan = _plan_batches(config, min_workers, max_workers)
+    multiple, keys = raw_world_multiple(config)
+    for size in range(min_workers, max_workers + 1):
+        if size % multiple and size not in plan.skipped:
+            plan.splits.pop(size, None)
+            plan.skipped[size] = f"{keys} groups {multiple} consecutive ranks, which {size} workers cannot split into"
+    return plan
+
+
+def _plan_batches(config: dict[str, Any] | None, min_workers: int, max_workers: int) -> BatchPlan:
     config = config or {}
     elasticity = config.get("elasticity") or {}
     if elasticity.get("enabled"):

@@ -67,6 +67,10 @@ class AttemptStart:
     """The step of the checkpoint it resumed from (None: from the start)."""
     workers: int
     """Workers it was planned with."""
+    failures: int = 0
+    """Restarts charged to `FailureConfig.max_failures` when it began, this attempt's own cause
+    included (a resize or a preemption charges none): what its progress lines say, however late the
+    driver hears of it."""
 
 
 @dataclass(frozen=True)

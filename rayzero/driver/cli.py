@@ -24,6 +24,7 @@ from rayzero.config.errors import RayZeroValueError
 from rayzero.config.run_settings import FailureConfig, RunConfig, ScalingConfig
 from rayzero.controller.errors import TrainingFailedError
 from rayzero.driver.say import say
+from rayzero.driver.startup import StartupBoundError
 from rayzero.workers.script import ScriptTarget
 
 if TYPE_CHECKING:
@@ -244,6 +245,9 @@ def main(argv: list[str] | None = None, script_type: type[ScriptTarget] = Script
     except (ValueError, ClusterUnreachableError) as error:  # bad target, cluster too small or gone
         print(f"rayzero run: {error}", file=sys.stderr)
         return 2
+    except StartupBoundError as error:  # the local Ray could not start on a machine this busy
+        print(f"rayzero run: {error}", file=sys.stderr)
+        return 1
     except TrainingFailedError as error:
         print(f"rayzero run: {error}", file=sys.stderr)
         if error.exit_code:  # a script's own exit status, as torchrun passes it on

@@ -27,6 +27,7 @@ from typing import Any
 from rayzero.config.environment import ADDRESS
 from rayzero.config.errors import RayZeroRuntimeError, RayZeroValueError
 from rayzero.driver.say import say
+from rayzero.driver.startup import start_retrying
 
 
 class ClusterUnreachableError(RayZeroRuntimeError):
@@ -49,6 +50,9 @@ class Connection:
 
 _TOKEN_NOTE_KEY = b"rayzero_token_note_printed"
 PROBE_TIMEOUT_S = 3.0
+LOCAL_START_TRIES = 3
+"""Starts of the local Ray while it misses Ray's start-up bounds on a busy machine ([Note: Ray's start-up
+bounds] in driver/startup.py), each retry said aloud; a missed one costs ~30 s."""
 
 
 def requested_address() -> tuple[str, str] | None:
@@ -122,8 +126,12 @@ def connect(working_dir: str | None = None) -> Connection:
         _token_note_once(token.token_enabled)
         return Connection(started=False, address=address)
     print("[rayzero] starting a local Ray on this machine (set RAY_ADDRESS to join a cluster)", flush=True)
-    with _quiet_token_warning():  # a Ray of our own, gone with this process: nobody else logs in to it
-        ray.init(address="local", include_dashboard=False, logging_level=logging.WARNING)
+
+    def start() -> None:
+        with _quiet_token_warning():  # a Ray of our own, gone with this process: nobody else logs in to it
+            ray.init(address="local", include_dashboard=False, logging_level=logging.WARNING)
+
+    start_retrying(start, "the local Ray", LOCAL_START_TRIES)
     return Connection(started=True, address=None)
 
 

@@ -405,7 +405,6 @@ def _stream(
                     say(f"[rayzero] {signals.name} again: killing the run without a checkpoint")
                     controller.kill.remote(f"{signals.name} received twice on the driver")
                 update: ControllerUpdate = ray.get(controller.poll.remote(1.0), timeout=60)
-                progress.failures = update.failures
                 progress.stragglers = sorted({found.rank for found in update.stragglers
                                               if found.attempt == update.attempt})
                 for line in update.events:

@@ -8,6 +8,10 @@ peak (GPU max allocated on GPU, else peak RSS), stamped by the worker on every r
 After a restart the loop re-runs the steps since the checkpoint it resumed from, so rank 0's step goes
 back: the line printed at once then names that checkpoint, and rates are measured afresh from there
 (they would otherwise mix two attempts and could even turn negative).
+
+`restarts N` is the count the controller had charged when the reported step's attempt began (its
+`AttemptStart.failures`), not its count when the driver prints: one poll can bring a later attempt's
+failures with an earlier attempt's reports, and only the controller knows which causes it charges.
 """
 from __future__ import annotations
 
@@ -77,10 +81,10 @@ class Progress:
         self._printed_at = float("-inf")  # the first report prints at once
         self._resumed_from: str | None = None  # where rank 0 went back to ("step 3"), until a line has said so
         self._attempt_resumed: dict[int, int | None] = {}  # attempt -> the checkpoint step it began from
+        self._attempt_failures: dict[int, int] = {}  # attempt -> restarts charged when it began
         self._resumed_checkpoint: int | None = None  # what the restart being said resumed from
         self._said = ""  # the last line emitted (the summary does not repeat it)
-        self.failures = 0  # restarts charged to FailureConfig.max_failures so far (set by the driver)
-        self.max_failures = 0
+        self.max_failures = 0  # FailureConfig.max_failures (set by the driver; -1: no limit)
         self.stragglers: list[int] = []  # ranks the controller reported as stragglers (set by the driver)
         self.goodput: dict[str, Any] | None = None  # the controller's newest goodput snapshot (set by the driver)
 
@@ -90,8 +94,10 @@ class Progress:
         attempt may have committed one itself (the chaos soak's line said "resumed from the
         checkpoint of step 150" at step 139 after resuming from 138). Kept per attempt: one poll
         can bring two attempts' starts before the first one's reports (a failure two steps after a
-        restart, within one long poll)."""
+        restart, within one long poll). Its restart count likewise: the controller's count when the
+        poll returns already holds that later failure."""
         self._attempt_resumed[start.attempt] = start.resumed_step
+        self._attempt_failures[start.attempt] = start.failures
 
     def observe(self, item: Report) -> None:
         self._memory[item.rank] = item.peak_memory_bytes
@@ -144,8 +150,9 @@ class Progress:
         if where and (where.get("host_bytes") or where.get("nvme_bytes")):  # only with offload
             parts.append("state r0 " + " ".join(f"{key[:-6]} {_human_bytes(where[key])}" for key in
                                                 ("device_bytes", "host_bytes", "nvme_bytes") if where.get(key)))
-        if self.failures:
-            parts.append(f"restarts {self.failures}" + (f"/{self.max_failures}" if self.max_failures >= 0 else ""))
+        failures = self._attempt_failures.get(self._last.attempt, 0)
+        if failures:
+            parts.append(f"restarts {failures}" + (f"/{self.max_failures}" if self.max_failures >= 0 else ""))
         if self.stragglers:
             parts.append("straggler " + " ".join(f"r{rank}" for rank in self.stragglers))
         return "[rayzero] " + " | ".join(parts)

@@ -62,6 +62,8 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None,
             os.environ.setdefault("MASTER_PORT", str(distributed_port))
         init_distributed()
     comm = Communicator(process_group)
+    if comm.distributed and comm.group is dist.group.WORLD:
+        comm.discover_topology()  # [Note: topology]: layouts and link classes follow node boundaries
     cfg = resolve_config(config, comm.world_size, model)
     zero = cfg.zero_optimization
     device = compute_device()

@@ -14,6 +14,20 @@ most world_size - 1 per bucket). One-element syncs (overflow flag, gradient norm
 `last_step()` is what `engine.comm_stats()` returns. The counts are of the logical collective, also
 where gloo runs it as others ([Note: gloo's temporary copies]).
 
+[Note: bytes per link class]
+Each count also splits the bytes *this rank sends* between links inside its node and links to other
+nodes ([Note: topology] in topology.py says how nodes are known). The model is the collective's
+point-to-point content, whatever algorithm the backend picks: in a group of G ranks
+  - all_gather producing T bytes, reduce_scatter of T bytes, all_to_all of T bytes: T/G to each peer;
+  - all_reduce (and control) of T bytes: 2T/G to each peer (a reduce-scatter plus an all-gather);
+  - broadcast of T bytes: T to each peer from the source, nothing from the others;
+and each peer's share goes to `intra_node_bytes` or `inter_node_bytes` by where the peer runs. A
+quantized collective counts the bytes it puts on the wire (payload and scales), and the elements of
+the tensor it stands for. This is what the ZeRO++ paper counts; a ring or tree moves the same total
+per rank but routes it differently, so the emulated cluster's interface counters (bench/multinode.py)
+are reported beside it, not instead of it. Subgroup communicators (`split`) share one set of
+counters with the communicator they came from, so `last_step()` is the rank's whole traffic.
+
 [Note: gloo's temporary copies]
 On gloo (CPU training), torch's flat reduce-scatter and all-gather each allocate a temporary as
 large as the full tensor: measured with VmHWM on 2 ranks (torch 2.13), a 16 MiB reduce-scatter
@@ -31,6 +45,7 @@ NCCL allocates nothing of the kind and keeps its own collectives.
 """
 from __future__ import annotations
 
+import datetime
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,12 +55,16 @@ import torch
 import torch.distributed as dist
 
 from rayzero.checkpoint.comm import note_process_group_used
+from rayzero.config.environment import COLLECTIVE_TIMEOUT_S
+from rayzero.engine.topology import Topology
 
 # [Note: gloo's temporary copies]: from this many elements (8 MiB of fp32) of the full tensor.
 GLOO_DIRECT_MIN_ELEMENTS = 1 << 21
 
 # Volume multiplier per kind, see [Note: communication accounting].
-_VOLUME = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "broadcast": 1, "control": 2}
+_VOLUME = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "broadcast": 1, "all_to_all": 1, "control": 2}
+# Bytes sent to each peer per byte of the counted tensor, times the group size ([Note: bytes per link class]).
+_PER_PEER = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "all_to_all": 1, "control": 2}
 
 # torch 2.13 renamed the flat-tensor collectives (the old names warn FutureWarning on every call);
 # pyproject allows torch >= 2.4, which has only the old names. Same signatures, same semantics.
@@ -59,16 +78,36 @@ class KindStats:
     elements: int = 0
     bytes: int = 0
     volume_elements: int = 0
+    intra_node_bytes: int = 0
+    """Bytes this rank sent to ranks on its own node ([Note: bytes per link class])."""
+    inter_node_bytes: int = 0
+    """Bytes this rank sent to ranks on other nodes."""
 
     def as_dict(self) -> dict[str, int]:
         return {"calls": self.calls, "elements": self.elements, "bytes": self.bytes,
-                "volume_elements": self.volume_elements}
+                "volume_elements": self.volume_elements, "intra_node_bytes": self.intra_node_bytes,
+                "inter_node_bytes": self.inter_node_bytes}
+
+    def add(self, other: KindStats) -> None:
+        for name in ("calls", "elements", "bytes", "volume_elements", "intra_node_bytes", "inter_node_bytes"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+
+class Traffic:
+    """The counters of one rank, shared by a communicator and the subgroups split from it."""
+
+    def __init__(self) -> None:
+        self.current: dict[str, KindStats] = defaultdict(KindStats)
+        self.last: dict[str, KindStats] = {}
 
 
 class _Done:
-    """Stands in for a Work handle when no collective ran (world size 1)."""
+    """Stands in for a Work handle when no collective ran (world size 1) or one already finished."""
 
     def wait(self) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
         return True
 
 
@@ -103,7 +142,8 @@ class Communicator:
     network. That keeps the engine free of `if world_size == 1` branches.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, group: dist.ProcessGroup | None = None, *, topology: Topology | None = None,
+                 traffic: Traffic | None = None) -> None:
         initialized = dist.is_available() and dist.is_initialized()
         if initialized:
             note_process_group_used()  # [Note: gloo at interpreter exit]
@@ -111,40 +151,79 @@ class Communicator:
         self.group = (group or dist.group.WORLD) if initialized else None
         self.world_size = dist.get_world_size(group) if initialized else 1
         self.rank = dist.get_rank(group) if initialized else 0
+        # The global rank of each member, in group order (peers for [Note: bytes per link class]).
+        self.ranks: tuple[int, ...] = tuple(dist.get_process_group_ranks(self.group)) if initialized else (0,)
+        # Which global ranks share a node; until `discover_topology`, one node (all links intra-node).
+        self.topology = topology or Topology.single(max(self.ranks) + 1)
         # NCCL gathers in place when the input is this rank's slice of the output; gloo needs a copy.
         self.in_place_gather = initialized and dist.get_backend(self.group) == "nccl"
         self.gloo = initialized and dist.get_backend(self.group) == "gloo"
-        self._current: dict[str, KindStats] = defaultdict(KindStats)
-        self._last: dict[str, KindStats] = {}
+        self.traffic = traffic or Traffic()
+
+    @property
+    def global_rank(self) -> int:
+        return self.ranks[self.rank]
+
+    def discover_topology(self) -> Topology:
+        """Learn every rank's node ([Note: topology]); every rank of the world must call it."""
+        self.topology = Topology.discover(self.group)
+        return self.topology
+
+    def split(self, partition: list[list[int]], fresh: bool = False) -> Communicator:
+        """The communicator of this rank's part of `partition` (lists of global ranks covering the
+        world, each in the order its members take ranks), counted with this one's traffic. This one
+        itself when its part is all of this group, unless `fresh`: then always new process groups
+        (a queue of collectives of their own). A collective call: every rank of the world calls it
+        with the same partition, in the same order as any other `split`."""
+        if self.group is None:
+            return self
+        mine = next(ranks for ranks in partition if self.global_rank in ranks)
+        if list(mine) == list(self.ranks) and not fresh:
+            return self
+        group, _ = dist.new_subgroups_by_enumeration(
+            partition, backend=dist.get_backend(self.group), timeout=_timeout())
+        return Communicator(group, topology=self.topology, traffic=self.traffic)
 
     # ---- accounting -------------------------------------------------------------------------
-    def _count(self, kind: str, tensor: torch.Tensor) -> None:
-        stats = self._current[kind]
+    def count(self, kind: str, tensor: torch.Tensor, *, elements: int | None = None,
+               wire_bytes: int | None = None, source: int | None = None, runs_as: str | None = None) -> None:
+        """Count one collective about `tensor` ([Note: communication accounting]). A quantized
+        collective passes the `elements` of the tensor it stands for and the `wire_bytes` it sends;
+        `source`: a broadcast's root (group rank); `runs_as`: the kind whose traffic it really has
+        ([Note: gloo's temporary copies]: a reduce-scatter run as an all-reduce sends twice as much)."""
+        stats = self.traffic.current[kind]
+        sent = tensor.numel() * tensor.element_size() if wire_bytes is None else wire_bytes
+        elements = tensor.numel() if elements is None else elements
         stats.calls += 1
-        stats.elements += tensor.numel()
-        stats.bytes += tensor.numel() * tensor.element_size()
-        stats.volume_elements += _VOLUME[kind] * tensor.numel()
+        stats.elements += elements
+        stats.bytes += sent
+        stats.volume_elements += _VOLUME[kind] * elements
+        if self.world_size == 1:
+            return
+        if kind == "broadcast":
+            per_peer = sent if source == self.rank else 0
+        else:
+            per_peer = _PER_PEER[runs_as or kind] * sent // self.world_size
+        inside, outside = self.topology.split_peers(self.global_rank, self.ranks)
+        stats.intra_node_bytes += per_peer * inside
+        stats.inter_node_bytes += per_peer * outside
 
     def begin_step(self) -> None:
         """Close the counters of the step that just ended; start counting the next one."""
-        self._last = dict(self._current)
-        self._current = defaultdict(KindStats)
+        self.traffic.last = dict(self.traffic.current)
+        self.traffic.current = defaultdict(KindStats)
 
     def discard_current(self) -> None:
         """Forget traffic that belongs to no training step (initial broadcasts, checkpoint loads)."""
-        self._current = defaultdict(KindStats)
+        self.traffic.current = defaultdict(KindStats)
 
     def last_step(self) -> dict[str, dict[str, int]]:
         """Per kind, plus `total` over the data-moving kinds (control excluded)."""
-        out = {kind: stats.as_dict() for kind, stats in sorted(self._last.items())}
+        out = {kind: stats.as_dict() for kind, stats in sorted(self.traffic.last.items())}
         total = KindStats()
-        for kind, stats in self._last.items():
-            if kind == "control":
-                continue
-            total.calls += stats.calls
-            total.elements += stats.elements
-            total.bytes += stats.bytes
-            total.volume_elements += stats.volume_elements
+        for kind, stats in self.traffic.last.items():
+            if kind != "control":
+                total.add(stats)
         out["total"] = total.as_dict()
         return out
 
@@ -155,23 +234,23 @@ class Communicator:
 
     def all_reduce(self, tensor: torch.Tensor, async_op: bool = False):
         """Sum `tensor` in place across ranks."""
-        self._count("all_reduce", tensor)
+        self.count("all_reduce", tensor)
         if not self.distributed:
             return _Done() if async_op else None
         return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False,
-                       scratch: bool = False, group: dist.ProcessGroup | None = None):
+                       scratch: bool = False):
         """Sum `input` across ranks; rank r receives the r-th equal slice into `output`. `scratch`:
-        the caller no longer needs `input`, which may then hold anything afterwards. `group`: the
-        same ranks as this communicator's, another group (a separate queue of collectives)."""
+        the caller no longer needs `input`, which may then hold anything afterwards."""
         assert input.numel() == output.numel() * self.world_size, "reduce_scatter needs equal splits"
-        self._count("reduce_scatter", input)
+        direct = scratch and self._gloo_direct(input) and input.is_contiguous()
+        self.count("reduce_scatter", input, runs_as="all_reduce" if direct else None)
         if not self.distributed:
             output.copy_(input)
             return _Done() if async_op else None
-        group = group or self.group
-        if scratch and self._gloo_direct(input) and input.is_contiguous():
+        group = self.group
+        if direct:
             # [Note: gloo's temporary copies]
             mine = input.view(self.world_size, -1)[self.rank]
             work = _Composed([dist.all_reduce(input, op=dist.ReduceOp.SUM, group=group, async_op=True)],
@@ -182,7 +261,7 @@ class Communicator:
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
         """Concatenate every rank's `input` into `output` (rank order)."""
         assert output.numel() == input.numel() * self.world_size, "all_gather needs equal splits"
-        self._count("all_gather", output)
+        self.count("all_gather", output)
         if not self.distributed:
             if input.data_ptr() != output.data_ptr():
                 output.copy_(input)
@@ -204,8 +283,19 @@ class Communicator:
     def _gloo_direct(self, full: torch.Tensor) -> bool:
         return self.gloo and full.device.type == "cpu" and full.numel() >= GLOO_DIRECT_MIN_ELEMENTS
 
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False,
+                   wire_bytes: int | None = None, elements: int | None = None):
+        """Equal-split all-to-all: rank r's j-th slice of `input` becomes rank j's r-th slice of
+        `output`. `wire_bytes` / `elements`: what to count when `input` stands for another tensor
+        (a quantized payload: [Note: bytes per link class])."""
+        self.count("all_to_all", input, elements=elements, wire_bytes=wire_bytes)
+        if not self.distributed:
+            output.copy_(input)
+            return _Done() if async_op else None
+        return dist.all_to_all_single(output, input, group=self.group, async_op=async_op)
+
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
-        self._count("broadcast", tensor)
+        self.count("broadcast", tensor, source=src)
         if self.distributed:
             dist.broadcast(tensor, src=dist.get_global_rank(self.group, src), group=self.group)
 
@@ -213,13 +303,17 @@ class Communicator:
                            waiter: Callable[[Any], None] | None = None) -> torch.Tensor:
         """A small synchronisation (overflow flag, norm): `op` is `sum` or `max`. A sync point;
         `waiter(work)` waits for it instead of a plain wait when given."""
-        self._count("control", tensor)
+        self.count("control", tensor)
         if self.distributed:
             reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
             work = dist.all_reduce(tensor, op=reduce_op, group=self.group, async_op=waiter is not None)
             if waiter is not None:
                 waiter(work)
         return tensor
+
+
+def _timeout() -> datetime.timedelta:
+    return datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S.get())
 
 
 def _finish(work: _Composed, async_op: bool) -> _Composed | None:

@@ -136,6 +136,8 @@ class ZeroEngine(DeepSpeedAccessors):
         self.lr_scheduler = lr_scheduler
         self.config = config  # the resolved RayZeroConfig, for the checkpoint layer and logs
         self.closed = False  # close() hands the module back ([Note: one engine per module] in wrapping.py)
+        self.compiled = None  # what compile() did (compile.py), undone by close()
+        self._forwarded = False  # the first forward looks for modules compiled in place (compile.py)
         ensure_not_wrapped(module)
         register(self)
         self.global_steps = 0  # optimizer steps, skipped ones included (DeepSpeed's count)
@@ -167,6 +169,10 @@ class ZeroEngine(DeepSpeedAccessors):
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if _STEP_BOUNDARY_HOOK is not None:
             _STEP_BOUNDARY_HOOK.before_forward(self)
+        if not self._forwarded:  # blocks compiled in place by someone else ([Note: compiling stage 3])
+            from rayzero.engine.compile import adopt_compiled_modules
+            self._forwarded = True
+            adopt_compiled_modules(self)
         self.strategy.before_forward()
         # Inputs are cast only as DeepSpeed casts them: with fp16.auto_cast, every floating tensor
         # among the positional inputs (nested lists/tuples/dicts too) to fp16; keyword arguments and
@@ -421,11 +427,27 @@ class ZeroEngine(DeepSpeedAccessors):
         with _stall_counted():
             return checkpoint_io.wait_for_checkpoint(self)
 
+    def compile(self, backend: Any = "inductor", compile_kwargs: dict[str, Any] | None = None,
+                schedule: Any = None, compiled_autograd_enabled: bool = False, regions: Any = None) -> None:
+        """DeepSpeed's `engine.compile`: torch.compile the model, whole at stages 0-2, block by block
+        at stage 3 ([Note: compiling stage 3] in compile.py); `regions` names the blocks (module
+        names, modules or classes) instead of the largest ModuleList's children. Once per engine."""
+        from rayzero.engine.compile import compile_engine
+        if self.compiled is None:
+            self.compiled = compile_engine(self, backend, compile_kwargs, schedule, compiled_autograd_enabled,
+                                           regions)
+
+    @property
+    def is_compiled(self) -> bool:
+        return self.compiled is not None
+
     def close(self) -> None:
         """Finish an async checkpoint save in flight, then remove the strategy's hooks and hand the
         module back (idempotent)."""
         if self.closed:
             return
+        if self.compiled is not None:
+            self.compiled.undo()
         if self.checkpointer is not None:
             # The save runs in a background thread over its own gloo group: it must be committed
             # before the caller tears the process group down (the usual next call after close()).

@@ -12,7 +12,9 @@ Per rank, with Ψ trainable parameters, N ranks, p bytes per compute element (2 
   3      Ψp/N            -              4Ψ/N         4Ψ/N              sΨ/N
 
 fp32 without optimizer offload aliases the master with the parameter (and at stages 0-1 the master
-gradient with the gradient buffer): those columns are then 0. Offloading moves master, master
+gradient with the gradient buffer): those columns are then 0. At stage 3 without offload the shard
+*is* the fp32 master in every precision ([Note: shards are the masters] in stage3/strategy.py): the
+parameter column is 4Ψ/N and the master column 0. Offloading moves master, master
 gradient and optimizer state to the host (`cpu`) or the optimizer state to NVMe (`nvme`, masters
 stay on the host); `offload_param` moves stage 3's parameter shards to the host (`cpu`) or to NVMe
 (`nvme`, with `max_in_cpu` 0: every shard). Working memory (stage 2's two staging buckets, stage 3's
@@ -68,8 +70,9 @@ def estimate(params: int, largest_layer: int, gpus_per_node: int = 1, nodes: int
 
 def _one(stage, opt_off, param_off, psi, largest, world, per_node, p, s, bucket) -> Estimate:
     shard = 1 if stage == 0 else world
-    aliased = p == 4 and opt_off == "none" and param_off == "none"
-    params = psi * p // (world if stage == 3 else 1)
+    aliased = opt_off == "none" and param_off == "none" and (p == 4 or stage == 3)
+    shard_p = 4 if aliased and stage == 3 else p  # [Note: shards are the masters]
+    params = psi * shard_p // (world if stage == 3 else 1)
     grads = psi * p if stage < 2 else 0
     master = 0 if aliased else 4 * psi // shard
     master_grad = 0 if aliased and stage < 2 else 4 * psi // shard

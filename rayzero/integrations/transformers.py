@@ -32,6 +32,7 @@ from rayzero.config.environment import CONFIG
 from rayzero.config.errors import RayZeroValueError
 from rayzero.engine.partition import split_evenly
 from rayzero.engine.stage3.parameters import lookup
+from rayzero.integrations.random_streams import streams_kept
 
 logger = logging.getLogger(__name__)
 
@@ -177,13 +178,17 @@ def from_pretrained(model_class: Any, path: str | os.PathLike[str], config: Any 
     if config is None:
         config = CONFIG.get()
     build = getattr(model_class, "from_config", None) or model_class
-    if _zero_stage(config) == 3:
-        with Init(config=config, param_init_fn=_zeros):
+    # The skeleton's random initial values are replaced by the checkpoint's: drawing them must not move
+    # the program's streams, as transformers' own from_pretrained draws nothing for a complete
+    # checkpoint ([Note: the user's random streams])
+    with streams_kept():
+        if _zero_stage(config) == 3:
+            with Init(config=config, param_init_fn=_zeros):
+                model = build(hf_config, **model_kwargs)
+            # buffers the model computes in __init__ (rotary tables, masks) were zeroed above: rebuild them
+            _restore_computed_buffers(model, hf_config, build, model_kwargs)
+        else:
             model = build(hf_config, **model_kwargs)
-        # buffers the model computes in __init__ (rotary tables, masks) were zeroed above: rebuild them
-        _restore_computed_buffers(model, hf_config, build, model_kwargs)
-    else:
-        model = build(hf_config, **model_kwargs)
     load_pretrained_weights(model, path, strict=strict)
     return model
 

@@ -14,6 +14,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from rayzero.config.environment import CONFIG
 from rayzero.config.lightning import LIGHTNING_DEFAULTS, lightning_to_dict
+from rayzero.integrations.random_streams import streams_kept
 from rayzero.lightning.precision import LightningSetupError
 
 DEEPSPEED_ENV_VAR = "PL_DEEPSPEED_CONFIG_PATH"
@@ -77,9 +78,13 @@ def _drop_unset_defaults_rayzero_ignores(config: dict[str, Any], keywords: Mappi
 
 def _train_batch_size(trainer: Any) -> int:
     """The train dataloader's batch size, for `train_micro_batch_size_per_gpu` when the config has none:
-    DeepSpeedStrategy's `_auto_select_batch_size` (it builds the train dataloader once more for it)."""
+    DeepSpeedStrategy's `_auto_select_batch_size` (it builds the train dataloader once more for it).
+    That extra build runs the module's `train_dataloader`, which may draw (BoringModel's dataset is
+    `torch.randn`): the streams are put back, as DDP never builds it here ([Note: the user's random
+    streams])."""
     if trainer.state.fn != TrainerFn.FITTING:
         return 1  # DeepSpeedStrategy's inference engine uses 1 too
     data_source = trainer.fit_loop._data_source
-    loader = data_source.dataloader() if data_source.is_defined() else None
+    with streams_kept():
+        loader = data_source.dataloader() if data_source.is_defined() else None
     return getattr(getattr(loader, "batch_sampler", None), "batch_size", None) or 1

@@ -57,6 +57,7 @@ from rayzero.lightning.checkpoints import (
     load_full_state_dict,
     newest_lightning_checkpoint,
 )
+from rayzero.lightning.compiled import compile_lightning_module
 from rayzero.lightning.config import engine_config
 from rayzero.lightning.precision import LightningSetupError, RayZeroPrecision, as_rayzero_precision
 from rayzero.lightning.resume import search_directories
@@ -226,6 +227,7 @@ class RayZeroStrategy(DDPStrategy):
                 self._start_engine(trainer)
             else:
                 self._start_inference_engine()
+            compile_lightning_module(self._engine, self.lightning_module)  # [Note: a compiled LightningModule]
         self.model = self._engine
         if fitting:
             if not any(isinstance(callback, RayZeroCallback) for callback in trainer.callbacks):

@@ -132,6 +132,27 @@ def boring(rank: int, spec: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def streams(rank: int, spec: dict[str, Any]) -> dict[str, Any]:
+    """The issue's program: `seed_everything(0)`, Lightning's BoringModel with its own dataloaders
+    (its dataset drawn when `train_dataloader` runs), 10 steps; the random streams at `on_train_start`
+    and, once trained, at the end; saves the weights to spec['save']."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import Callback
+    from lightning.pytorch.demos.boring_classes import BoringModel
+    from random_streams import random_states
+
+    class AtTrainStart(Callback):
+        def on_train_start(self, trainer, pl_module) -> None:
+            self.states = random_states()
+
+    pl.seed_everything(0, verbose=False)
+    model, at_start = BoringModel(), AtTrainStart()
+    trainer = _quiet_trainer(strategy=_strategy(spec), max_steps=10, limit_train_batches=1.0, callbacks=[at_start])
+    trainer.fit(model)
+    trainer.save_checkpoint(spec["save"])
+    return {"at_train_start": at_start.states, "at_end": random_states(), "global_step": trainer.global_step}
+
+
 def predict(rank: int, spec: dict[str, Any]) -> dict[str, Any]:
     """A fresh Trainer (validate/test/predict only: an engine with no optimizer step) predicting with
     the weights of spec['ckpt_path'], on `devices` ranks."""
@@ -232,7 +253,8 @@ def planned_stop(rank: int, spec: dict[str, Any]) -> dict[str, Any]:
     return {"stopped": stopped, "resumed": resumed, "stop_committed": boundary.stop_committed}
 
 
-CASES = {"boring": boring, "predict": predict, "transformer": transformer, "planned_stop": planned_stop}
+CASES = {"boring": boring, "streams": streams, "predict": predict, "transformer": transformer,
+         "planned_stop": planned_stop}
 
 
 def run_cases(rank: int, world_size: int, cases: list[tuple[str, str, dict]]) -> dict[str, Any]:

@@ -12,6 +12,7 @@ import torch
 
 pytest.importorskip("lightning")
 from lightning_workers import BATCHES, DATA_SEED, no_group, run_cases, write_text
+from random_streams import moved_streams
 from testkit.harness import spawn
 
 STAGE3_OFFLOAD = {"stage": 3, "offload_optimizer": True}
@@ -48,6 +49,10 @@ def _cases(directory: str) -> list[tuple[str, str, dict]]:
         ("two_optimizers", "boring", {"refused": True, "model": "two_optimizers"}),
         ("tf_ddp", "transformer", {"kind": "ddp", "data_dir": text_dir, "save": save("tf_ddp")}),
         ("tf_z3", "transformer", {"keywords": STAGE3_OFFLOAD, "data_dir": text_dir, "save": save("tf_z3")}),
+        ("streams_ddp", "streams", {"kind": "ddp", "save": save("streams_ddp")}),
+        *[(f"streams_z{stage}", "streams", {"keywords": {"stage": stage}, "save": save(f"streams_z{stage}")})
+          for stage in (0, 1, 2)],
+        ("streams_z3", "streams", {"keywords": STAGE3_OFFLOAD, "save": save("streams_z3")}),
         ("stop", "planned_stop", {"keywords": STAGE3_OFFLOAD, "ask_at": BATCHES - 1,
                                   "dirpath": os.path.join(directory, "stop_ckpts"),
                                   "run_dir": os.path.join(directory, "run"), "save": save("stop_{attempt}")}),
@@ -194,6 +199,21 @@ def test_each_optimizer_step_is_reported_with_loss_and_learning_rate(trained):
     accumulated = ranks[0]["z2_accumulate"]["reports"]  # one report per applied step, not per batch
     assert [report["step"] for report in accumulated] == list(range(1, BATCHES + 1))
     assert [report["samples"] for report in accumulated] == [4 * step for step in range(1, BATCHES + 1)]
+
+
+def test_setup_leaves_the_random_streams_where_ddp_leaves_them(trained):
+    """Issue 35: BoringModel's dataset is drawn in train_dataloader, after setup; the strategy built that
+    dataloader once more for its batch size and so moved torch's stream (0.290 for DDP's 0.176)."""
+    ranks, directory = trained
+    for result in ranks:
+        assert result["streams_ddp"]["global_step"] == 10
+        for stage in range(4):
+            ours, ddp = result[f"streams_z{stage}"], result["streams_ddp"]
+            assert moved_streams(ours["at_train_start"], ddp["at_train_start"]) == [], stage
+            assert moved_streams(ours["at_end"], ddp["at_end"]) == [], stage
+    expected = _weights(directory, "streams_ddp")
+    for stage in range(4):
+        _assert_close(_weights(directory, f"streams_z{stage}"), expected)
 
 
 def test_a_planned_stop_saves_at_the_agreed_step_and_a_restart_resumes_by_itself(trained):

@@ -18,7 +18,7 @@ ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster
 from testkit.local_ray import add_node, own_ports
 
-from rayzero.ports import free_port as _free_port
+from rayzero.ports import server_port
 
 GLOBAL_BATCH = 12
 
@@ -83,7 +83,7 @@ class TrainingRank:
 
 
 def _ranks(world: int, nodes: list[int], dirs: list[str]):
-    port = _free_port()
+    port = server_port()  # the group's MASTER_PORT: [Note: ports below the ephemeral range]
     return [TrainingRank.options(resources={f"n{node}": 0.1}).remote(rank, world, port, f"node-{node}", dirs[node])
             for rank, node in enumerate(nodes)]
 

@@ -14,15 +14,19 @@ import textwrap
 import urllib.error
 import urllib.request
 
-from rayzero.ports import free_port as _free_port
+from rayzero.ports import server_port
 
 HEAD = textwrap.dedent(
     """
     import sys
     import ray
 
-    ray.init(address="local", num_cpus=1, include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=int(sys.argv[1]),
-             logging_level="ERROR")
+    from rayzero.driver.startup import start_retrying
+
+    # started afresh while it misses Ray's start-up bounds on a loaded machine, as rayzero's own local Ray is
+    start_retrying(lambda: ray.init(address="local", num_cpus=1, include_dashboard=True, dashboard_host="127.0.0.1",
+                                    dashboard_port=int(sys.argv[1]), logging_level="ERROR"),
+                   "the test's Ray head", 3, tag="[tests]")
     print("READY", flush=True)
     sys.stdin.read()  # until the test closes it
     ray.shutdown()
@@ -42,7 +46,7 @@ def _get(url: str, token: str | None) -> int:
 
 def test_a_token_mode_ray_head_refuses_the_job_api_without_the_token(tmp_path):
     token = secrets.token_urlsafe(32)
-    port = _free_port()
+    port = server_port()  # bound by the head's dashboard later: [Note: ports below the ephemeral range]
     short = tempfile.mkdtemp(prefix="rzauth", dir="/tmp")  # Ray's socket paths must stay < 108 bytes
     env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token,
            "RAY_TMPDIR": short, "HOME": str(tmp_path)}

@@ -15,17 +15,13 @@ import pytest
 from test_faults import _check_continued, _signalling_rank1
 from testkit import elastic_loop
 
+from rayzero.ports import server_port
+
 MOTO_SERVER = Path(__file__).resolve().parents[2] / ".venv-s3" / "bin" / "moto_server"
 BUCKET = "rayzero-faults"
 
 pytestmark = pytest.mark.skipif(not MOTO_SERVER.exists(),
                                 reason=f"no {MOTO_SERVER}: run `make s3-venv` (moto's S3 server in its own venv)")
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.fixture
@@ -37,7 +33,7 @@ def s3_ray(monkeypatch, tmp_path, _session_cluster):
     test, so the next test that needs the shared Ray joins it without them."""
     import ray
 
-    port = _free_port()
+    port = server_port()  # bound by the server later: [Note: ports below the ephemeral range]
     log = (tmp_path / "moto.log").open("wb")  # the server's whole life; closed in finally
     server = subprocess.Popen([str(MOTO_SERVER), "-H", "127.0.0.1", "-p", str(port)],
                               stdout=log, stderr=subprocess.STDOUT)

@@ -44,10 +44,10 @@ def _lines(output: str) -> list[dict]:
 def test_accelerate_loop_with_a_deepspeed_config_matches_its_ddp_run(local_ray, tmp_path):
     from safetensors.torch import load_file
 
-    from rayzero.ports import free_port
+    from rayzero.ports import server_port
 
     ddp = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(server_port()),
          str(LOOP), str(tmp_path / "ddp.safetensors"), str(STEPS), str(ACCUMULATION)],
         env=_environment(ACCELERATE_USE_CPU="true"), capture_output=True, text=True, timeout=600, check=False)
     assert ddp.returncode == 0, ddp.stdout[-3000:] + ddp.stderr[-3000:]

@@ -111,9 +111,10 @@ def ddp(inputs, tmp_path_factory) -> Path:
 
 
 def _free_port() -> int:
-    from rayzero.ports import free_port
+    """torchrun's MASTER_PORT, bound by its store later: [Note: ports below the ephemeral range]."""
+    from rayzero.ports import server_port
 
-    return free_port()
+    return server_port()
 
 
 def _weights(directory: Path) -> dict[str, torch.Tensor]:

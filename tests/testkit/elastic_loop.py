@@ -43,8 +43,7 @@ def train(loop_config: dict) -> None:
     if context.resume_from:
         _maybe_kill_inside("load", "rayzero/checkpoint/loader.py", loop_config, context, engine.global_steps)
         engine.load_checkpoint(context.resume_from)
-        rayzero.report({"loaded_step": engine.global_steps,
-                        "loaded": torch.cat([p.detach().flatten() for p in model.parameters()]).tolist()})
+        rayzero.report({"loaded_step": engine.global_steps, "loaded": _weights(model)})
     inputs, targets = dataset()
     world, gas = engine.world_size, engine.gradient_accumulation_steps()
     micro = engine.train_micro_batch_size_per_gpu()
@@ -77,8 +76,13 @@ def train(loop_config: dict) -> None:
         time.sleep(loop_config.get("sleep", 0.0))
         if context.rank == loop_config.get("slow_rank"):  # a straggler: slow outside the engine every step
             time.sleep(loop_config["slow_s"])
-    weights = torch.cat([p.detach().flatten() for p in model.parameters()]).tolist()
-    rayzero.report({"final": weights, "final_step": engine.global_steps})
+    rayzero.report({"final": _weights(model), "final_step": engine.global_steps})
+
+
+def _weights(model: torch.nn.Module) -> list[float]:
+    """The full weights, gathered where stage 3 partitions them (a no-op below stage 3)."""
+    with rayzero.zero.GatheredParameters(list(model.parameters())):
+        return torch.cat([p.detach().flatten() for p in model.parameters()]).tolist()
 
 
 def _maybe_kill_inside(phase: str, module: str, loop_config: dict, context, step: int) -> None:

@@ -1,13 +1,16 @@
 """Local Ray clusters for the tests, each on ports of its own.
 
 [Note: one dashboard-agent port per Ray]
-Ray 2.60 gives every node's dashboard agent the fixed HTTP port 52365, and `ray.init` has no argument
-to change it. A second Ray on the machine (a `rayzero run` subprocess while the tests' shared Ray is
-up, or the other pytest-xdist worker's Ray) cannot bind it: its agent retries for ~3.4 s, gives its
-HTTP server up, and only then does the raylet register, so that start-up is ~3.4 s slower (measured
-in the agent and raylet logs; nothing fails: rayzero never talks to the agent's HTTP server). The
-clusters the tests start themselves take a free port instead (`ray.cluster_utils.Cluster` passes
-the argument on), so 52365 stays free for what the product starts with `ray.init(address="local")`.
+Ray 2.60 gives a head's dashboard agent the fixed HTTP port 52365, and `ray.init` has no argument to
+change it. A second head on the machine (a `rayzero run` subprocess while the tests' shared Ray is up,
+or another pytest-xdist worker's Ray) cannot bind it: its agent retries for ~3.4 s, gives its HTTP
+server up, and only then does the raylet register, so that start-up is ~3.4 s slower (measured in the
+agent and raylet logs; rayzero never talks to the agent's HTTP server). Those seconds count against
+the ~15 s the raylet gives its agent ([Note: Ray's start-up bounds] in rayzero/driver/startup.py). The
+heads the tests start themselves give their agent port 0 (`ray.cluster_utils.Cluster` passes the
+argument on; the agent binds a port the kernel picks, with no window between a pick and the bind, and
+Ray reads it back), so 52365 stays free for what the product starts with `ray.init(address="local")`.
+Ray gives the nodes that join a `Cluster` port 0 itself.
 
 A head started this way is otherwise what `ray.init(address="local")` starts: token authentication
 turned on the same way (Ray's own two calls: RAY_AUTH_MODE=token in this process's environment,
@@ -20,25 +23,23 @@ import time
 from typing import Any
 
 from bench.chaos_world import add_node_retrying
-from rayzero.ports import free_ports
 
 STARTUP_TRIES = 2
 """Starts of a local Ray whose head came up without a working log monitor (`_log_monitor_problem`);
-a head that misses Ray's start-up bound is tried again within each (bench/chaos_world.py's
+a head that misses Ray's start-up bounds is tried again within each (bench/chaos_world.py's
 `add_node_retrying`), said aloud either way."""
 
 
 def own_ports() -> dict[str, int]:
     """Node arguments for the ports Ray would otherwise fix (see [Note: one dashboard-agent port per Ray])."""
-    (agent,) = free_ports(1)
-    return {"dashboard_agent_listen_port": agent}
+    return {"dashboard_agent_listen_port": 0}
 
 
 def add_node(cluster, **node_args):
-    """`cluster.add_node(**node_args)` (its head first), tried again once if the node misses Ray's 30 s
-    start-up bound: the tests' clusters start on a loaded machine, where heads and joining nodes both
-    missed it (bench/chaos_world.py's `add_node_retrying`)."""
-    return add_node_retrying(cluster, "[tests] a Ray node", **node_args)
+    """`cluster.add_node(**node_args)` (its head first), started afresh while the node misses Ray's
+    start-up bounds: the tests' clusters start on a loaded machine, where heads and joining nodes both
+    missed them (bench/chaos_world.py's `add_node_retrying`)."""
+    return add_node_retrying(cluster, "a Ray node", tag="[tests]", **node_args)
 
 
 def start_cluster(num_cpus: int, *, object_store_memory: int = 2 * 1024**3, **head_args: Any):

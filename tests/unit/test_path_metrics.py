@@ -2,7 +2,11 @@
 that says why the step went back."""
 from __future__ import annotations
 
+from rayzero.controller.controller import Controller
+from rayzero.controller.elastic import BatchPlan
+from rayzero.controller.failures import Failure, FailureKind, FailurePolicy
 from rayzero.controller.status import AttemptStart
+from rayzero.controller.worker_group import GroupPoll
 from rayzero.driver.metrics_log import MetricsLog
 from rayzero.driver.metrics_store import read_metrics
 from rayzero.driver.progress import Progress
@@ -127,3 +131,58 @@ def test_a_report_without_a_step_is_not_shown_as_one():
     assert lines[-1].startswith("[rayzero] report 0 (restarted: no checkpoint known, the loop went back to report 0)")
     progress.observe(Report(rank=0, seq=1, time=3.0, metrics={"step": 41}))
     assert lines[-1].startswith("[rayzero] step 41 |"), lines
+
+
+class _ScriptedGroup:
+    """One attempt's worker group: its polls played back in order (the last one repeats)."""
+
+    def __init__(self, polls: list[GroupPoll]) -> None:
+        self.polls = polls
+
+    def start(self) -> dict[str, float]:
+        return {}
+
+    def launch(self, train_loop, loop_config) -> None:
+        pass
+
+    def poll(self, timeout_s: float) -> GroupPoll:
+        return self.polls.pop(0) if len(self.polls) > 1 else self.polls[0]
+
+    def heartbeats(self, timeout_s: float):
+        return {}, []
+
+    def shutdown(self, until_free: bool = False) -> None:
+        pass
+
+
+def test_each_line_counts_the_restarts_charged_before_its_own_attempt_when_one_poll_brings_them_all():
+    # attempt 0 fails (charged: 1); attempt 1 is preempted (a planned regroup: not charged); attempt 2
+    # fails (charged: 2); attempt 3 finishes. The driver polls once, after all of it: the controller's
+    # count is then 2, which the line of attempt 1's step 3 used to show ("restarts 2" after one restart)
+    crash = Failure(FailureKind.LOOP_ERROR, "loop raised", rank=0)
+    scripts = [
+        [GroupPoll(reports=_reports(0, range(1, 5), 0)), GroupPoll(failures=[crash])],
+        [GroupPoll(reports=_reports(0, range(3, 6), 10, attempt=1)),
+         GroupPoll(finished=True, stopped=True, preempted=[0])],
+        [GroupPoll(reports=_reports(0, range(5, 7), 20, attempt=2)), GroupPoll(failures=[crash])],
+        [GroupPoll(reports=_reports(0, range(6, 9), 30, attempt=3)), GroupPoll(finished=True)],
+    ]
+    ticks = iter(range(1000, 100_000, 2))
+    controller = Controller(lambda attempt, resume, workers: _ScriptedGroup(scripts[attempt]), lambda: None, None,
+                            FailurePolicy(max_failures=5, max_failures_without_progress=0),
+                            plan=BatchPlan(1, 1, None), clock=lambda: float(next(ticks)))
+    while not controller.state.is_terminal:
+        controller.step()
+    update = controller.take_update()  # the one long poll
+    assert update.failures == 2
+    assert [(start.attempt, start.cause, start.failures) for start in update.attempts] == [
+        (0, "start", 0), (1, "loop error", 1), (2, "preemption", 1), (3, "loop error", 2)]
+    lines: list[str] = []
+    progress = Progress(None, interval_s=3600, phase_keys=False, emit=lines.append)
+    progress.max_failures = 5
+    for start in update.attempts:  # as the driver hands them over: every start before the reports
+        progress.attempt_began(start)
+    for item in update.reports:
+        progress.observe(item)
+    said = {line.split(" ")[2]: line.rsplit(" | ", 1)[-1] for line in lines}  # first step of each attempt
+    assert said == {"1": "mem r0 0B", "3": "restarts 1/5", "5": "restarts 1/5", "6": "restarts 2/5"}, lines

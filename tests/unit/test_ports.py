@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from rayzero.ports import free_port, server_port
+from rayzero.ports import free_port, server_port, server_ports
 
 pytestmark = pytest.mark.unit
 
@@ -28,6 +28,18 @@ def test_a_server_port_is_below_the_ephemeral_range_and_above_rays_worker_ports_
         port = server_port(host)
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as server:
             server.bind((host, port))
+
+
+def test_server_ports_are_distinct_below_the_ephemeral_range_and_all_bindable_together():
+    low = _ephemeral_low()
+    if low <= 20009:
+        pytest.skip(f"this kernel's ephemeral range starts at {low}: no room below it")
+    for _ in range(50):  # a pick that repeated a port would show in some round
+        ports = server_ports(8)
+        assert len(set(ports)) == 8 and all(20000 <= port < low for port in ports), (ports, low)
+    servers = [socket.create_server(("127.0.0.1", port)) for port in server_ports(8)]
+    for server in servers:
+        server.close()
 
 
 def test_a_port_zero_port_comes_from_the_ephemeral_range_the_one_outgoing_connections_use():

@@ -8,10 +8,13 @@ from __future__ import annotations
 import gc
 import json
 import os
+import pickle
+import threading
+from types import SimpleNamespace
 
 import pytest
 
-from rayzero.checkpoint.comm import Topology
+from rayzero.checkpoint.comm import Topology, gather_cost
 from rayzero.checkpoint.manifest import FileEntry, Manifest, Piece, TensorEntry, commit
 from rayzero.checkpoint.reshard import plan_read
 from rayzero.controller import committed_checkpoints
@@ -261,46 +264,83 @@ def test_a_commit_builds_and_writes_the_manifest_without_the_garbage_collector_w
     assert small <= 2 and large <= 2, (small, large)  # 1 and 44 before the pause
 
 
-class _OneRankOf:
-    """The checkpoint comm as rank `rank` of `world_size` sees it, for a step in which every rank
-    contributes its own value: `all_gather_object` records what this rank sent."""
+class _ThreadedWorld:
+    """`ranks` threads standing in for a checkpoint group: each all-gather returns every rank's
+    value; the pickled size of each rank's value is recorded per call (what the gather moves)."""
 
-    def __init__(self, rank: int, world_size: int) -> None:
-        self.rank, self.world_size, self.sent = rank, world_size, None
+    def __init__(self, ranks: int) -> None:
+        self.world_size = ranks
+        self.slots: list = [None] * ranks
+        self.barrier = threading.Barrier(ranks)
+        self.calls: list[list[int]] = []  # per all-gather: each rank's pickled size
 
-    def all_gather_object(self, value):
-        self.sent = value
-        return [value] * self.world_size
+    def comm(self, rank: int) -> SimpleNamespace:
+        def all_gather_object(value):
+            self.slots[rank] = value
+            self.barrier.wait()
+            gathered = list(self.slots)
+            if rank == 0:
+                self.calls.append([len(pickle.dumps(item, protocol=pickle.HIGHEST_PROTOCOL)) for item in gathered])
+            self.barrier.wait()
+            return gathered
+
+        return SimpleNamespace(rank=rank, world_size=self.world_size, all_gather_object=all_gather_object)
 
 
-def _inventory_cost(tmp_path, ranks: int, monkeypatch) -> tuple[int, int]:
-    """(files looked at, bytes sent) over every rank of a load's inventory step on shared storage."""
+def _load_exchange(tmp_path, ranks: int, node_local: bool, monkeypatch) -> tuple[int, int, set[str]]:
+    """(stat calls, bytes each rank receives, files found) of a load's inventory over three committed
+    checkpoints: shared storage holding every file, or one rank per node holding its own file and its
+    left neighbour's replica."""
     from rayzero.checkpoint import loader
 
-    root = tmp_path / f"shared{ranks}"
-    tag = root / "global_step7"
-    tag.mkdir(parents=True)
-    manifest = _manifest(ranks)
-    for name, entry in manifest.files.items():
-        (tag / name).write_bytes(b"x" * entry.size)
-    commit(str(tag), manifest)
+    names = [f"rank{rank:05d}.safetensors" for rank in range(ranks)]
+    roots = [tmp_path / f"{'node' if node_local else 'shared'}{ranks}" / (f"n{rank}" if node_local else "")
+             for rank in range(ranks)]
+    for rank, root in enumerate(roots if node_local else roots[:1]):
+        kept = {names[rank], names[rank - 1]} if node_local else set(names)
+        for step in (5, 6, 7):  # keep_last 3
+            tag = root / f"global_step{step}"
+            tag.mkdir(parents=True)
+            for name in kept:
+                (tag / name).write_bytes(b"x" * 64)
+            commit(str(tag), Manifest(tag=tag.name, step=step, world_size=ranks, stage=3, config_digest="d",
+                                      files={name: FileEntry(64, "c" * 32, index, f"node{index}")
+                                             for index, name in enumerate(names)}, tensors={}, rank_states=[]))
     looked = []
     real = os.path.isfile
     monkeypatch.setattr(loader.os.path, "isfile", lambda path: looked.append(path) or real(path))
-    topology = Topology.from_nodes([f"node{rank // 8}" for rank in range(ranks)], node_local=False)
-    sent = 0
-    for rank in range(ranks):
-        comm = _OneRankOf(rank, ranks)
-        loader.gather_inventories(comm, topology, str(root))
-        sent += len(json.dumps(comm.sent))
+    topology = Topology.from_nodes([f"node{rank}" for rank in range(ranks)], node_local=node_local)
+    world = _ThreadedWorld(ranks)
+    found: list[set[str]] = []
+
+    def rank_loads(rank: int) -> None:  # what loader.load exchanges before it tries the newest candidate
+        comm = world.comm(rank)
+        holding: dict[str, set[str]] = {}
+        for other, tags in enumerate(loader.gather_tags(comm, topology, str(roots[rank]))):
+            for tag in tags:
+                holding.setdefault(tag, set()).add(topology.locations[other])
+        present, _ = loader.gather_presence(comm, topology, str(roots[rank]), "global_step7", holding["global_step7"])
+        if rank == 0:
+            found.append(set().union(*present.values()))
+
+    threads = [threading.Thread(target=rank_loads, args=(rank,)) for rank in range(ranks)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
     monkeypatch.undo()
-    return len(looked), sent
+    return len(looked), sum(gather_cost(sizes)[1] for sizes in world.calls), found[0]
 
 
-def test_a_load_lists_shared_storage_once_not_once_per_rank(tmp_path, monkeypatch):
-    """[Note: one inventory per location]: every rank listed every rank's files and sent the listing
-    to all (N^2 stat calls and bytes: 4x the ranks, 16x); one listing per location now (4x)."""
-    small_looked, small_sent = _inventory_cost(tmp_path, 16, monkeypatch)
-    large_looked, large_sent = _inventory_cost(tmp_path, 64, monkeypatch)
-    assert small_looked == 16 and large_looked == 64  # one stat per file, by rank 0 alone
-    assert large_sent <= 4.5 * small_sent, (small_sent, large_sent)
+@pytest.mark.parametrize("node_local", [False, True], ids=["shared storage", "one rank per node"])
+def test_a_load_s_inventory_costs_each_rank_bytes_linear_in_the_ranks(tmp_path, monkeypatch, node_local):
+    """[Note: one inventory per location]: each location's leader listed every committed checkpoint's
+    files, and torch's all-gather padded every rank's share to the largest: on shared storage each
+    rank received N copies of an N-file listing (bytes per rank 16x for 4x the ranks). Only the tried
+    checkpoint's files are listed now ([Note: gathering uneven objects] in comm.py: 4x)."""
+    small_looked, small_bytes, small_found = _load_exchange(tmp_path, 16, node_local, monkeypatch)
+    large_looked, large_bytes, large_found = _load_exchange(tmp_path, 64, node_local, monkeypatch)
+    assert len(small_found) == 16 and len(large_found) == 64  # every file of the newest one is found
+    # one stat per file of the newest checkpoint at its locations (the older two are not listed)
+    assert (small_looked, large_looked) == ((32, 128) if node_local else (16, 64))
+    assert large_bytes <= 4.5 * small_bytes, (small_bytes, large_bytes)

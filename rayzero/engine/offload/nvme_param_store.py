@@ -192,9 +192,9 @@ class NvmeParamStore:
                 self.write_seconds += time.perf_counter() - start
         self._writes.append((self._driver.submit(write), index))
 
-    def lazy_piece(self, slot: SwapSlot, count: int) -> LazyPiece:
-        """The first `count` elements, read only when a checkpoint writer asks ([Note: streamed save])."""
-        return _SwappedShard(self, slot, count)
+    def lazy_piece(self, slot: SwapSlot, count: int, offset: int = 0) -> LazyPiece:
+        """`count` elements from `offset`, read only when a checkpoint writer asks ([Note: streamed save])."""
+        return _SwappedShard(self, slot, count, offset)
 
     def timings(self) -> dict[str, float]:
         """Seconds gathers waited for shard reads, and seconds of shard writes (summed over the
@@ -228,9 +228,9 @@ class NvmeParamStore:
 
 
 class _SwappedShard(LazyPiece):
-    def __init__(self, store: NvmeParamStore, slot: SwapSlot, count: int) -> None:
+    def __init__(self, store: NvmeParamStore, slot: SwapSlot, count: int, offset: int) -> None:
         super().__init__(count, slot.dtype)
-        self._store, self._slot = store, slot
+        self._store, self._slot, self._offset = store, slot, offset
 
     def materialize(self) -> torch.Tensor:
-        return self._store.copy_out(self._slot, torch.device("cpu"))[: self.numel()]
+        return self._store.copy_out(self._slot, torch.device("cpu"))[self._offset:self._offset + self.numel()]

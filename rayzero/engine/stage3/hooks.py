@@ -101,6 +101,9 @@ class Stage3Coordinator:
         # Entries kept gathered after use because of max_reuse_distance: first to go under pressure.
         self._kept: dict[int, PartitionedParam] = {}
         self._handles: list[Any] = []
+        self._module_hooks: dict[int, list[Any]] = {}  # each module's own hook handles: fuse() removes some
+        # A module inside a fused region -> the region's (index, module): it fetches with the region.
+        self._fused_into: dict[int, tuple[int, torch.nn.Module]] = {}
         self._module_params: dict[int, list[PartitionedParam]] = {}
         # Counters that make the knobs observable (memory_stats / tests).
         self.prefetched_elements = 0
@@ -128,6 +131,7 @@ class Stage3Coordinator:
         index = self._module_index.get(id(module))
         if index is None:
             raise RayZeroValueError(f"{type(module).__name__} is not part of the model this engine trains")
+        index, module = self._fused_into.get(index, (index, module))
         entries = self._module_params[index]
         if entry not in entries:
             had_hooks = bool(entries)
@@ -135,10 +139,34 @@ class Stage3Coordinator:
             if not had_hooks:
                 self._install_module_hooks(index, module)
 
+    def fuse(self, module: torch.nn.Module) -> None:
+        """`module` and every module under it fetch as one: `module`'s hooks gather all their
+        parameters and the modules under it lose theirs ([Note: compiling stage 3] in
+        rayzero/engine/compile.py). Fetch events change, so the trace records afresh."""
+        index = self._module_index.get(id(module))
+        if index is None:
+            raise RayZeroValueError(f"{type(module).__name__} is not part of the model this engine trains")
+        if index in self._fused_into:
+            return  # already inside a fused region: fetched whole with it
+        entries = self._module_params[index]
+        for inner in list(module.modules())[1:]:
+            inner_index = self._module_index[id(inner)]
+            entries.extend(entry for entry in self._module_params[inner_index] if entry not in entries)
+            self._module_params[inner_index] = []
+            for handle in self._module_hooks.pop(inner_index, []):
+                handle.remove()
+            self._fused_into[inner_index] = (index, module)
+        if entries and index not in self._module_hooks:
+            self._install_module_hooks(index, module)
+
     def _install_module_hooks(self, index: int, module: torch.nn.Module) -> None:
-        self._handles.append(module.register_forward_pre_hook(functools.partial(self._pre_forward, index)))
-        self._handles.append(module.register_forward_hook(functools.partial(self._post_forward, index),
-                                                          always_call=True))
+        # Under torch.compile these hooks run eagerly, never traced: they gather with collectives and
+        # swap `param.data` ([Note: compiling stage 3] in rayzero/engine/compile.py).
+        pre = torch.compiler.disable(functools.partial(self._pre_forward, index))
+        post = torch.compiler.disable(functools.partial(self._post_forward, index))
+        handles = [module.register_forward_pre_hook(pre), module.register_forward_hook(post, always_call=True)]
+        self._module_hooks[index] = handles
+        self._handles.extend(handles)
 
     # ---- micro-step framing -----------------------------------------------------------------
     def begin_micro_step(self) -> None:

@@ -40,6 +40,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from rayzero.engine.comm import Communicator
 from rayzero.engine.partition import padded_size, split_evenly
+from rayzero.engine.quantize import Layout, dequantize_into, quantize_into
+from rayzero.engine.stage3.gather_routes import Direct, GatherRoute, Stored
 
 # Parameters whose gathered size is at least this gather in a collective of their own ([Note:
 # coalesced gathers]): 1M elements is ~4 MiB in fp32, ~1-4 ms on gloo here against ~0.5 ms per call.
@@ -67,9 +69,10 @@ class PartitionedParam:
     shape: torch.Size
     numel: int
     shard: torch.Tensor
-    """This rank's padded piece, compute dtype, 1-D of `shard_numel` elements."""
+    """This rank's padded piece, 1-D of `shard_numel` elements: in the compute dtype, or the fp32
+    master itself where the master lives on the compute device ([Note: shards are the masters])."""
     full: torch.Tensor
-    """Padded flat gather buffer (N * shard_numel); its storage is 0 bytes while released."""
+    """Padded flat gather buffer (N * shard_numel), compute dtype; 0 bytes of storage while released."""
     persistent: bool = False
     """Kept gathered for the whole run (`param_persistence_threshold`); refreshed after each step."""
     state: ParamState = ParamState.RELEASED
@@ -85,35 +88,44 @@ class PartitionedParam:
     """The shard's place in the NVMe swap file when it lives there (`shard` is then a 0-element
     placeholder): [Note: NVMe parameter shards] in offload/nvme_param_store.py."""
     wire_dtype: torch.dtype | None = None
-    """dtype the all-gather carries it in when not the shard's: torch_autocast's lower precision for
-    a lower-precision-safe module's weight ([Note: torch_autocast] in autocast.py)."""
+    """dtype the all-gather carries it in when not the compute dtype: torch_autocast's lower precision
+    for a lower-precision-safe module's weight ([Note: torch_autocast] in autocast.py)."""
+    stored: Layout | None = None
+    """zero_quantized_nontrainable_weights: `shard` holds this frozen parameter's piece as int8 blocks
+    (Layout.piece_bytes of uint8), gathered as stored ([Note: stage-3 layouts] in layout.py)."""
+    secondary: torch.Tensor | None = None
+    """hpZ: this rank's piece of the gathered values over its secondary group, kept from the last
+    release until the values change ([Note: stage-3 layouts] in layout.py); None without hpZ."""
 
     @property
     def shard_numel(self) -> int:
-        return self.swap.numel if self.swap is not None else self.shard.numel()
+        if self.swap is not None:
+            return self.swap.numel
+        return self.stored.numel if self.stored is not None else self.shard.numel()
 
 
 class _GatherBatch:
     """One coalesced all-gather in flight (see [Note: coalesced gathers])."""
 
     def __init__(self, work: object, received: torch.Tensor, entries: list[PartitionedParam],
-                 send: torch.Tensor) -> None:
+                 send: torch.Tensor, rows: int) -> None:
         self.work = work
         self.received = received
         self.entries = entries
         self.send = send  # must outlive the collective
+        self.rows = rows  # members of the route: each sent one piece of every entry
         self.done = False
 
-    def finish(self, world_size: int, waiter: Callable[[Any], None]) -> None:
+    def finish(self, waiter: Callable[[Any], None]) -> None:
         if self.done:
             return
         waiter(self.work)
-        rows = self.received.view(world_size, -1)
+        rows = self.received.view(self.rows, -1)
         offset = 0
         for entry in self.entries:
-            width = entry.shard_numel
+            width = entry.full.numel() // self.rows
             if entry.pending is self:
-                entry.full.view(world_size, width).copy_(rows[:, offset:offset + width])
+                entry.full.view(self.rows, width).copy_(rows[:, offset:offset + width])
                 entry.pending = None
                 _point_at_full(entry)
             offset += width
@@ -178,10 +190,26 @@ class ParamPartitions:
     and keeps the live-element counters that make the policy measurable.
     """
 
-    def __init__(self, comm: Communicator, device: torch.device | str) -> None:
+    def __init__(self, comm: Communicator, device: torch.device | str, dtype: torch.dtype | None = None,
+                 primary: GatherRoute | None = None, secondary: GatherRoute | None = None,
+                 secondary_comm: Communicator | None = None) -> None:
         self.comm = comm
+        """The ranks the parameters are sharded over (the world, or MiCS's shard group)."""
         self.device = torch.device(device)
         """Compute device: where gathered parameters live (shards may live elsewhere: offload)."""
+        self.dtype = dtype
+        """Compute dtype of gathered parameters (None: each shard's own dtype)."""
+        self.primary: GatherRoute = primary or Direct(comm)
+        """How a gather from the shards travels ([Note: stage-3 layouts] in layout.py)."""
+        self.exact: GatherRoute = getattr(self.primary, "exact", self.primary)
+        """The same gather without quantization (`gather(exact=True)`: consolidating, closing)."""
+        self.secondary = secondary
+        """hpZ: how a gather from secondary pieces travels; None without hpZ."""
+        self._secondary_comm = secondary_comm
+        self.secondary_elements = 0
+        """Elements held in hpZ secondary pieces right now."""
+        self.stored_route = Stored(comm)
+        """How shards stored as int8 blocks are gathered (zero_quantized_nontrainable_weights)."""
         self.coordinator = None
         """The hooks that use these partitions (set by Stage3Coordinator; None inside Init)."""
         self.store = None
@@ -197,17 +225,18 @@ class ParamPartitions:
 
     # ---- building ---------------------------------------------------------------------------
     def add(self, param: torch.nn.Parameter, name: str, shard: torch.Tensor, shape: torch.Size,
-            persistent: bool, swap: Any = None) -> PartitionedParam:
-        """Register `param`, whose local padded shard is `shard` (or, swapped, `swap`); its data
-        becomes released (a persistent one is gathered by the next `refresh_persistent`)."""
+            persistent: bool, swap: Any = None, stored: Layout | None = None) -> PartitionedParam:
+        """Register `param`, whose local padded shard is `shard` (or, swapped, `swap`; or, `stored`,
+        int8 blocks); its data becomes released (a persistent one is gathered by the next
+        `refresh_persistent`)."""
         numel = int(torch.Size(shape).numel())
         world = self.comm.world_size
-        shard_numel = swap.numel if swap is not None else shard.numel()
+        shard_numel = swap.numel if swap is not None else stored.numel if stored is not None else shard.numel()
         assert shard_numel == padded_size(numel, world) // world, "shard of the wrong size"
-        full = torch.empty(shard_numel * world, dtype=shard.dtype, device=self.device)
+        full = torch.empty(shard_numel * world, dtype=self.dtype or shard.dtype, device=self.device)
         full.untyped_storage().resize_(0)
         entry = PartitionedParam(param=param, name=name, shape=torch.Size(shape), numel=numel,
-                                 shard=shard, full=full, persistent=persistent, swap=swap)
+                                 shard=shard, full=full, persistent=persistent, swap=swap, stored=stored)
         param.data = _placeholder(full)
         self.entries.append(entry)
         _REGISTRY[param] = (weakref.ref(self), weakref.ref(entry)) if self.coordinator is not None else (self, entry)
@@ -247,39 +276,62 @@ class ParamPartitions:
                 self.live_elements += entry.numel
         self.peak_live_elements = max(self.peak_live_elements, self.live_elements)
         alone: list[PartitionedParam] = []
-        batches: dict[torch.dtype, list[PartitionedParam]] = {}  # by wire dtype, in `todo` order
+        # by (route, wire dtype), in `todo` order; a batch never mixes routes or dtypes
+        batches: dict[tuple[str, torch.dtype], list[PartitionedParam]] = {}
         for entry in todo:
             wire = entry.full.dtype if exact or entry.wire_dtype is None else entry.wire_dtype
-            if wire == entry.full.dtype and entry.full.numel() >= COALESCE_MAX_ELEMENTS:
-                alone.append(entry)
+            if entry.stored is not None or wire == entry.full.dtype and entry.full.numel() >= COALESCE_MAX_ELEMENTS:
+                alone.append(entry)  # stored int8 bytes never join a batch of another dtype
             else:
-                batches.setdefault(wire, []).append(entry)
-        for wire, together in list(batches.items()):
-            if len(together) == 1 and wire == together[0].full.dtype:
-                alone.append(batches.pop(wire)[0])
+                batches.setdefault((self._route_name(entry, exact), wire), []).append(entry)
+        for key, together in list(batches.items()):
+            if len(together) == 1 and key[1] == together[0].full.dtype:
+                alone.append(batches.pop(key)[0])
         for entry in alone:
-            entry.pending = self.comm.all_gather(entry.full, self._send_piece(entry), async_op=True)
-        for wire, together in batches.items():
-            send = torch.cat([self._send_piece(entry).to(wire) for entry in together])
-            received = torch.empty(send.numel() * self.comm.world_size, dtype=wire, device=self.device)
-            batch = _GatherBatch(self.comm.all_gather(received, send, async_op=True), received, together, send)
+            route, piece = self._route(self._route_name(entry, exact), entry)
+            entry.pending = route.all_gather(entry.full, piece)
+        for (name, wire), together in batches.items():
+            route = self._route(name, together[0])[0]
+            send = torch.cat([self._route(name, entry)[1].to(wire) for entry in together])
+            received = torch.empty(send.numel() * route.size, dtype=wire, device=self.device)
+            batch = _GatherBatch(route.all_gather(received, send), received, together, send, route.size)
             for entry in together:
                 entry.pending = batch
         return sum(entry.numel for entry in todo)
+
+    @staticmethod
+    def _route_name(entry: PartitionedParam, exact: bool) -> str:
+        if entry.stored is not None:
+            return "stored"  # its exact values are the stored ones
+        if exact:
+            return "exact"
+        return "secondary" if entry.secondary is not None else "primary"
+
+    def _route(self, name: str, entry: PartitionedParam) -> tuple[GatherRoute, torch.Tensor]:
+        """The route called `name` and the piece of `entry` this rank sends on it."""
+        if name == "secondary":
+            return self.secondary, entry.secondary
+        if name == "stored":
+            return self.stored_route, entry.shard.to(self.device, non_blocking=True)
+        return (self.exact if name == "exact" else self.primary), self._send_piece(entry)
 
     def _send_piece(self, entry: PartitionedParam) -> torch.Tensor:
         """The shard as the all-gather's input, on the compute device: an offloaded shard
         (offload_param) is copied there, a swapped one read from its file first."""
         if entry.swap is not None:
             return self.store.copy_out(entry.swap, self.device)
-        shard = entry.shard
-        return shard if shard.device == self.device else shard.to(self.device, non_blocking=True)
+        # [Note: shards are the masters]: a shard that is the fp32 master is cast on its way in
+        return entry.shard.to(self.device, entry.full.dtype, non_blocking=True)
 
     # ---- shard values (wherever the shard lives) ---------------------------------------------
     def read_shard(self, entry: PartitionedParam) -> torch.Tensor:
         """The padded shard's values: the shard itself, or a copy read from its swap file."""
         if entry.swap is not None:
             return self.store.copy_out(entry.swap, torch.device("cpu"))
+        if entry.stored is not None:
+            values = torch.empty(entry.stored.numel, dtype=entry.full.dtype, device=entry.shard.device)
+            dequantize_into(*entry.stored.split(entry.shard), entry.stored, values)
+            return values
         return entry.shard
 
     def write_shard(self, entry: PartitionedParam, values: torch.Tensor) -> None:
@@ -287,15 +339,22 @@ class ParamPartitions:
         them stays zero."""
         if entry.swap is not None:
             self.store.write(entry.swap, values)
+        elif entry.stored is not None:
+            padded = torch.zeros(entry.stored.numel, dtype=torch.float32, device=entry.shard.device)
+            padded[: values.numel()].copy_(values.reshape(-1))
+            quantize_into(padded, entry.stored, *entry.stored.split(entry.shard))
         else:
             entry.shard[: values.numel()].copy_(values.reshape(-1))
 
-    def saved_piece(self, entry: PartitionedParam, count: int) -> Any:
-        """The shard's first `count` elements for a checkpoint: a view, or a piece read from the
-        swap file only when the writer gets to it ([Note: streamed save])."""
+    def saved_piece(self, entry: PartitionedParam, offset: int, count: int) -> Any:
+        """`count` of the shard's elements from `offset` for a checkpoint, in the compute dtype: a
+        view, a cast copy of a shard that is the fp32 master, or a piece read from the swap file only
+        when the writer gets to it ([Note: streamed save])."""
         if entry.swap is not None:
-            return self.store.lazy_piece(entry.swap, count)
-        return entry.shard[:count].detach()
+            return self.store.lazy_piece(entry.swap, count, offset)
+        if entry.stored is not None:
+            return self.read_shard(entry)[offset:offset + count]
+        return entry.shard[offset:offset + count].detach().to(entry.full.dtype)
 
     def read_ahead(self, entries: Iterable[PartitionedParam]) -> None:
         """Start reading these swapped shards (upcoming in the recorded order) into free staging
@@ -308,7 +367,7 @@ class ParamPartitions:
         if entry.state is not ParamState.GATHERING:
             return
         if isinstance(entry.pending, _GatherBatch):
-            entry.pending.finish(self.comm.world_size, self.waiter)
+            entry.pending.finish(self.waiter)
         else:
             self.waiter(entry.pending)
             entry.pending = None
@@ -321,6 +380,8 @@ class ParamPartitions:
         if entry.users > 0 and not force:
             return False
         self.wait(entry)  # an in-flight collective still writes into the buffer
+        if self.secondary is not None and entry.secondary is None and not entry.persistent and entry.stored is None:
+            self._keep_secondary(entry)
         entry.param.data = _placeholder(entry.full)
         entry.full.untyped_storage().resize_(0)
         entry.state = ParamState.RELEASED
@@ -328,6 +389,20 @@ class ParamPartitions:
         if not entry.persistent:
             self.live_elements -= entry.numel
         return True
+
+    def _keep_secondary(self, entry: PartitionedParam) -> None:
+        """hpZ: keep this rank's piece of the gathered values for the next gathers of `entry`."""
+        comm = self._secondary_comm
+        width = entry.full.numel() // comm.world_size
+        entry.secondary = entry.full[comm.rank * width:(comm.rank + 1) * width].clone()
+        self.secondary_elements += width
+
+    def expire_secondaries(self, entries: Iterable[PartitionedParam]) -> None:
+        """The shards of `entries` changed (optimizer step, load, modification): drop their hpZ pieces."""
+        for entry in entries:
+            if entry.secondary is not None:
+                self.secondary_elements -= entry.secondary.numel()
+                entry.secondary = None
 
     def refresh_persistent(self, persistent: list[PartitionedParam]) -> None:
         """After their shards changed (optimizer step, load): re-gather these persistent entries."""
@@ -341,6 +416,7 @@ class ParamPartitions:
         """The gathered data was modified (GatheredParameters): take this rank's piece as shard."""
         flat = entry.full[: entry.numel]
         start, end = split_evenly(entry.numel, self.comm.world_size, self.comm.rank)
+        self.expire_secondaries([entry])
         self.write_shard(entry, flat[start:end])
         if entry.master is not None:
             entry.master[: end - start].copy_(flat[start:end])
@@ -355,6 +431,7 @@ class ParamPartitions:
     def forget(self, entry: PartitionedParam) -> None:
         """Hand `entry`'s parameter over to another owner (the engine adopting an Init partition)."""
         self.release(entry, force=True)
+        self.expire_secondaries([entry])
         self.entries.remove(entry)
         if entry.persistent:
             self.persistent_elements -= entry.numel
@@ -363,6 +440,8 @@ class ParamPartitions:
 
     def close(self) -> None:
         """Forget the registry entries; parameters are left gathered so the module stays usable."""
+        self.expire_secondaries(self.entries)
+        self.secondary = None
         for entry in self.entries:
             if entry.wire_dtype is not None:  # gathered in a lower precision: re-gather the exact values
                 self.release(entry, force=True)

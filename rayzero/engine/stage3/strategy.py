@@ -11,6 +11,16 @@ the group's parameter shards (padded): `sub_group_size` elements at most, cut at
 boundaries as DeepSpeed cuts them (one parameter larger than that is a sub-group alone). Few large
 tensors keep the fused kernels efficient; sub-groups are the tiles an offloaded step swaps
 ([Note: NVMe tiles] in offload/nvme.py).
+
+[Note: shards are the masters]
+Where the masters live on the compute device (no offload), a trainable parameter's shard is a view of
+its fp32 master, whatever the compute dtype: a gather casts the shard to bf16/fp16 on its way in
+(`ParamPartitions._send_piece`, a transient 1/N piece), as FSDP2's mixed precision does, instead of
+keeping a second, compute-dtype copy of every shard beside the master (2 bytes per parameter / N
+less at bf16). The values gathered are the same: the copy was the master cast after every step.
+Checkpoints still store `module/` pieces in the compute dtype (cast as they are written). With the
+masters offloaded (CPU, NVMe) the compute-dtype shard stays on the device: gathering from the host
+would move fp32 over the link on every gather.
 """
 from __future__ import annotations
 
@@ -26,7 +36,11 @@ from rayzero.engine.offload.overlapped_step import run_step
 from rayzero.engine.optim_state import elementwise_state_keys, ensure_optimizer_state
 from rayzero.engine.partition import split_evenly
 from rayzero.engine.stage3.gradients import GradientReducer
+from rayzero.engine.comm import Communicator
 from rayzero.engine.stage3.hooks import Stage3Coordinator, Stage3Knobs
+from rayzero.engine.quantize import quantize_into
+from rayzero.engine.stage3.gather_routes import stored_layout
+from rayzero.engine.stage3.layout import LayoutChoice, Stage3Layout
 from rayzero.engine.stage3.parameters import ParamPartitions, PartitionedParam, external_parameters, lookup
 from rayzero.engine.strategy import StrategyContext, ZeroStrategy
 
@@ -48,10 +62,14 @@ class Stage3Strategy(ZeroStrategy):
         self.policy = ctx.reduce
         self.offload = ctx.offload
         self.knobs = Stage3Knobs.from_config(ctx.zero_config)
-        self.partitions = ParamPartitions(ctx.comm, ctx.device)
-        # fp32 compute on the device where masters live: a trainable parameter's shard *is* its
-        # master window (no second fp32 copy), as stages 0-2 alias their buffers.
-        self.aliased = (ctx.precision.param_dtype == torch.float32 and ctx.offload.may_alias(ctx.device))
+        # [Note: stage-3 layouts]: the shard group, and how gathers and reductions travel
+        self.layout = Stage3Layout(ctx.comm, LayoutChoice.from_config(ctx.zero_config))
+        self.shard_comm = self.layout.shard
+        self.partitions = ParamPartitions(self.shard_comm, ctx.device, ctx.precision.param_dtype,
+                                          *self.layout.gather_routes())
+        # [Note: shards are the masters]: where the masters live on the compute device, a trainable
+        # parameter's shard *is* its fp32 master window (no second copy in the compute dtype).
+        self.aliased = ctx.offload.may_alias(ctx.device)
         with torch.no_grad():
             pieces = {}
             persistent_budget = self.knobs.model_persistence_threshold
@@ -90,19 +108,23 @@ class Stage3Strategy(ZeroStrategy):
                 optimizer_groups.append({**hyper, "params": group_masters})
             self.partitions.store = self.offload.param_store()
             for name, param, piece, shape, persistent in pieces.values():
-                swap = None
+                swap = stored = None
                 if self.aliased and id(param) in masters:
                     shard = masters[id(param)]
                 elif self.partitions.store is not None:  # [Note: NVMe parameter shards]
                     shard, swap = self.partitions.store.place(piece, self.precision.param_dtype, name)
+                elif self.layout.choice.quantize_frozen_weights and id(param) not in masters:
+                    stored = stored_layout(piece.numel())  # a frozen weight kept as int8 blocks
+                    shard = self.offload.allocate(StateKind.PARAM_SHARD, stored.piece_bytes, torch.uint8)
+                    quantize_into(piece, stored, *stored.split(shard))
                 else:
                     shard = self.offload.allocate(StateKind.PARAM_SHARD, piece.numel(), self.precision.param_dtype)
                     shard.copy_(piece)
-                entry = self.partitions.add(param, name, shard, shape, persistent, swap)
+                entry = self.partitions.add(param, name, shard, shape, persistent, swap, stored)
                 entry.master = masters.get(id(param))
                 if ctx.precision.autocast is not None:  # [Note: torch_autocast] in autocast.py
                     wire = ctx.precision.wire_dtype(param)
-                    entry.wire_dtype = wire if wire != shard.dtype else None
+                    entry.wire_dtype = wire if wire != entry.full.dtype else None
             del pieces
             self.partitions.refresh_persistent([e for e in self.partitions.entries if e.persistent])
             self._cast_buffers()
@@ -113,8 +135,9 @@ class Stage3Strategy(ZeroStrategy):
         master_grad_views = {id(by_param[key]): view for key, view in master_grads.items()}
         self.optimizer = ctx.build_optimizer(optimizer_groups)
         wire = {key: ctx.precision.wire_dtype(by_id[key].param) for key in master_grad_views}
-        self.reducer = GradientReducer(ctx.comm, ctx.reduce.reduce_bucket_size, ctx.precision.reduce_dtype,
-                                       ctx.reduce.overlap_comm, master_grad_views, wire)
+        self.reducer = GradientReducer(self.layout.reductions(), ctx.reduce.reduce_bucket_size,
+                                       ctx.precision.reduce_dtype, ctx.reduce.overlap_comm, master_grad_views, wire,
+                                       {key: by_id[key].shape for key in master_grad_views})
         self.coordinator = Stage3Coordinator(ctx.module, self.partitions, self.knobs, self._reduce_gradient,
                                              external_parameters(ctx.module))
         self.reducer.waiter = self.coordinator.stall.wait
@@ -143,6 +166,12 @@ class Stage3Strategy(ZeroStrategy):
                     f"parameter {entry.name} was partitioned by rayzero.zero.Init over {owner.comm.world_size} "
                     f"rank(s) but training runs on {self.comm.world_size}: initialise the process group "
                     "(rayzero.init_distributed()) before entering Init, and use the same group for both")
+            if self.shard_comm is not self.comm:  # MiCS: Init sharded over the world; re-cut for the shard group
+                owner.gather([entry], exact=True)
+                owner.wait(entry)
+                full = entry.full[: entry.numel].float()
+                owner.forget(entry)
+                return self.partitions.local_piece(full), entry.shape
             owner.forget(entry)
             return entry.shard.to(self.partitions.device, torch.float32), entry.shape
         return self.partitions.local_piece(param.detach().reshape(-1).float()), param.shape
@@ -160,6 +189,7 @@ class Stage3Strategy(ZeroStrategy):
 
     def before_backward(self, is_boundary: bool) -> None:
         self.reducer.seen.clear()
+        self.reducer.boundary = is_boundary
         if self._step_early:
             self._wait_steps()
             self._stepper.check_consumed()
@@ -220,6 +250,7 @@ class Stage3Strategy(ZeroStrategy):
     def _publish(self) -> None:
         """Updated masters -> compute-dtype shards; persistent parameters are re-gathered."""
         with torch.no_grad():
+            self.partitions.expire_secondaries(self._trainable_entries)
             if not self.aliased:
                 for entry in self._trainable_entries:
                     self.partitions.write_shard(entry, entry.master)
@@ -232,31 +263,50 @@ class Stage3Strategy(ZeroStrategy):
 
     # ---- checkpoint ([Note: flat-range partitioning]) ---------------------------------------
     def _owned(self, entry: PartitionedParam) -> tuple[int, int]:
-        return split_evenly(entry.numel, self.comm.world_size, self.comm.rank)
+        return split_evenly(entry.numel, self.shard_comm.world_size, self.shard_comm.rank)
 
-    def _optimizer_windows(self):
+    def _saved(self, entry: PartitionedParam) -> tuple[int, int]:
+        """The part of `_owned` this rank writes: all of it, or with MiCS's replicas (which own the
+        same range) an even share of it, so the checkpoint holds each element once and every rank
+        writes about 1/world of it — the one format, whatever the layout."""
+        start, end = self._owned(entry)
+        replicas = self.layout.replicas
+        if replicas is None:
+            return start, end
+        first, last = split_evenly(end - start, replicas.world_size, replicas.rank)
+        return start + first, start + last
+
+    def _optimizer_windows(self, saving: bool = False):
         """(entry, its sub-group's master, start, end, window) for each entry this rank owns a part of:
-        [start, end) of the full parameter, `window` the same elements in the master."""
+        [start, end) of the full parameter, `window` the same elements in the master. `saving`: only
+        the part this rank writes ([Note: flat-range partitioning])."""
         for entries, master, _ in self.groups:
             offset = 0
             for entry in entries:
-                start, end = self._owned(entry)
+                owned = self._owned(entry)[0]
+                start, end = self._saved(entry) if saving else self._owned(entry)
                 if end > start:
-                    yield entry, master, start, end, slice(offset, offset + end - start)
+                    begin = offset + start - owned
+                    yield entry, master, start, end, slice(begin, begin + end - start)
                 offset += entry.shard_numel
+
+    def grad_norm(self, comm: Communicator) -> float:
+        """MiCS's replicas hold the same gradient shards: the norm is summed over one shard group."""
+        return super().grad_norm(self.shard_comm)
 
     def state_shards(self) -> list[ShardedTensor]:
         out = []
         for entry in self.partitions.entries:
-            start, end = self._owned(entry)
+            start, end = self._saved(entry)
             if end > start:
-                spec = ShardSpec(f"module/{entry.name}", tuple(entry.shape), entry.shard.dtype, start, end)
-                out.append(ShardedTensor(spec, self.partitions.saved_piece(entry, end - start)))
+                spec = ShardSpec(f"module/{entry.name}", tuple(entry.shape), entry.full.dtype, start, end)
+                piece = self.partitions.saved_piece(entry, start - self._owned(entry)[0], end - start)
+                out.append(ShardedTensor(spec, piece))
         for name, buf in self.module.named_buffers():
             out.append(ShardedTensor(ShardSpec(f"module/{name}", tuple(buf.shape), buf.dtype, 0, buf.numel()),
                                      buf.detach().reshape(-1)))
         keys = elementwise_state_keys(self.optimizer)
-        for entry, master, start, end, window in self._optimizer_windows():
+        for entry, master, start, end, window in self._optimizer_windows(saving=True):
             out.append(ShardedTensor(ShardSpec(f"master/{entry.name}", tuple(entry.shape), torch.float32,
                                                start, end), master.detach()[window]))
             state = self.optimizer.state.get(master, {})
@@ -272,8 +322,9 @@ class Stage3Strategy(ZeroStrategy):
             for entry in self.partitions.entries:
                 start, end = self._owned(entry)
                 if end > start:
-                    spec = ShardSpec(f"module/{entry.name}", tuple(entry.shape), entry.shard.dtype, start, end)
+                    spec = ShardSpec(f"module/{entry.name}", tuple(entry.shape), entry.full.dtype, start, end)
                     self.partitions.write_shard(entry, read(spec).reshape(-1))
+            self.partitions.expire_secondaries(self.partitions.entries)
             for name, buf in self.module.named_buffers():
                 spec = ShardSpec(f"module/{name}", tuple(buf.shape), buf.dtype, 0, buf.numel())
                 buf.copy_(read(spec).reshape(buf.shape))
