@@ -9,8 +9,8 @@ did not answer in time keeps its call, and its answer is taken in a later round,
 [Note: relays for small nodes]
 A relay saves the controller a call per rank it gathers, less one: a relay per node saves nothing
 where each node runs one rank (CPU workers, one-GPU nodes), and the controller was back at a Ray
-call per rank per round (~0.25 ms of its CPU each: about a core at 4,096 single-rank nodes,
-bench/scale.py). So a relay gathers at least `RANKS_PER_RELAY` ranks: the nodes of one host (its
+call per rank per round (~0.25 ms of its CPU each; bench/scale.py's `small_nodes`: 5.2 cores at
+4,096 single-rank nodes, 0.58 with these relays). So a relay gathers at least `RANKS_PER_RELAY` ranks: the nodes of one host (its
 node IP) go to one relay, and hosts with fewer ranks are packed together, in rank order, until a
 relay has that many (what is left at the end joins the last relay). Nodes of 8 GPUs keep a relay
 each; 4,096 single-rank nodes get 512 relays, one call per 8 ranks, as with 8-GPU nodes. A relay
