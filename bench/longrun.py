@@ -1,23 +1,34 @@
-"""Long runs do not slow down (issue 25): a real `rayzero.fit` run reporting every step, and the
-driver's metrics path fed 10^6 / 10^7 report rows from 64 / 1,024 ranks. Prints JSON.
+"""Long runs do not slow down or grow (issues 25, 35): a real `rayzero.fit` run reporting every step,
+the driver's metrics path fed 10^6 / 10^7 report rows from 64 / 1,024 ranks, and a relay actor
+passing a long run's reports. Prints JSON.
 
-    python bench/longrun.py real [--steps 200000] [--workers 2] [--json out.json]
+    python bench/longrun.py real [--steps 200000] [--workers 2] [--loop train|report] [--json out.json]
     python bench/longrun.py simulate [--rows 1000000,10000000] [--ranks 64,1024] [--json out.json]
+    python bench/longrun.py relay [--steps 1000000] [--ranks 2] [--rate 2000] [--json out.json]
     python bench/longrun.py plot bench/results/longrun-real.json bench/results/longrun-sim.json -o out.png
 
-`real`: 2 workers train a small MLP at ZeRO stage 1 and `rayzero.report` 8 keys every step, as the
-README's loop does (the run that stalled near step 47,000). A sampler thread in the driver records the
-resident memory of the driver, the controller actor and the workers every few seconds; afterwards the
-samples are placed on the step axis with the run's own metrics (the report times). Reported: steps/s
-over the first and the last 5 % of steps, memory against steps with the least-squares slope (MiB per
-100,000 steps) per process, and the metrics parts written.
+`real`: 2 workers `rayzero.report` 8 keys every step, as the README's loop does (the run that stalled
+near step 47,000): `--loop train` trains a small MLP at ZeRO stage 1 each step; `--loop report` only
+reports, `--rate` steps a second (the driver's and the controller's per-report work over 10^6 steps
+in minutes, without the training step's cost on a shared machine). A sampler thread in the driver records, every few
+seconds, the memory of the driver, the controller actor and any relay actor (bench/longrun_memory.py:
+RSS, malloc's chunks in use and free over all arenas, Python's live blocks, pyarrow's pool), the
+controller's and the relays' through `__ray_call__`; afterwards the samples are placed on the step
+axis with the run's own metrics (the report times). Reported: steps/s over the first and the last
+5 % of steps, and per process and figure the least-squares slope after the warm-up (the first 10 % of
+the steps, at least 20,000: the 20,000-row buffer and the allocators' first growth) per 100,000 steps
+and per hour, and over the whole run; the metrics parts written.
 
 `simulate`: the driver's per-report path (Progress.observe + MetricsLog.add, what `_stream` does per
 report) fed as fast as Python goes, in polls of one row per rank, with the writer thread flushing
 parts. Reported per (rows, ranks): reports/s over the first and the last 10 %, each flush's write time
-against the rows written so far (with its slope), driver memory against rows, rows dropped. "before"
-rows time the previous code's flush (the whole table rebuilt with the quadratic rows_to_table, then
-written) at 10k-80k rows, in the same run.
+against the rows written so far (with its slope), driver memory against rows (measured after each
+flush, with its figures as above), rows dropped. "before" rows time the previous code's flush (the
+whole table rebuilt with the quadratic rows_to_table, then written) at 10k-80k rows, in the same run.
+
+`relay`: a real `NodeRelay` actor gathering `--ranks` simulated ranks (in one async actor, reporting
+the real loop's 8 keys `--rate` steps a second) for the controller, a collect a second as the
+controller's heartbeat rounds make them; the relay's memory sampled as above, against its ranks' steps.
 """
 from __future__ import annotations
 
@@ -32,6 +43,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import longrun_memory  # beside this script, which is run by path
+
 
 def _rss(pid: int | str = "self") -> int:
     try:
@@ -42,19 +56,54 @@ def _rss(pid: int | str = "self") -> int:
 
 
 def _slope(xs: list[float], ys: list[float]) -> float | None:
-    if len(xs) < 3:
-        return None
-    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
-    denominator = sum((x - mean_x) ** 2 for x in xs)
-    return sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / denominator if denominator else None
+    return longrun_memory.slope(xs, ys)
+
+
+def _start_ray(cpus: int) -> None:
+    """A Ray of our own; tried again a few times: on a loaded shared machine its raylet can miss the
+    30 s it is given to register."""
+    import ray
+
+    for attempt in range(5):
+        try:
+            ray.init(address="local", num_cpus=cpus, include_dashboard=False, logging_level="WARNING")
+            return
+        except Exception as error:  # "The current node timed out during startup"
+            if attempt == 4:
+                raise
+            print(f"[longrun] ray.init failed ({error}); again in 10 s", file=sys.stderr, flush=True)
+            ray.shutdown()
+            time.sleep(10)
+
+
+def _warm_up(steps: int) -> int:
+    """Steps left out of the steady slopes: the first 10 %, at least 20,000 (the driver's 20,000-row
+    buffer and the allocators' first growth)."""
+    return max(20_000, steps // 10)
 
 
 # ---- the real run ---------------------------------------------------------------------------------
 
-def long_loop(config: dict[str, Any]) -> None:
-    import torch
+def _metrics(step: int, loss: float, started: float) -> dict[str, Any]:
+    metrics = {"step": step, "loss": loss, "lr": 1e-3, "samples": 16 * (step + 1), "tokens": 16 * 32 * (step + 1),
+               "epoch": step // 1000, "elapsed_s": time.time() - started, "phase": "train"}
+    if step % 1000 == 0:  # the worker's own resident memory (other runs' workers share the machine)
+        metrics["rss_mib"] = _rss() / 2**20
+    return metrics
 
+
+def long_loop(config: dict[str, Any]) -> None:
     import rayzero
+
+    started = time.time()
+    if config.get("loop") == "report":  # the report path alone: no training step between reports
+        rate = config.get("rate") or 0.0  # steps a second (0: as fast as it goes)
+        for step in range(config["steps"]):
+            rayzero.report(_metrics(step, 1.0 / (step + 1), started))
+            if rate and step % 100 == 99:  # paced, so the driver keeps up and drops nothing
+                time.sleep(max(0.0, started + (step + 1) / rate - time.time()))
+        return
+    import torch
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
@@ -64,42 +113,38 @@ def long_loop(config: dict[str, Any]) -> None:
     rank = rayzero.get_context().rank
     generator = torch.Generator().manual_seed(rank)
     inputs, targets = torch.randn(64, 32, generator=generator), torch.randn(64, 1, generator=generator)
-    started = time.time()
     for step in range(config["steps"]):
         index = (step * 8) % 64
         loss = torch.nn.functional.mse_loss(engine(inputs[index:index + 8]), targets[index:index + 8])
         engine.backward(loss)
         engine.step()
-        metrics = {"step": step, "loss": loss.item(), "lr": 1e-3, "samples": 16 * (step + 1),
-                   "tokens": 16 * 32 * (step + 1), "epoch": step // 1000, "elapsed_s": time.time() - started,
-                   "phase": "train"}
-        if step % 1000 == 0:  # the worker's own resident memory (other runs' workers share the machine)
-            metrics["rss_mib"] = _rss() / 2**20
-        rayzero.report(metrics)
+        rayzero.report(_metrics(step, loss.item(), started))
 
 
-def run_real(steps: int, workers: int, storage: str | None, sample_s: float) -> dict[str, Any]:
+def run_real(steps: int, workers: int, storage: str | None, sample_s: float, loop: str = "train",
+             rate: float = 0.0) -> dict[str, Any]:
     import ray
+    from ray import cloudpickle
 
     import rayzero
     from rayzero.driver.metrics_store import read_metrics
 
+    cloudpickle.register_pickle_by_value(longrun_memory)  # runs in the controller, which cannot import it
     storage = storage or tempfile.mkdtemp(prefix="rayzero-longrun-")
-    ray.init(address="local", num_cpus=workers + 1, include_dashboard=False, logging_level="WARNING")
+    _start_ray(workers + 1)
     samples: list[dict[str, Any]] = []
     done = threading.Event()
 
     def sample() -> None:
-        controller_pid = None
+        actor = None
         while not done.wait(sample_s):
-            if controller_pid is None:  # this run's controller, not another session's on the machine
-                try:
-                    actor = ray.get_actor("rayzero-controller:longrun")
-                    controller_pid = ray.get(actor.__ray_call__.remote(lambda _: os.getpid()), timeout=10)
-                except Exception:  # noqa: BLE001 - not started yet: the next sample asks again
-                    controller_pid = None
-            samples.append({"time": time.time(), "driver": _rss(),
-                            "controller": _rss(controller_pid) if controller_pid else 0})
+            record: dict[str, Any] = {"time": time.time(), "driver": longrun_memory.probe()}
+            try:  # this run's controller (not another session's on the machine) and its relays
+                actor = actor or ray.get_actor("rayzero-controller:longrun")
+                record.update(ray.get(actor.__ray_call__.remote(longrun_memory.controller_side), timeout=30))
+            except Exception as error:  # noqa: BLE001 - not started yet, or ending: the next sample asks again
+                record["controller_error"] = f"{type(error).__name__}: {error}"[:200]
+            samples.append(record)
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
@@ -107,7 +152,7 @@ def run_real(steps: int, workers: int, storage: str | None, sample_s: float) -> 
     result = rayzero.fit(long_loop, scaling=rayzero.ScalingConfig(num_workers=workers),
                          run=rayzero.RunConfig(storage=Path(storage).resolve().as_uri(), name="longrun",
                                                progress_interval_s=60),
-                         train_loop_config={"steps": steps})
+                         train_loop_config={"steps": steps, "loop": loop, "rate": rate})
     done.set()
     wall = time.time() - started
     table = read_metrics(result.path, rank=0, columns=["step", "time"])
@@ -123,31 +168,42 @@ def run_real(steps: int, workers: int, storage: str | None, sample_s: float) -> 
 
         return report_steps[max(0, bisect.bisect_right(report_times, moment) - 1)]
 
-    def rate(first: int, last: int) -> float:
+    def steps_per_s(first: int, last: int) -> float:
         return (report_steps[last] - report_steps[first]) / (report_times[last] - report_times[first])
 
     window = max(2, len(report_steps) // 20)
-    points = [dict(sample_, step=step_at(sample_["time"])) for sample_ in samples
+    placed = [dict(sample_, step=step_at(sample_["time"])) for sample_ in samples
               if report_times and sample_["time"] >= report_times[0]]
-    memory = {}
+    warm_up = _warm_up(steps)
+    memory: dict[str, Any] = {}
+    for process in ("driver", "controller", "relays"):
+        points = []
+        for point in placed:
+            probes = point.get(process)
+            if process == "relays":  # the largest relay actor of the sample (none: a group on one node)
+                probes = max([probed for probed in probes or [] if "rss" in probed], key=lambda probed: probed["rss"],
+                             default=None)
+            if probes:
+                points.append((float(point["step"]), point["time"] - started, probes))
+        memory[process] = {"steady": longrun_memory.growth(points, warm_up),
+                           "whole_run": longrun_memory.growth(points, 0.0)} if points else None
     worker_steps = sorted(worker_rss)
-    for process in ("driver", "controller", "workers"):
-        if process == "workers":
-            xs, ys = [float(step) for step in worker_steps], [max(worker_rss[step]) * 2**20 for step in worker_steps]
-        else:
-            xs, ys = [float(p["step"]) for p in points], [float(p[process]) for p in points]
-        slope = _slope(xs, ys)
-        memory[process] = {"first_mib": ys[0] / 2**20 if ys else None, "last_mib": ys[-1] / 2**20 if ys else None,
-                           "slope_mib_per_100k_steps": slope * 1e5 / 2**20 if slope is not None else None}
+    worker_points = [(float(step), 0.0, {"rss": max(worker_rss[step]) * 2**20}) for step in worker_steps]
+    memory["workers"] = {"steady": longrun_memory.growth(worker_points, warm_up),
+                         "whole_run": longrun_memory.growth(worker_points, 0.0)}
     parts = [name for name in os.listdir(Path(storage) / "longrun" / "metrics.parquet") if name.startswith("part-")]
     return {
-        "kind": "real", "steps": steps, "workers": workers, "wall_s": wall, "reports": len(report_steps) * workers,
-        "steps_per_s_first_5pct": rate(0, window - 1), "steps_per_s_last_5pct": rate(-window, -1),
+        "kind": "real", "loop": loop, **({"rate": rate} if loop == "report" else {}), "steps": steps,
+        "workers": workers, "wall_s": wall, "reports": len(report_steps) * workers,
+        "rank0_steps_missing": steps - len(set(report_steps)), "warm_up_steps": warm_up,
+        "steps_per_s_first_5pct": steps_per_s(0, window - 1), "steps_per_s_last_5pct": steps_per_s(-window, -1),
+        "load_average_end": os.getloadavg()[0],
         "memory": memory, "metrics_parts": len(parts),
-        "samples": [{"step": p["step"], "driver_mib": p["driver"] / 2**20, "controller_mib": p["controller"] / 2**20}
-                    for p in points],
+        "samples": [{"step": p["step"], "seconds": p["time"] - started,
+                     **{process: p[process] for process in ("driver", "controller", "relays") if process in p}}
+                    for p in placed],
         "worker_samples": [{"step": step, "worker_mib": worker_rss[step]} for step in worker_steps],
-        "rate_series": [{"step": report_steps[i], "steps_per_s": rate(i - window, i)}
+        "rate_series": [{"step": report_steps[i], "steps_per_s": steps_per_s(i - window, i)}
                         for i in range(window, len(report_steps), window)],
     }
 
@@ -195,7 +251,10 @@ def simulate(rows: int, ranks: int) -> dict[str, Any]:
         log = MetricsLog(Path(directory).as_uri(), emit=lambda line: None)
         progress = Progress(8 * ranks, 3600.0, False, emit=lambda line: None)
         steps = rows // ranks
-        marks: list[tuple[int, float, int, int]] = []  # (rows added, time, rss, rows written)
+        # per mark: rows added, feeding seconds, the driver's memory (before and after writing what
+        # is queued: after, the bounded buffer is empty, so what is left is what the driver keeps)
+        marks: list[tuple[int, float, dict[str, Any], dict[str, Any]]] = []
+        fed_s = 0.0
         started = time.perf_counter()
         every = max(1, steps // 50)
         for step in range(steps):
@@ -207,8 +266,11 @@ def simulate(rows: int, ranks: int) -> dict[str, Any]:
                 progress.observe(item)
                 log.add(item)
             if step % every == 0 or step == steps - 1:
-                marks.append(((step + 1) * ranks, time.perf_counter() - started, _rss(), log.rows_written))
-        fed_s = time.perf_counter() - started
+                fed_s += time.perf_counter() - started
+                before = longrun_memory.probe()
+                log.flush(timeout_s=600)
+                marks.append(((step + 1) * ranks, fed_s, before, longrun_memory.probe()))
+                started = time.perf_counter()
         log.close(timeout_s=600)
         flushes = list(log.flush_log)
     tenth = max(1, len(marks) // 10)
@@ -219,7 +281,9 @@ def simulate(rows: int, ranks: int) -> dict[str, Any]:
     flush_rows = [f["rows_before"] for f in flushes]
     flush_times = [f["seconds"] for f in flushes]
     slope = _slope([float(r) for r in flush_rows], flush_times)
-    rss_slope = _slope([float(m[0]) for m in marks], [float(m[2]) for m in marks])
+    # x = steps of the simulated run (rows / ranks): the same axis as the real run's slopes
+    kept = [(mark[0] / ranks, 0.0, mark[3]) for mark in marks]
+    warm_up = max(20_000 / ranks, steps / 10)  # the first 10 % of the rows, at least the 20,000-row buffer
     return {
         "kind": "simulate", "rows": rows, "ranks": ranks, "fed_s": fed_s,
         "reports_per_s_first_10pct": rate(0, tenth), "reports_per_s_last_10pct": rate(-tenth - 1, -1),
@@ -227,13 +291,119 @@ def simulate(rows: int, ranks: int) -> dict[str, Any]:
         "flush_s_max": max(flush_times) if flush_times else None,
         "flush_s_first": flush_times[0] if flush_times else None, "flush_s_last": flush_times[-1] if flush_times else None,
         "flush_s_slope_per_million_rows": slope * 1e6 if slope is not None else None,
-        "driver_mib_first": marks[0][2] / 2**20, "driver_mib_last": marks[-1][2] / 2**20,
-        "driver_mib_peak": max(m[2] for m in marks) / 2**20,
-        "driver_mib_slope_per_million_rows": rss_slope * 1e6 / 2**20 if rss_slope is not None else None,
+        "driver_mib_first": marks[0][3]["rss"] / 2**20, "driver_mib_last": marks[-1][3]["rss"] / 2**20,
+        "driver_mib_peak": max(mark[2]["rss"] for mark in marks) / 2**20,
+        "driver_memory": {"steady": longrun_memory.growth(kept, warm_up), "whole_run": longrun_memory.growth(kept, 0.0)},
         "rows_written": log.rows_written, "rows_dropped": log.dropped,
         "flush_series": [{"rows_before": r, "seconds": s} for r, s in zip(flush_rows, flush_times)][:: max(1, len(flushes) // 200)],
-        "memory_series": [{"rows": m[0], "driver_mib": m[2] / 2**20} for m in marks],
+        "memory_series": [{"rows": m[0], "driver_mib": m[3]["rss"] / 2**20, "driver_mib_before_flush": m[2]["rss"] / 2**20,
+                           "heap_in_use_mib": m[3].get("heap_in_use", 0) / 2**20, "python_blocks": m[3]["python_blocks"]}
+                          for m in marks],
     }
+
+
+# ---- a relay actor over a long run -------------------------------------------------------------------
+
+class ReportingRanks:
+    """`ranks` simulated ranks in one async actor, each reporting the real loop's 8 keys `rate` steps a
+    second; `collect(rank)` answers as `TrainWorker.collect` does (a heartbeat, the queued reports)."""
+
+    def __init__(self, ranks: int, rate: float) -> None:
+        self.ranks, self.rate = ranks, rate
+        self.step = 0
+        self.queues: dict[int, list[Any]] = {rank: [] for rank in range(ranks)}
+        self._ticker: Any = None
+
+    async def begin(self) -> int:
+        import asyncio
+
+        self._ticker = asyncio.get_running_loop().create_task(self._tick())
+        return os.getpid()
+
+    async def _tick(self) -> None:
+        import asyncio
+
+        from rayzero.workers.session import Report
+
+        started = time.monotonic()
+        while True:
+            await asyncio.sleep(0.01)
+            # at most 50 steps a tick: behind on a loaded machine, the host still answers its collects
+            due = min(self.step + 50, int((time.monotonic() - started) * self.rate))
+            now = time.time()
+            for step in range(self.step, due):
+                for rank, queue in self.queues.items():
+                    queue.append(Report(rank, step, now, {
+                        "step": step, "loss": 1.0 / (step + 1), "lr": 1e-3, "samples": 16 * (step + 1),
+                        "tokens": 512 * (step + 1), "epoch": step // 1000, "elapsed_s": now, "phase": "train"},
+                        None, 1 << 30, None, 0, 1e-3))
+            self.step = max(self.step, due)
+
+    async def steps(self) -> int:
+        return self.step
+
+    async def collect(self, rank: int, grace_s: float = 0.0) -> tuple[Any, list[Any]]:
+        from rayzero.workers.boundary import Heartbeat
+
+        reports, self.queues[rank] = self.queues[rank], []
+        return Heartbeat(rank=rank, node_id="node0", step=self.step, micro_step=self.step, progress_age_s=0.0,
+                         stepped=True, saving=False, step_time_s=1.0 / self.rate, memory_bytes=1 << 30,
+                         host_memory_bytes=1 << 30, handled=None, finished=False, in_step=False), reports
+
+
+class _RankCall:
+    def __init__(self, host: Any, rank: int) -> None:
+        self._host, self._rank = host, rank
+
+    def remote(self, *args: Any) -> Any:
+        return self._host.collect.remote(self._rank, *args)
+
+
+class RankHandle:
+    """Looks like a TrainWorker actor handle to a NodeRelay: `collect.remote(grace)` asks the host."""
+
+    def __init__(self, host: Any, rank: int) -> None:
+        self.collect = _RankCall(host, rank)
+
+
+def run_relay(steps: int, ranks: int, rate: float, sample_s: float) -> dict[str, Any]:
+    import ray
+    from ray import cloudpickle
+
+    from rayzero.workers.relay import RELAY_WAIT_S, NodeRelay
+
+    cloudpickle.register_pickle_by_value(longrun_memory)
+    _start_ray(2)
+    try:
+        host = ray.remote(ReportingRanks).options(num_cpus=0).remote(ranks, rate)
+        relay = ray.remote(NodeRelay).options(num_cpus=0).remote("node0", {rank: RankHandle(host, rank)
+                                                                         for rank in range(ranks)})
+        ray.get([host.begin.remote(), relay.ready.remote()], timeout=120)
+        started = time.time()
+        points: list[tuple[float, float, dict[str, Any]]] = []
+        reports = rounds = 0
+        next_sample = started
+        step = 0
+        while step < steps:
+            # a heartbeat round, as the controller makes one a second through RelayRounds
+            node_round = ray.get(relay.collect.remote(RELAY_WAIT_S, False, 0.0), timeout=60)
+            reports += len(node_round.reports)
+            rounds += 1
+            step = ray.get(host.steps.remote(), timeout=60)
+            if time.time() >= next_sample:
+                points.append((float(step), time.time() - started,
+                               ray.get(relay.__ray_call__.remote(longrun_memory.relay_side), timeout=60)))
+                next_sample += sample_s
+            time.sleep(max(0.0, started + rounds - time.time()))
+        wall = time.time() - started
+    finally:
+        ray.shutdown()
+    warm_up = _warm_up(steps)
+    return {"kind": "relay", "steps": step, "ranks": ranks, "rate": rate, "wall_s": wall, "rounds": rounds,
+            "reports": reports, "warm_up_steps": warm_up, "load_average_end": os.getloadavg()[0],
+            "memory": {"relay": {"steady": longrun_memory.growth(points, warm_up),
+                                 "whole_run": longrun_memory.growth(points, 0.0)}},
+            "samples": [{"step": point[0], "seconds": point[1], "relay": point[2]} for point in points]}
 
 
 # ---- the picture -----------------------------------------------------------------------------------
@@ -249,13 +419,17 @@ def plot(inputs: list[str], output: str) -> None:
     for result in results:
         for item in result.get("runs", [result]):
             if item.get("kind") == "real":
+                name = f"{item['loop']} loop" if "loop" in item else "real run"
                 axes[0].plot([p["step"] for p in item["rate_series"]], [p["steps_per_s"] for p in item["rate_series"]],
-                             label=f"real run, {item['workers']} workers")
-                for key in ("driver_mib", "controller_mib"):
-                    axes[1].plot([p["step"] for p in item["samples"]], [p[key] for p in item["samples"]],
-                                 label=key.replace("_mib", ""))
+                             label=f"{name}, {item['workers']} workers")
+                for process in ("driver", "controller"):
+                    shown = [(p["step"], p[process]["rss"] / 2**20) for p in item["samples"] if p.get(process)]
+                    axes[1].plot([x for x, _ in shown], [y for _, y in shown], label=f"{process} ({name})")
                 axes[1].plot([p["step"] for p in item["worker_samples"]], [max(p["worker_mib"]) for p in item["worker_samples"]],
-                             label="largest worker")
+                             label=f"largest worker ({name})")
+            elif item.get("kind") == "relay":
+                shown = [(p["step"], p["relay"]["rss"] / 2**20) for p in item["samples"]]
+                axes[1].plot([x for x, _ in shown], [y for _, y in shown], label=f"relay actor ({item['ranks']} ranks)")
             elif item.get("kind") == "simulate":
                 axes[2].plot([f["rows_before"] for f in item["flush_series"]], [f["seconds"] for f in item["flush_series"]],
                              ".", markersize=3, label=f"after: {item['rows']:.0e} rows, {item['ranks']} ranks")
@@ -264,7 +438,8 @@ def plot(inputs: list[str], output: str) -> None:
                          label="before (whole table rebuilt each flush)")
     axes[0].set(title="steps/s against step", xlabel="step", ylabel="steps/s")
     axes[1].set(title="resident memory against step", xlabel="step", ylabel="MiB")
-    axes[2].set(title="one flush's time against rows already written", xlabel="rows written before the flush",
+    axes[2].set(title="one flush's time against rows already written (simulated driver)",
+                xlabel="rows written before the flush",
                 ylabel="seconds", xscale="log", yscale="log")
     for axis in axes:
         axis.grid(alpha=0.3)
@@ -282,7 +457,15 @@ def main(argv: list[str] | None = None) -> int:
     real.add_argument("--workers", type=int, default=2)
     real.add_argument("--storage", default=None)
     real.add_argument("--sample-s", type=float, default=5.0)
+    real.add_argument("--loop", choices=("train", "report"), default="train")
+    real.add_argument("--rate", type=float, default=1000.0, help="with --loop report: steps a second (0: unpaced)")
     real.add_argument("--json", default=None)
+    relay = sub.add_parser("relay")
+    relay.add_argument("--steps", type=int, default=1_000_000)
+    relay.add_argument("--ranks", type=int, default=2)
+    relay.add_argument("--rate", type=float, default=2000.0, help="steps per second of each simulated rank")
+    relay.add_argument("--sample-s", type=float, default=5.0)
+    relay.add_argument("--json", default=None)
     sim = sub.add_parser("simulate")
     sim.add_argument("--rows", default="1000000,10000000")
     sim.add_argument("--ranks", default="64,1024")
@@ -296,14 +479,15 @@ def main(argv: list[str] | None = None) -> int:
         plot(args.inputs, args.output)
         return 0
     if args.command == "real":
-        result: dict[str, Any] = run_real(args.steps, args.workers, args.storage, args.sample_s)
+        result: dict[str, Any] = run_real(args.steps, args.workers, args.storage, args.sample_s, args.loop, args.rate)
+    elif args.command == "relay":
+        result = run_relay(args.steps, args.ranks, args.rate, args.sample_s)
     else:
         result = {"before": [legacy_flush_times([int(n) for n in args.before.split(",") if n])], "runs": [
             simulate(int(rows), int(ranks)) for rows in args.rows.split(",") for ranks in args.ranks.split(",")]}
     text = json.dumps(result, indent=1)
-    print(text if args.command != "real" else json.dumps({k: v for k, v in result.items()
-                                                           if k not in ("samples", "worker_samples", "rate_series")},
-                                                          indent=1))
+    print(text if args.command == "simulate" else json.dumps(
+        {k: v for k, v in result.items() if k not in ("samples", "worker_samples", "rate_series")}, indent=1))
     if args.json:
         Path(args.json).write_text(text)
     return 0

@@ -1,6 +1,6 @@
 """The control path at 64 ... 4,096 workers, by simulation on one machine (issue 24, section 4). Prints JSON.
 
-    python bench/scale.py [--sizes 64,256,1024,4096] [--sections checkpoint,logic,grpc,metrics,ray]
+    python bench/scale.py [--sizes 64,256,1024,4096] [--sections checkpoint,logic,grpc,metrics,ray,small_nodes]
                           [--json bench/results/scale.json] [--plot bench/results/scale.png]
     python bench/scale.py --quick                       # sizes 16,64, short windows (the smoke test)
     python bench/scale.py --doc docs/scale.md [--check] # the goodput model's tables from bench/results
@@ -13,6 +13,8 @@ What runs is rayzero's own code; only the workers are simulated (bench/scale_sim
   a stand-in for the checkpoint process group (an N-rank gloo group does not fit on 2 cores). The
   leader's part - the manifest of N shards, the replica plan, the commit and `latest` - is timed; then
   the controller's registry lists the directory (`committed_checkpoints.committed_in`, `CheckpointTracker`).
+  Beside them, the bytes a load's inventory exchange sends each rank (node-local and shared storage),
+  from bench/scale_loader.py's model of the loader's payloads.
 - `logic` (a): the real `Controller`, stepped as `ControllerActor` does, over `SimulatedGroup` (N ranks in
   this process, each round's reports and heartbeats built before the step is timed) on a simulated
   clock: CPU per heartbeat round, per poll of N reports, per driver poll (`take_update` + pickling it,
@@ -28,6 +30,8 @@ What runs is rayzero's own code; only the workers are simulated (bench/scale_sim
   second, every rank reporting once a second): CPU of the controller process per wall second, and
   wall-clock detection of a SIGKILLed rank and a SIGSTOPped (hung) rank behind a real `NodeRelay`,
   each followed by the planned restart.
+- `small_nodes`: the `ray` window at one rank per node, each node a host of its own: a relay per node
+  (as before [Note: relays for small nodes]) and then relays of `RANKS_PER_RELAY` nodes, in the same run.
 
 Each metric's growth exponent is the least-squares slope of log(value) against log(N).
 """
@@ -51,7 +55,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench import scale_sim
+from bench import scale_loader, scale_sim
 from bench.scale_sim import SimulatedGroup
 from rayzero.config.run_settings import FailureConfig
 from rayzero.controller.controller import Controller, ControllerSettings
@@ -63,7 +67,7 @@ from rayzero.controller.states import RunState
 
 SIZES = (64, 256, 1024, 4096)
 QUICK_SIZES = (16, 64)
-SECTIONS = ("checkpoint", "logic", "grpc", "metrics", "ray")
+SECTIONS = ("checkpoint", "logic", "grpc", "metrics", "ray", "small_nodes")
 TARGETS_AT = 4096
 HANG_LIMIT_S = FailureConfig().hang_timeout_s  # the default a user gets (55 s)
 EXPONENT_TOLERANCE = 0.1  # a fitted exponent up to 1.1 counts as linear: see pickle_reference_cpu_s
@@ -170,6 +174,11 @@ def checkpoint_section(world_size: int, root: str) -> dict[str, Any]:
     tracker.refresh()  # what a failure costs later: the newest, then where to resume
     tracker.resume_location()
     out["tracker_failure_scans_s"] = time.perf_counter() - started
+    # what a load's inventory exchange sends each rank ([Note: one inventory per location]): a model of
+    # the loader's payloads (bench/scale_loader.py), for this layout and for shared storage
+    out.update(scale_loader.inventory_bytes(world_size, scale_sim.RANKS_PER_NODE, options.node_local, options.replicas))
+    shared = scale_loader.inventory_bytes(world_size, scale_sim.RANKS_PER_NODE, node_local=False, replicas=0)
+    out.update({f"shared_{key}": value for key, value in shared.items()})
     return out
 
 
@@ -460,10 +469,83 @@ def _wait(predicate: Any, timeout_s: float, what: str) -> float:
     return time.monotonic()
 
 
+def _controller_window(group: Any, reports: list[int], window_s: float) -> dict[str, Any]:
+    """The controller process's CPU over `window_s` of a running group (its step loop, the Ray calls
+    and their replies, the driver's polls), at the rate it achieved and scaled to the real rate."""
+    calls = scale_sim.CALLS
+    time.sleep(3.0)  # every rank's run and the first heartbeat rounds in flight
+    calls.clear()
+    started, started_cpu, reports[0] = time.monotonic(), cpu(), 0
+    time.sleep(window_s)
+    wall, used = time.monotonic() - started, cpu() - started_cpu
+    total_calls = sum(calls.values())
+    relays = len(group._rounds.relays)
+    out: dict[str, Any] = {
+        "window_s": wall, "relays": relays, "window_calls": dict(calls), "cpu_per_call_s": used / max(1, total_calls),
+        "nodes": len({scale_sim.node_of(rank, group.ranks_per_node) for rank in range(group.world_size)}),
+        "cpu_per_wall_s_measured": used / wall, "calls_per_s_achieved": total_calls / wall,
+        "reports_per_s_achieved": reports[0] / wall, "heartbeat_rounds_per_s": calls.get("collect", 0) / relays / wall}
+    # a real run makes one round a second (heartbeat_interval_s) with every rank reporting once a step
+    # (1 s here): scaled up when the loaded machine made fewer
+    out["cpu_per_wall_s_at_real_rate"] = out["cpu_per_wall_s_measured"] / min(1.0, max(1e-3, out["heartbeat_rounds_per_s"]))
+    return out
+
+
+def small_nodes_section(world_size: int, hosts: int, window_s: float) -> dict[str, Any]:
+    """One rank per node ([Note: relays for small nodes]): the controller process's CPU at the real rate
+    with a relay per node, as before (`per_node`), and with relays of `RANKS_PER_RELAY` nodes (`grouped`),
+    one after the other in the same run; otherwise as the `ray` section's window."""
+    from rayzero.controller.relay_rounds import RANKS_PER_RELAY
+
+    out: dict[str, Any] = {"hosts": hosts, "ranks_per_node": 1,
+                           "per_node": _single_rank_nodes(world_size, hosts, 1, window_s),
+                           "grouped": _single_rank_nodes(world_size, hosts, RANKS_PER_RELAY, window_s)}
+    out["cpu_per_wall_s_at_real_rate"] = out["grouped"]["cpu_per_wall_s_at_real_rate"]
+    out["per_node_cpu_per_wall_s_at_real_rate"] = out["per_node"]["cpu_per_wall_s_at_real_rate"]
+    return out
+
+
+def _poll_as_the_driver(controller: Controller, stop: threading.Event) -> list[int]:
+    """fit's _stream in a thread: one poll of the controller a second, the reply pickled as Ray does;
+    the reports it took counted in the returned one-item list (reset by `_controller_window`)."""
+    reports = [0]
+
+    def driver() -> None:
+        while not stop.wait(1.0):
+            update = controller.take_update()
+            reports[0] += len(update.reports)
+            pickle.dumps(update, protocol=5)
+
+    threading.Thread(target=driver, daemon=True).start()
+    return reports
+
+
+def _single_rank_nodes(world_size: int, hosts: int, per_relay: int, window_s: float) -> dict[str, Any]:
+    """The controller's window over `world_size` single-rank nodes, `per_relay` nodes to a relay."""
+    groups: list[Any] = []
+
+    def factory(attempt: int, resume: str | None, workers: int) -> Any:
+        groups.append(scale_sim.HostedRayWorkerGroup(workers, hosts, ranks_per_node=1, per_relay=per_relay))
+        return groups[-1]
+
+    controller = _controller(factory, world_size, time.monotonic, None)
+    stop = threading.Event()
+    thread = _run_controller(controller, stop)
+    reports = _poll_as_the_driver(controller, stop)
+    try:
+        _wait(lambda: controller.state is RunState.RUNNING, 300, "the group running")
+        return _controller_window(groups[-1], reports, window_s)
+    finally:
+        controller.submit(ControlRequest(RequestKind.KILL, reason="benchmark done"))
+        stop.set()
+        thread.join(30)
+        for group in groups:
+            group.shutdown()
+
+
 def ray_section(world_size: int, hosts: int, window_s: float, hang_timeout_s: float) -> dict[str, Any]:
     import signal
 
-    calls = scale_sim.CALLS
     groups: list[Any] = []
     made_at: list[float] = []
 
@@ -478,7 +560,6 @@ def ray_section(world_size: int, hosts: int, window_s: float, hang_timeout_s: fl
     stop = threading.Event()
     transitions: list[tuple[float, RunState]] = []
     thread = _run_controller(controller, stop, transitions)
-    reports = [0]
 
     def left_running(since: float) -> float:
         """When the controller first left RUNNING after `since` (the step that decided on the fault)."""
@@ -486,34 +567,12 @@ def ray_section(world_size: int, hosts: int, window_s: float, hang_timeout_s: fl
               "the controller acting on the fault")
         return next(at for at, state in transitions if at >= since and state is not RunState.RUNNING)
 
-
-    def driver() -> None:  # fit's _stream: one poll of the controller a second, the reply pickled by Ray
-        while not stop.wait(1.0):
-            update = controller.take_update()
-            reports[0] += len(update.reports)
-            pickle.dumps(update, protocol=5)
-
-    threading.Thread(target=driver, daemon=True).start()
+    reports = _poll_as_the_driver(controller, stop)
     out: dict[str, Any] = {"hosts": hosts, "hang_timeout_s": hang_timeout_s}
     try:
         running = lambda attempt: lambda: controller.state is RunState.RUNNING and controller.attempt == attempt
         _wait(running(0), 300, "the first group running")
-        time.sleep(3.0)  # every rank's run and the first heartbeat rounds in flight
-        calls.clear()
-        started, started_cpu, reports[0] = time.monotonic(), cpu(), 0
-        time.sleep(window_s)
-        wall, used = time.monotonic() - started, cpu() - started_cpu
-        total_calls = sum(calls.values())
-        nodes = len(groups[-1]._rounds.relays)
-        out.update(window_s=wall, nodes=nodes, window_calls=dict(calls), cpu_per_call_s=used / max(1, total_calls),
-                   cpu_per_wall_s_measured=used / wall, calls_per_s_achieved=total_calls / wall,
-                   reports_per_s_achieved=reports[0] / wall,
-                   heartbeat_rounds_per_s=calls.get("collect", 0) / nodes / wall)
-        # The whole controller process (its step loop, the Ray calls and their replies, the driver's
-        # polls) at the rate it achieved; a real run makes one round a second (heartbeat_interval_s)
-        # with every rank reporting once a step (1 s here): scaled up when the loaded machine made fewer.
-        out["cpu_per_wall_s_at_real_rate"] = (out["cpu_per_wall_s_measured"]
-                                              / min(1.0, max(1e-3, out["heartbeat_rounds_per_s"])))
+        out.update(_controller_window(groups[-1], reports, window_s))
 
         group = groups[-1]
         os.kill(group.victim_pid, signal.SIGSTOP)  # a hang outside Python: no heartbeat answers at all
@@ -578,10 +637,14 @@ GROWING = {
     ("checkpoint", "manifest_bytes"): "manifest bytes",
     ("checkpoint", "registry_scan_cpu_s"): "registry scan, cold (2 checkpoints), CPU",
     ("checkpoint", "tracker_failure_scans_s"): "registry scans per failure, warm",
+    ("checkpoint", "load_inventory_per_rank_bytes"): "a load's inventory, bytes each rank receives (node-local)",
+    ("checkpoint", "shared_load_inventory_per_rank_bytes"): "a load's inventory, bytes each rank receives (shared storage)",
     ("ray", "cpu_per_wall_s_at_real_rate"): "controller process CPU/s, a round a second (b)",
     ("ray", "dead_detect_s"): "dead rank detected, wall (b)",
     ("ray", "hang_detect_s"): "hang detected (limit 30 s), wall (b)",
     ("ray", "resize_s"): "resize, wall (b)",
+    ("small_nodes", "cpu_per_wall_s_at_real_rate"): "controller process CPU/s, single-rank nodes, relays of 8 nodes (b)",
+    ("small_nodes", "per_node_cpu_per_wall_s_at_real_rate"): "the same with a relay per node (before)",
 }
 
 
@@ -635,13 +698,18 @@ def targets(rows: list[dict[str, Any]], slopes: dict[str, float | None]) -> list
               or value("logic", "status_cpu_per_wall_s") is None
               else value("ray", "cpu_per_wall_s_at_real_rate") + value("logic", "status_cpu_per_wall_s"), 1.0),
         check(f"checkpoint commit <= 2 s at {TARGETS_AT}", value("checkpoint", "commit_s"), 2.0),
+        check(f"controller <= 1 core at {TARGETS_AT} single-rank nodes (its process in (b) at one round a "
+              "second, relays of 8 nodes, + two status watchers from (a))",
+              None if value("small_nodes", "cpu_per_wall_s_at_real_rate") is None
+              or value("logic", "status_cpu_per_wall_s") is None
+              else value("small_nodes", "cpu_per_wall_s_at_real_rate") + value("logic", "status_cpu_per_wall_s"), 1.0),
     ]
     reference = slopes.get("logic.pickle_reference_cpu_s")
     note = (f"linear within {EXPONENT_TOLERANCE}: pickling N reports, linear by construction, fits "
             f"N^{reference:.2f} on this machine (the memory hierarchy)" if reference is not None else "")
     out += [{**check(f"exponent of {name} <= 1", slopes.get(f"{section}.{key}"), 1.0 + EXPONENT_TOLERANCE, note),
              "limit": 1.0, "tolerance": EXPONENT_TOLERANCE} for (section, key), name in GROWING.items()
-            if slopes.get(f"{section}.{key}") is not None and not key.startswith("pickle_reference")]
+            if slopes.get(f"{section}.{key}") is not None and not key.startswith(("pickle_reference", "per_node"))]
     return out
 
 
@@ -692,7 +760,7 @@ def run(sizes: list[int], sections: list[str], quick: bool, partial: Any = None)
     work = tempfile.mkdtemp(prefix="rayzero-scale-")
     ray_started = False
     try:
-        if "ray" in sections:
+        if {"ray", "small_nodes"} & set(sections):
             import ray
 
             # address="local": a Ray of our own even when another one runs on this machine
@@ -715,6 +783,9 @@ def run(sizes: list[int], sections: list[str], quick: bool, partial: Any = None)
                         row[section] = grpc_section(world_size, 4.0 if quick else 20.0)
                     elif section == "metrics":
                         row[section] = metrics_section(world_size, steps=5)
+                    elif section == "small_nodes":
+                        row[section] = small_nodes_section(world_size, hosts=2 if quick else 4,
+                                                           window_s=3.0 if quick else 8.0)
                     elif section == "ray":
                         # the limit is max(hang_timeout_s, 10 x the 1 s step); 30 s leaves the overloaded
                         # hosts (thousands of ranks on 2 shared cores) time to answer the others' heartbeats
@@ -756,6 +827,19 @@ def _document(sizes: list[int], sections: list[str], rows: list[dict[str, Any]])
     }
 
 
+def merged(earlier: dict[str, Any], now: dict[str, Any]) -> dict[str, Any]:
+    """`earlier` with the sections `now` measured put in its rows (by N): what each section's rows say
+    comes from one run of that section; the commands that made them are listed."""
+    rows = {row["n"]: dict(row) for row in earlier["rows"]}
+    for row in now["rows"]:
+        rows.setdefault(row["n"], {"n": row["n"]}).update({key: value for key, value in row.items() if key != "n"})
+    ordered = [rows[n] for n in sorted(rows)]
+    document = _document(sorted(rows), list(dict.fromkeys([*earlier["sections"], *now["sections"]])), ordered)
+    document["machine"] = f"{earlier.get('machine')}; {', '.join(now['sections'])}: {now['machine']}"
+    document["command"] = "; ".join(dict.fromkeys([*earlier.get("command", "").split("; "), now["command"]]))
+    return document
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default=None, help=f"comma-separated N (default {','.join(map(str, SIZES))})")
@@ -765,6 +849,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plot", default=None, help="write the log-log plot (PNG) here")
     parser.add_argument("--doc", default=None, help="regenerate the tables of this doc from bench/results")
     parser.add_argument("--check", action="store_true", help="with --doc: fail if the doc's tables are stale")
+    parser.add_argument("--update", default=None, metavar="JSON",
+                        help="merge the sections measured now into this earlier result (rows by N), exponents "
+                             "and targets recomputed; written back with --json")
     parser.add_argument("--grpc-client", nargs=3, metavar=("ADDRESS", "TOKEN", "SECONDS"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.grpc_client:
@@ -781,9 +868,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--sections: unknown {unknown}; choose from {', '.join(SECTIONS)}")
     command = "python bench/scale.py " + " ".join(sys.argv[1:] if argv is None else argv)
 
-    def save(document: dict[str, Any]) -> str:
+    # read once: --json may name the same file, rewritten after each N
+    earlier = json.loads(Path(args.update).read_text()) if args.update else None
+
+    def complete(document: dict[str, Any]) -> dict[str, Any]:
         document["command"] = command
-        text = json.dumps(document, indent=1)
+        return merged(earlier, document) if earlier is not None else document
+
+    def save(document: dict[str, Any]) -> str:
+        text = json.dumps(complete(document), indent=1)
         if args.json:
             Path(args.json).write_text(text + "\n")
         return text
@@ -791,7 +884,7 @@ def main(argv: list[str] | None = None) -> int:
     document = run(sizes, sections, args.quick, partial=save)
     print(save(document))
     if args.plot:
-        plot(document, args.plot)
+        plot(complete(document), args.plot)
     return 0
 
 

@@ -232,7 +232,8 @@ def tables() -> dict[str, str]:
                       + " and ".join(f"{_share(value)} ({name})" for name, value in fast_disks.items()
                                      if name != "rayzero") + ".")
     return {"inputs": table_inputs, "goodput": table_goodput, "sensitivity": table_sensitivity,
-            "dominant": table_dominant, "scale": scale_table(), "targets": targets_table()}
+            "dominant": table_dominant, "scale": scale_table(), "targets": targets_table(),
+            "small_nodes": small_nodes_table()}
 
 
 def targets_table() -> str:
@@ -255,7 +256,9 @@ def scale_table() -> str:
                ("grpc", "status_p99_s", "GetStatus p99", 1e3, "ms"),
                ("checkpoint", "commit_s", "commit", 1, "s"),
                ("checkpoint", "manifest_bytes", "manifest", 1e-6, "MB"),
-               ("checkpoint", "registry_scan_cpu_s", "registry, cold, CPU", 1, "s")]
+               ("checkpoint", "registry_scan_cpu_s", "registry, cold, CPU", 1, "s"),
+               ("checkpoint", "load_inventory_per_rank_bytes", "load inventory per rank, node-local", 1e-3, "kB"),
+               ("checkpoint", "shared_load_inventory_per_rank_bytes", "the same, shared storage", 1e-3, "kB")]
     header = "| N | " + " | ".join(f"{name} ({unit})" if unit else name for _, _, name, _, unit in columns) + " |\n"
     header += "|---" * (len(columns) + 1) + "|\n"
     lines = []
@@ -269,6 +272,23 @@ def scale_table() -> str:
         "—" if scale["exponents"].get(f"{section}.{key}") is None else f"{scale['exponents'][f'{section}.{key}']:.2f}"
         for section, key, *_ in columns) + " |"
     return header + "\n".join(lines) + "\n" + slopes
+
+
+def small_nodes_table() -> str:
+    """[Note: relays for small nodes]: the controller at one rank per node, a relay per node against
+    relays of 8 nodes, measured one after the other in the same run (bench/scale.py `small_nodes`)."""
+    lines = [("| N (single-rank nodes) | relays, a relay per node | controller process, a relay per node (cores) "
+              "| relays, of 8 nodes | controller process, relays of 8 nodes (cores) | ratio |"),
+             "|---|---|---|---|---|---|"]
+    for row in _load("scale.json")["rows"]:
+        found = row.get("small_nodes")
+        if not isinstance(found, dict) or "grouped" not in found:
+            continue
+        before, after = found["per_node"], found["grouped"]
+        ratio = before["cpu_per_wall_s_at_real_rate"] / after["cpu_per_wall_s_at_real_rate"]
+        lines.append(f"| {row['n']:,} | {before['relays']:,} | {before['cpu_per_wall_s_at_real_rate']:.3g} "
+                     f"| {after['relays']:,} | {after['cpu_per_wall_s_at_real_rate']:.3g} | {ratio:.1f}x |")
+    return "\n".join(lines)
 
 
 BLOCK = re.compile(r"(<!-- scale:(\w+) -->\n)(.*?)(<!-- /scale:\2 -->)", re.DOTALL)

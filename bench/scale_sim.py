@@ -28,7 +28,7 @@ import ray
 
 from rayzero.config.run_settings import ScalingConfig
 from rayzero.controller.failures import Failure, FailureKind
-from rayzero.controller.relay_rounds import RelayRounds
+from rayzero.controller.relay_rounds import RANKS_PER_RELAY, RelayRounds, relay_groups
 from rayzero.controller.worker_group import GroupPoll, RayWorkerGroup
 from rayzero.workers.actor import NodeInfo, WorkerOutcome
 from rayzero.workers.boundary import BoundaryRequest, HandledRequest, Heartbeat
@@ -41,13 +41,13 @@ STACK = ('Thread "MainThread" (140000000000000):\n  File "train.py", line 42, in
          '    work.wait()\n')  # what a rank blocked in a collective shows (a real dump is ~2-5 kB)
 
 
-def node_of(rank: int) -> str:
-    return f"node{rank // RANKS_PER_NODE:05d}"
+def node_of(rank: int, ranks_per_node: int = RANKS_PER_NODE) -> str:
+    return f"node{rank // ranks_per_node:05d}"
 
 
 def heartbeat(rank: int, step: int, progress_age_s: float, handled: HandledRequest | None = None,
-              finished: bool = False) -> Heartbeat:
-    return Heartbeat(rank=rank, node_id=node_of(rank), step=step, micro_step=step, progress_age_s=progress_age_s,
+              finished: bool = False, ranks_per_node: int = RANKS_PER_NODE) -> Heartbeat:
+    return Heartbeat(rank=rank, node_id=node_of(rank, ranks_per_node), step=step, micro_step=step, progress_age_s=progress_age_s,
                      stepped=step > 0, saving=False, step_time_s=1.0 if step > 1 else None,
                      memory_bytes=40 << 30, host_memory_bytes=200 << 30, handled=handled, finished=finished,
                      in_step=True, loop_time_s=0.01 if step > 3 else None)
@@ -144,11 +144,14 @@ class SimulatedGroup:
 @ray.remote(num_cpus=0)
 class RankHost:
     """Hosts many simulated ranks in one async actor: each rank's worker-side methods take the rank
-    first (`collect` as `TrainWorker.collect`), and `relay_*` answer for a whole node as its
-    `NodeRelay` would (`NodeRound`), without a Ray call per rank: that part of the work is the node's."""
+    first (`collect` as `TrainWorker.collect`), and `relay_*` answer for a relay's ranks (a node, or
+    small nodes together) as its `NodeRelay` would (`NodeRound`), without a Ray call per rank: that
+    part of the work is the relay's."""
 
-    def __init__(self, ranks: list[int], step_time_s: float, checkpoint_dir: str) -> None:
+    def __init__(self, ranks: list[int], step_time_s: float, checkpoint_dir: str,
+                 ranks_per_node: int = RANKS_PER_NODE) -> None:
         self.ranks = list(ranks)
+        self.ranks_per_node = ranks_per_node
         self.step_time_s = step_time_s
         self.checkpoint_dir = checkpoint_dir
         self.step = 0
@@ -192,7 +195,8 @@ class RankHost:
 
     async def collect(self, rank: int, grace_s: float = 0.0) -> tuple[Heartbeat, list[Report]]:
         out, self.queues[rank] = self.queues[rank], []
-        return heartbeat(rank, self.step, time.monotonic() - self.progress_at[rank], self.handled, self.finished), out
+        return heartbeat(rank, self.step, time.monotonic() - self.progress_at[rank], self.handled, self.finished,
+                         self.ranks_per_node), out
 
     async def request_boundary(self, rank: int, request_id: int, kind: int) -> None:
         if self.pending is None or request_id > self.pending[0]:
@@ -245,7 +249,7 @@ RankHandle = CountedHandle
 
 
 class HostedRelay:
-    """Looks like a NodeRelay actor handle to RelayRounds: one Ray call to the host of the node's ranks."""
+    """Looks like a NodeRelay actor handle to RelayRounds: one Ray call to the host of the relay's ranks."""
 
     def __init__(self, host: Any, node: str, ranks: list[int]) -> None:
         self.collect = _Method(host.relay_collect, "collect", node, ranks)
@@ -253,13 +257,17 @@ class HostedRelay:
 
 
 class HostedRayWorkerGroup(RayWorkerGroup):
-    """`RayWorkerGroup` whose ranks live in `hosts` RankHost actors, whole nodes per host; the last rank
-    alone in its own, its node relayed by a real `NodeRelay`."""
+    """`RayWorkerGroup` whose ranks live in `hosts` RankHost actors, whole relay groups per host
+    (`relay_groups` over nodes of `ranks_per_node` ranks, each node a host of its own; `per_relay`
+    as `RANKS_PER_RELAY`, or 1: a relay per node, as before [Note: relays for small nodes]); the last
+    rank alone in its own host, its relay group relayed by a real `NodeRelay`."""
 
-    def __init__(self, world_size: int, hosts: int, step_time_s: float = 1.0, checkpoint_dir: str = "/nonexistent"):
+    def __init__(self, world_size: int, hosts: int, step_time_s: float = 1.0, checkpoint_dir: str = "/nonexistent",
+                 ranks_per_node: int = RANKS_PER_NODE, per_relay: int = RANKS_PER_RELAY):
         super().__init__(ScalingConfig(num_workers=world_size), world_size, {}, process_group_timeout_s=60.0)
         self.world_size, self.host_count = world_size, hosts
         self.step_time_s, self.checkpoint_dir = step_time_s, checkpoint_dir
+        self.ranks_per_node, self.per_relay = ranks_per_node, per_relay
         self.hosts: list[Any] = []
         self.victim_rank = world_size - 1
         self.victim_pid = 0
@@ -268,19 +276,18 @@ class HostedRayWorkerGroup(RayWorkerGroup):
 
     def start(self) -> dict[str, float]:
         started = time.monotonic()
-        nodes: dict[str, list[int]] = {}
-        for rank in range(self.world_size):
-            nodes.setdefault(node_of(rank), []).append(rank)
-        others = [ranks for node, ranks in nodes.items()]
-        others[-1] = others[-1][:-1]  # the victim's node-mates stay in a shared host
+        nodes = [node_of(rank, self.ranks_per_node) for rank in range(self.world_size)]
+        groups = relay_groups([(node, f"host-{node}") for node in nodes], self.per_relay)
+        victim_group = next(index for index, group in enumerate(groups) if self.victim_rank in group.ranks)
+        others = [[rank for rank in group.ranks if rank != self.victim_rank] for group in groups]
         chunks = [[rank for ranks in others[index::self.host_count] for rank in ranks]
                   for index in range(self.host_count)]
         chunks = [chunk for chunk in chunks if chunk]
         options = {"max_concurrency": 2 * self.world_size + 100}  # every rank's run + a collect in flight
-        self.hosts = [RankHost.options(**options).remote(chunk, self.step_time_s, self.checkpoint_dir)
-                      for chunk in chunks]
+        self.hosts = [RankHost.options(**options).remote(chunk, self.step_time_s, self.checkpoint_dir,
+                                                         self.ranks_per_node) for chunk in chunks]
         victim = RankHost.options(max_concurrency=100).remote([self.victim_rank], self.step_time_s,
-                                                              self.checkpoint_dir)
+                                                              self.checkpoint_dir, self.ranks_per_node)
         self.hosts.append(victim)
         pids = ray.get([host.begin.remote() for host in self.hosts], timeout=120)
         self.victim_pid = pids[-1]
@@ -293,12 +300,18 @@ class HostedRayWorkerGroup(RayWorkerGroup):
         pid_of = {rank: pid for chunk, pid in zip(chunks, pids) for rank in chunk}
         pid_of[self.victim_rank] = self.victim_pid
         self._infos = [NodeInfo(here, "127.0.0.1", (), pid_of[rank]) for rank in range(self.world_size)]
-        victim_node = node_of(self.victim_rank)
+        group = groups[victim_group]
         self.victim_relay = ray.remote(NodeRelay).options(num_cpus=0).remote(
-            victim_node, {rank: self._workers[rank] for rank in nodes[victim_node]})
-        relays = [CountedHandle(self.victim_relay) if node == victim_node else HostedRelay(host_of[ranks[0]], node, ranks)
-                  for node, ranks in nodes.items()]
-        self._rounds = RelayRounds(relays, list(nodes.values()), list(nodes))
+            group.home, {rank: self._workers[rank] for rank in group.ranks})
+        relays = [CountedHandle(self.victim_relay) if index == victim_group
+                  else HostedRelay(host_of[group.ranks[0]], group.home, list(group.ranks))
+                  for index, group in enumerate(groups)]
+
+        def gather_here(index: int) -> NodeRelay:  # as RayWorkerGroup's: a dead relay's ranks asked from here
+            return NodeRelay(groups[index].home, {rank: self._workers[rank] for rank in groups[index].ranks})
+
+        self._rounds = RelayRounds(relays, [list(group.ranks) for group in groups], [group.home for group in groups],
+                                   gather_here)
         ray.get(self.victim_relay.ready.remote(), timeout=120)
         return {"worker_start_s": time.monotonic() - started}
 

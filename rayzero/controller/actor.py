@@ -10,6 +10,7 @@ from rayzero.controller.control_server import ControlServer
 from rayzero.controller.errors import TrainingFailedError
 from rayzero.controller.requests import ControlRequest, RequestKind
 from rayzero.controller.status import CheckpointRecord, RunStatus
+from rayzero.workers.heap import TRIM_INTERVAL_S, release_free_heap
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -50,7 +51,11 @@ class ControllerActor:
 
     def _loop(self) -> None:
         controller = self._controller
+        trimmed_at = time.monotonic()
         while not controller.state.is_terminal:
+            if time.monotonic() - trimmed_at >= TRIM_INTERVAL_S:  # [Note: the allocator's free pages]
+                release_free_heap()
+                trimmed_at = time.monotonic()
             try:
                 controller.step()
             except Exception as error:  # noqa: BLE001 - a controller bug must still end the run with a reason

@@ -34,19 +34,20 @@ goodput = productive / wall. The accountant is fed by the controller at its tran
 rank 0's reports (or, for a loop that makes none, rank 0's engine steps from its heartbeats; when an
 attempt's first report comes after the engine steps had started its productive time, that time goes
 back to the bucket the attempt opened in, so a reporting loop is timed by its reports alone); it
-keeps O(steps since the newest checkpoint) step times for the redone computation, so its memory
-does not grow with the run.
+keeps at most `_MAX_STEP_TIMES` step times since the newest checkpoint for the redone computation
+(`StepTimes`: evenly thinned past that), so its memory does not grow with the run.
 """
 from __future__ import annotations
 
 import bisect
+from array import array
 from collections import defaultdict
 from typing import Any
 
 CAUSES = ("start-up", "restart", "failure detection", "redone steps", "checkpoint stall", "planned", "idle",
           "shutdown")
 _PLANNED = ("preemption", "resize")
-_MAX_STEP_TIMES = 1_000_000  # a loop that never checkpoints: older step times are thinned past this
+_MAX_STEP_TIMES = 4096  # step times kept since the newest checkpoint (a loop that never checkpoints)
 _MAX_UNKEPT = 256  # steps in a snapshot's `unkept` (a thinned entry counts a little more as redone)
 
 
@@ -57,6 +58,51 @@ def _bucket_for(cause: str) -> str:
     if cause.startswith(_PLANNED):
         return "planned"
     return "restart"
+
+
+class StepTimes:
+    """Rank 0's (step, time) pairs since the newest checkpoint, at most `capacity` + 1 of them, as
+    packed doubles (16 bytes a pair; a list of Python floats took 64). Past `capacity` every other
+    pair is dropped and from then on only every `stride`-th one offered is kept (and the newest, in
+    place of the previous newest), so the whole span stays covered evenly: a redone time read from
+    it is early by at most one stride's time (a 2048th of the span for a loop that never
+    checkpoints). Unbounded, such a loop made the controller grow by ~6 MiB per 100,000 steps."""
+
+    def __init__(self, capacity: int = _MAX_STEP_TIMES) -> None:
+        self.capacity = capacity  # even: a thinning keeps the newest pair
+        self.steps = array("d")
+        self.times = array("d")
+        self.stride = 1  # keep every stride-th pair offered (doubles at each thinning)
+        self._offered = 0  # pairs offered since the last one kept
+        self._newest_only = False  # the last pair is only the newest offered: the next one replaces it
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def add(self, step: float, when: float) -> None:
+        self._offered += 1
+        if self._newest_only:
+            self.steps[-1], self.times[-1] = step, when
+        else:
+            self.steps.append(step)
+            self.times.append(when)
+        self._newest_only = self._offered < self.stride
+        if not self._newest_only:
+            self._offered = 0
+            if len(self.steps) > self.capacity:  # precision, not memory, is lost
+                self.steps, self.times, self.stride = self.steps[::2], self.times[::2], 2 * self.stride
+
+    def cut_before(self, step: float) -> None:
+        """Drop the pairs before the newest one at or below `step` (a checkpoint at `step` committed)."""
+        cut = bisect.bisect_left(self.steps, step)
+        if cut > 0:
+            self.steps, self.times = self.steps[cut - 1:], self.times[cut - 1:]
+            self.stride, self._offered, self._newest_only = 1, 0, False  # a fresh span: the finest resolution
+
+    def time_at_or_before(self, step: float) -> float | None:
+        """When the newest kept step at or below `step` was reported (None: before the first)."""
+        index = bisect.bisect_right(self.steps, step) - 1
+        return self.times[index] if index >= 0 else None
 
 
 class Goodput:
@@ -77,8 +123,7 @@ class Goodput:
         self._opening = "start-up"  # the bucket the current attempt was in before its first step
         self._reporting = False  # rank 0 reported in this attempt (else its engine's steps are the signal)
         self._engine_last: tuple[int, float] | None = None  # (step, when) of its newest engine step seen
-        self._steps: list[float] = []  # rank 0's reported steps in this attempt since the newest checkpoint
-        self._times: list[float] = []  # ... and when they were reported
+        self._steps = StepTimes()  # rank 0's reported steps in this attempt since the newest checkpoint, and when
         self._stall_seen = 0.0  # the current attempt's cumulative save stall already counted
         self._stalls: list[tuple[float, float]] = []  # (when, seconds) counted since the newest checkpoint
 
@@ -92,7 +137,7 @@ class Goodput:
         self._attempt = attempt
         self._last_report = self._first_report = None
         self._reporting, self._engine_last = False, None
-        self._steps, self._times, self._stall_seen, self._stalls = [], [], 0.0, []
+        self._steps, self._stall_seen, self._stalls = StepTimes(), 0.0, []
 
     def placement_waited(self, seconds: float, now: float) -> None:
         """The new group's placement group took `seconds`: that part of its start was idle."""
@@ -120,7 +165,7 @@ class Goodput:
         self._add("productive", -moved)
         self._add(self._opening, moved)
         self._first_report = self._last_report = None
-        self._steps, self._times = [], []  # the engine's step numbers; the loop's own from here
+        self._steps = StepTimes()  # the engine's step numbers; the loop's own from here
 
     def engine_stepped(self, step: int, now: float) -> None:
         """Rank 0's engine has completed optimizer step `step` (its heartbeat): the progress signal of
@@ -144,17 +189,13 @@ class Goodput:
             self._switch("productive", now)
         self._last_report = now
         if isinstance(step, (int, float)) and not isinstance(step, bool):
-            self._steps.append(float(step))
-            self._times.append(now)
-            if len(self._steps) > _MAX_STEP_TIMES:  # keep every other one: precision, not memory, is lost
-                self._steps, self._times = self._steps[::2], self._times[::2]
+            self._steps.add(float(step), now)
 
     def checkpointed(self, step: int) -> None:
         """A checkpoint at `step` is committed: step times before it are never needed again."""
-        cut = bisect.bisect_left(self._steps, float(step))
-        if cut > 0:
-            self._steps, self._times = self._steps[cut - 1:], self._times[cut - 1:]
-            self._stalls = [(when, seconds) for when, seconds in self._stalls if when >= self._times[0]]
+        self._steps.cut_before(float(step))
+        if len(self._steps):
+            self._stalls = [(when, seconds) for when, seconds in self._stalls if when >= self._steps.times[0]]
 
     def save_stalled(self, cumulative_s: float, now: float) -> float:
         """The ranks' cumulative seconds waiting on saves in this attempt (the largest of them);
@@ -238,7 +279,7 @@ class Goodput:
         picked = sorted({round(i * (count - 1) / (_MAX_UNKEPT - 1)) for i in range(_MAX_UNKEPT)}) \
             if count > _MAX_UNKEPT else range(count)
         return {"all": round(self._run_since(self._first_report), 3),
-                "steps": [[self._steps[i], round(self._run_since(self._times[i]), 3)] for i in picked]}
+                "steps": [[self._steps.steps[i], round(self._run_since(self._steps.times[i]), 3)] for i in picked]}
 
     def _run_since(self, since: float) -> float:
         """Seconds the current attempt trained from `since` to its last report, less its save stalls."""
@@ -265,11 +306,8 @@ class Goodput:
         """Move the current attempt's time after `resumed_step`'s report out of productive."""
         if self._last_report is None or self._first_report is None:
             return
-        if resumed_step is None or not self._steps or resumed_step < self._steps[0]:
-            since = self._first_report  # nothing of this attempt is kept
-        else:
-            index = bisect.bisect_right(self._steps, float(resumed_step)) - 1
-            since = self._times[index] if index >= 0 else self._first_report
+        kept_at = None if resumed_step is None else self._steps.time_at_or_before(float(resumed_step))
+        since = self._first_report if kept_at is None else kept_at  # None: nothing of this attempt is kept
         redone = max(0.0, min(self._run_since(since), self._seconds.get("productive", 0.0)))
         self._seconds["productive"] -= redone
         self._per_attempt_add("productive", -redone)

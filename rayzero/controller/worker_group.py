@@ -20,7 +20,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 from rayzero.config.run_settings import ScalingConfig
 from rayzero.controller.errors import ResourcesUnavailableError
 from rayzero.controller.failures import Failure, FailureKind
-from rayzero.controller.relay_rounds import RelayRounds
+from rayzero.controller.relay_rounds import RelayRounds, relay_groups
 from rayzero.workers.actor import NodeInfo, TrainWorker, WorkerOutcome
 from rayzero.workers.boundary import Heartbeat
 from rayzero.workers.errors import WorkerSetupError
@@ -215,6 +215,7 @@ class RayWorkerGroup:
         # Heartbeats and reports come through one relay per node ([Note: node relays]); run() calls are
         # kept by rank, so each rank's bookkeeping is O(1) ([Note: per-rank calls]).
         self._rounds: RelayRounds | None = None
+        self._relay_actors: list[Any] = []  # the relay actors started (killed at shutdown, even if replaced)
         self._unheard: set[int] = set()  # ranks without a heartbeat in the last round (stacks() waits not on them)
         self._run_refs: dict[int, Any] = {}  # rank -> outstanding run() call
         self._done: set[int] = set()
@@ -294,32 +295,35 @@ class RayWorkerGroup:
             rank_shards = {name: split[rank] for name, split in shards.items()}
             setups.append(actors[index].setup.remote(rank, env, backend, self._timeout_s, rank_shards))
         self._rounds = self._start_relays()
-        ray.get(setups + [relay.ready.remote() for relay in self._remote_relays()], timeout=self._timeout_s + 60)
+        ray.get(setups + [relay.ready.remote() for relay in self._relay_actors], timeout=self._timeout_s + 60)
         timings["process_group_s"] = time.monotonic() - started
         return timings
 
     def _start_relays(self) -> RelayRounds:
-        """One `NodeRelay` on each node of the group, for that node's ranks ([Note: node relays]); on
-        one node, one in this process ([Note: one node, no relay actor])."""
-        by_node: dict[str, list[int]] = {}
-        for rank, info in enumerate(self._infos):
+        """A `NodeRelay` per group of ranks ([Note: relays for small nodes]: a node of several ranks,
+        or small nodes packed together), on the group's node ([Note: node relays]); a group of one
+        relay gets it in this process ([Note: one node, no relay actor])."""
+        where = []
+        for info in self._infos:
             assert info is not None
-            by_node.setdefault(info.node_id, []).append(rank)
-        if len(by_node) == 1:
-            ((node, ranks),) = by_node.items()
-            return RelayRounds([NodeRelay(node, {rank: self._workers[rank] for rank in ranks})], [ranks], [node])
-        relay_class = ray.remote(NodeRelay)
-        relays = [
-            relay_class.options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
-            .remote(node, {rank: self._workers[rank] for rank in ranks})
-            for node, ranks in by_node.items()
-        ]
-        return RelayRounds(relays, list(by_node.values()), list(by_node))
+            where.append((info.node_id, info.node_ip))
+        groups = relay_groups(where)
 
-    def _remote_relays(self) -> list[Any]:
-        """The relay actors (none for a group on one node)."""
-        relays = self._rounds.relays if self._rounds is not None else []
-        return [relay for relay in relays if not isinstance(relay, NodeRelay)]
+        def gather_here(index: int) -> NodeRelay:  # the relay died: its ranks are asked from here
+            group = groups[index]
+            return NodeRelay(group.home, {rank: self._workers[rank] for rank in group.ranks})
+
+        if len(groups) == 1:
+            self._relay_actors = []
+            return RelayRounds([gather_here(0)], [list(groups[0].ranks)], [groups[0].home])
+        relay_class = ray.remote(NodeRelay)
+        self._relay_actors = [
+            relay_class.options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(group.home, soft=False))
+            .remote(group.home, {rank: self._workers[rank] for rank in group.ranks})
+            for group in groups
+        ]
+        return RelayRounds(list(self._relay_actors), [list(group.ranks) for group in groups],
+                           [group.home for group in groups], gather_here)
 
     def _split_datasets(self) -> dict[str, list[Any]]:
         # equal=True gives every rank the same number of rows, so no rank runs out of batches first
@@ -473,10 +477,10 @@ class RayWorkerGroup:
                 logger.debug("worker shutdown before kill failed: %s", error)
         held = self._held_per_node() if self._pg is not None and until_free else {}
         free_before = _free_per_node(held)
-        for handle in [*self._workers, *self._remote_relays()]:
+        for handle in [*self._workers, *self._relay_actors]:
             if handle is not None:
                 ray.kill(handle)
-        self._workers, self._run_refs, self._rounds = [], {}, None
+        self._workers, self._run_refs, self._rounds, self._relay_actors = [], {}, None, []
         if self._pg is not None:
             remove_placement_group(self._pg)
             self._pg = None

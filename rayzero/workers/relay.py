@@ -1,4 +1,5 @@
-"""One relay per node: its ranks' heartbeats and reports gathered there, one call to the controller.
+"""One relay per node (or per group of small nodes): its ranks' heartbeats and reports gathered
+there, one call to the controller.
 
 [Note: node relays]
 The controller hears from every rank once per heartbeat round: the rank's `Heartbeat` (hangs,
@@ -8,8 +9,9 @@ Ray's submission path alone (bench/scale.py: profiled, most of it `submit_actor_
 call per rank per round for heartbeats and another per rank for reports, the controller spent about
 two cores on calls at 4,096 ranks. A `NodeRelay` actor on each node instead asks its node's ranks
 (`TrainWorker.collect`: the heartbeat and the queued reports in one answer) and hands the controller
-the whole node in one `NodeRound`: one call per node per round (a 512th of the ranks' calls at 8
-ranks a node) and the node's calls stay on the node.
+the whole node in one `NodeRound`: one call per node per round (a 16th of the two calls per rank at 8
+ranks a node) and the node's calls stay on the node. Nodes of fewer ranks share a relay, so each
+gathers at least 8 ([Note: relays for small nodes] in rayzero/controller/relay_rounds.py).
 
 What the protocol keeps:
 - Order: the controller has at most one `collect` outstanding per relay, a relay at most one call
@@ -19,7 +21,7 @@ What the protocol keeps:
   and it is simply absent from the round's heartbeats, which is what hang detection counts.
 - Death: the controller still holds every rank's `run()` call and learns of a death from it at once;
   a relay reports a rank whose call failed too, and the relay's own death (its node is gone) fails
-  the controller's call.
+  the controller's call; the controller then asks that relay's ranks itself.
 - The last reports: `fresh` makes the relay ask again every rank whose answer came from a call made
   before this collect, so after a rank's loop returned, one fresh collect holds everything it reported.
 Requests for the step boundary go out through the relays too (one call per node); stacks for a hang
@@ -27,12 +29,14 @@ report are asked of every rank directly (once per hang, and they must reach a ra
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import ray
 
 from rayzero.workers.boundary import Heartbeat
+from rayzero.workers.heap import TRIM_INTERVAL_S, release_free_heap
 from rayzero.workers.session import Report
 
 RELAY_WAIT_S = 0.25
@@ -80,6 +84,7 @@ class NodeRelay:
         self._node_id = node_id
         self._workers = dict(workers)  # rank -> TrainWorker handle; a dead rank is dropped
         self._calls: dict[int, Any] = {}  # rank -> its outstanding collect() call
+        self._trimmed_at = time.monotonic()  # when its free heap pages last went back to the system
 
     def ready(self) -> str:
         """Answers once the relay runs (the group waits for it with the workers' setup)."""
@@ -90,6 +95,9 @@ class NodeRelay:
         answer came from a call made before this collect are asked once more. `grace_s`: how long a
         rank whose loop has not ended and has nothing queued waits for a report (`TrainWorker.collect`)."""
         out = NodeRound(self._node_id)
+        if time.monotonic() - self._trimmed_at >= TRIM_INTERVAL_S:  # [Note: the allocator's free pages]
+            release_free_heap()
+            self._trimmed_at = time.monotonic()
         asked_now = self._ask(set(self._workers), grace_s)
         answered = self._take(wait_s, out)
         if fresh:

@@ -140,9 +140,9 @@ def test_node_loss_resumes_from_peer_replicas_with_fewer_workers(cluster, tmp_pa
     thread.join(240)
     assert "error" not in box, box.get("error")
     _check(box["result"], 24, (3, 2), failures=1)
-    # a relay actor per node of each attempt: 3, then 2 ([Note: node relays]); the lost node's relay
-    # died with it
-    assert actors_made("NodeRelay") - relays == 5
+    # one rank per node, 3 then 2 ranks in all: too few for a relay actor; the controller gathers them
+    # itself ([Note: relays for small nodes]; it was a relay actor per node: 3, then 2)
+    assert actors_made("NodeRelay") == relays
     shared = tmp_path / "runs" / "nodeloss" / "checkpoints"
     assert not any(shared.glob("global_step*"))  # nothing went through shared storage
 

@@ -1,6 +1,7 @@
-"""RayWorkerGroup at many ranks: one collect per node per heartbeat round through the node relays
-([Note: node relays] in rayzero/workers/relay.py), and a poll whose work is linear in the ranks
-([Note: per-rank calls] in worker_group.py).
+"""RayWorkerGroup at many ranks: one collect per relay per heartbeat round through the node relays
+([Note: node relays] in rayzero/workers/relay.py; a relay per node of 8, or per 8 single-rank nodes:
+[Note: relays for small nodes]), and a poll whose work is linear in the ranks ([Note: per-rank calls]
+in worker_group.py).
 
 The real group code, on the shared local Ray, against bench/scale_sim.py's `RankHost` actors, each
 hosting many simulated ranks (whole nodes of 8) that report once per simulated step, all together (as
@@ -13,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import time
 
 import pytest
 
@@ -84,10 +86,10 @@ def _in_order_without_gaps(seen: dict[int, list[int]]) -> bool:
 
 
 @contextlib.contextmanager
-def _running_group(runs: CountingDict | None = None):
+def _running_group(runs: CountingDict | None = None, ranks_per_node: int = 8):
     """A started group of RANKS hosted ranks, launched (into `runs` when given), rounds taken until
     every rank has reported twice (at least two): yields it and each rank's report steps so far."""
-    group = HostedRayWorkerGroup(RANKS, hosts=2, step_time_s=0.3)
+    group = HostedRayWorkerGroup(RANKS, hosts=2, step_time_s=0.3, ranks_per_node=ranks_per_node)
     group.start()
     try:
         if runs is not None:
@@ -128,6 +130,19 @@ def test_a_round_makes_one_call_per_node_and_a_stopped_rank_holds_back_no_other(
 
 
 @pytest.mark.timeout(240)
+def test_single_rank_nodes_share_relays_one_call_per_eight_ranks(local_ray):
+    """[Note: relays for small nodes]: with one rank per node a relay per node saved the controller
+    nothing (96 calls a round here); relays of 8 single-rank nodes make it 12, as nodes of 8 do."""
+    with _running_group(ranks_per_node=1) as (group, seen):
+        scale_sim.CALLS.clear()
+        beats = _take_rounds(group, 3, seen)
+        assert scale_sim.CALLS["collect"] == 3 * RANKS // 8, scale_sim.CALLS
+        assert all(all(beat is not None for beat in round_beats.values()) for round_beats in beats)
+        assert {beat.node_id for beat in beats[-1].values()} == {scale_sim.node_of(rank, 1) for rank in range(RANKS)}
+        assert sorted(seen) == list(range(RANKS)) and _in_order_without_gaps(seen), seen
+
+
+@pytest.mark.timeout(240)
 def test_a_killed_rank_is_a_failure_and_the_survivors_reports_are_kept(local_ray):
     with _running_group() as (group, seen):
         os.kill(group.victim_pid, signal.SIGKILL)
@@ -155,3 +170,34 @@ def test_a_planned_stop_goes_out_once_per_node_and_the_last_reports_come_with_th
         assert {rank: steps[-1] for rank, steps in seen.items()} == {
             rank: beat.handled.step for rank, beat in beats.items()}
         assert _in_order_without_gaps(seen) and group.poll(0.0).reports == []
+
+
+@pytest.mark.timeout(240)
+def test_a_dead_relay_is_a_failure_and_its_ranks_last_reports_still_come(local_ray):
+    """[Note: relays for small nodes]: a relay is never a point of loss. Its death fails the attempt
+    (its node most likely went with it), and its ranks are asked by the controller itself from then
+    on, so what they reported since the relay's last answer comes before the group goes down (before,
+    a dead relay's ranks were never asked again: a relay of several single-rank nodes took the last
+    reports of every surviving node it gathered)."""
+    import ray
+
+    with _running_group() as (group, seen):
+        rounds = group._rounds
+        index = rounds.relay_of[group.victim_rank]
+        relayed = rounds.ranks[index]
+        before = {rank: len(seen[rank]) for rank in relayed}
+        ray.kill(group.victim_relay)  # between rounds: no call of it in flight
+        time.sleep(1.0)  # every rank reports meanwhile (a step is 0.3 s): something to lose
+        for _ in range(10):
+            group.heartbeats(2.0)
+            polled = group.poll(0.0)
+            for report in polled.reports:
+                seen.setdefault(report.rank, []).append(report.seq)
+            if polled.failures:
+                break
+        assert [(failure.kind, failure.rank) for failure in polled.failures] == [
+            (FailureKind.WORKER_DIED, relayed[0])], polled.failures
+        assert f"the relay on node {rounds.node_ids[index]}" in polled.failures[0].message
+        # the survivors' last words: each of the dead relay's ranks reported since, in order, none lost
+        assert all(len(seen[rank]) > before[rank] for rank in relayed), (before, {r: seen[r] for r in relayed})
+        assert _in_order_without_gaps(seen)

@@ -174,3 +174,32 @@ def test_a_first_report_slower_than_two_heartbeat_rounds_still_times_the_loop_by
     assert badput["restart"] == pytest.approx(3.0) and badput["redone steps"] == pytest.approx(1.0)
     assert snapshot["productive_s"] == pytest.approx(1.0)
     assert sum(badput.values()) + snapshot["productive_s"] == pytest.approx(12.0)
+
+
+def test_a_loop_that_never_checkpoints_keeps_the_accountant_small_and_the_redone_time_close():
+    """bench/longrun.py (issue 35): rank 0's step times since the newest checkpoint were kept one list
+    entry each (two Python floats, ~64 bytes a step): a loop that never checkpoints grew the controller
+    by ~6 MiB per 100,000 steps. Now a bounded, evenly thinned record: what a failure moves to
+    `redone steps` is late by at most a 2048th of the span."""
+    import tracemalloc
+
+    steps = 200_000
+    g = Goodput(0.0)
+    g.attempt_began(0, "start", 0.0, None)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for step in range(1, steps + 1):
+            g.reported(step, float(step))   # a step a second
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert grown < 256 << 10, f"{grown / 2**20:.1f} MiB for {steps} reports"  # ~12 MiB when each step was kept
+    g.checkpointed(150_000)                 # step times before it are dropped; the span starts afresh
+    for step in range(steps + 1, steps + 101):
+        g.reported(step, float(step))
+    g.failed(float(steps + 100))
+    g.attempt_began(1, "worker died", float(steps + 100), 150_000)
+    redone = g.snapshot(float(steps + 100))["badput_s"]["redone steps"]
+    exact = float(steps + 100 - 150_000)   # from step 150,000's report to the last
+    assert exact <= redone <= exact + steps / 2048, (redone, exact)
