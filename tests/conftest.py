@@ -52,6 +52,15 @@ import pytest
 # start-up, heartbeats) and the CPU lane's do not: the actors run at the same priority as the rest.
 # Set before any test starts a Ray node; every raylet, and so every worker, inherits it.
 os.environ.setdefault("RAY_worker_niceness", "0")
+# A head waits RAY_DASHBOARD_STARTUP_TIMEOUT_S (60 s) for its dashboard process to come up, then fails
+# ([Note: Ray's start-up bounds]): on a loaded 2-core machine the test head's dashboard took longer (a
+# fresh clone's `make test`, 2026-11-28). It is a wait on the dashboard's published address, not a
+# sleep: a longer bound costs nothing when the dashboard is up sooner.
+os.environ.setdefault("RAY_DASHBOARD_STARTUP_TIMEOUT_S", "180")
+# inductor compiles in a pool of worker processes as wide as the machine, each importing torch: on 2
+# shared cores the pool's start cost more than it saved (tests/dist/test_compile.py's one-rank case
+# 6 s alone, 90 s in a fresh clone's `make test`); the tests' graphs are small, compiled in-process.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 _TIERS = ("unit", "dist", "ray", "k8s", "gpu")
 _LONGEST_FIRST = ("ray", "dist", "k8s")

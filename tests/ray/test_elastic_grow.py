@@ -42,7 +42,10 @@ def test_a_node_joining_grows_the_run_from_2_to_3_workers_without_losing_a_step(
             box["result"] = rayzero.fit(
                 elastic_loop.train, config=elastic_loop.config(), scaling=rayzero.ScalingConfig(num_workers=(2, 3)),
                 run=rayzero.RunConfig(name="grow", storage=tmp_path.as_uri(), progress_interval_s=30),
-                train_loop_config={"steps": 36, "sleep": 0.25})  # the loop never saves itself
+                # the loop never saves itself; at 2 workers it paces 2 s a step, so the run still has
+                # steps to go when a loaded machine's new node is up (a fresh clone's make test: the run
+                # ended, its controller gone, before it could grow)
+                train_loop_config={"steps": 36, "sleep": 0.25, "sleep_at_world": {2: 2.0}})
         except BaseException as error:  # noqa: BLE001 - re-raised by the test
             box["error"] = error
 

@@ -73,7 +73,9 @@ def train(loop_config: dict) -> None:
         hang_here = loop_config.get("hang_rank") == context.rank and engine.global_steps == loop_config.get("hang_at")
         if hang_here and context.attempt == 0:
             time.sleep(3600)  # a hung rank: the others block in the next collective
-        time.sleep(loop_config.get("sleep", 0.0))
+        # `sleep_at_world`: a slower pace at some world sizes, so that a test waiting for the run to
+        # grow has steps left however long a loaded machine takes to start the new node
+        time.sleep(loop_config.get("sleep_at_world", {}).get(world, loop_config.get("sleep", 0.0)))
         if context.rank == loop_config.get("slow_rank"):  # a straggler: slow outside the engine every step
             time.sleep(loop_config["slow_s"])
     rayzero.report({"final": _weights(model), "final_step": engine.global_steps})
