@@ -111,7 +111,8 @@ def test_status_follows_the_rayjob_to_success(cluster, operator):
 def test_a_failure_with_restarts_left_starts_exactly_one_resuming_rayjob(cluster, operator):
     spec = example("minimal")
     spec["storage"] = {"durableUri": "s3://bucket/runs"}
-    spec["failurePolicy"] = {"maxRestarts": 1, "backoffSeconds": 2}
+    # a backoff long enough to be seen on a loaded machine (BackingOff lasts as long as it)
+    spec["failurePolicy"] = {"maxRestarts": 1, "backoffSeconds": 5}
     cluster.create_job("retry", spec)
     wait_for(lambda: cluster.ray_jobs("retry"), what="the first RayJob")
     cluster.set_ray_job_status("retry-attempt-1", jobDeploymentStatus="Running", jobStatus="RUNNING")
@@ -128,7 +129,7 @@ def test_a_failure_with_restarts_left_starts_exactly_one_resuming_rayjob(cluster
     assert len(cluster.ray_jobs("retry")) == 1  # not before backoffSeconds
     second = wait_for(lambda: len(cluster.ray_jobs("retry")) == 2 and cluster.ray_jobs("retry")[1],
                       what="attempt 2")
-    assert time.monotonic() - failed_at >= 1.0  # backoffSeconds 2, timestamps have 1 s resolution
+    assert time.monotonic() - failed_at >= 4.0  # backoffSeconds 5, timestamps have 1 s resolution
     rotated = cluster.secret("retry-rayzero-auth")  # before its RayJob: the new pods read these
     assert second["metadata"]["name"] == "retry-attempt-2"
     assert _uri_env(second) == {"RAYZERO_RESUME_FROM": "s3://bucket/runs/retry"}

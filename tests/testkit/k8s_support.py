@@ -26,9 +26,11 @@ SERVICE_ACCOUNT = "rzo-rayzero-operator"
 RESYNC_SECONDS = 1.0
 
 
-def wait_for(predicate: Callable[[], Any], timeout: float = 20.0, what: str = "condition",
+def wait_for(predicate: Callable[[], Any], timeout: float = 60.0, what: str = "condition",
              interval: float = 0.1) -> Any:
-    """Poll until `predicate()` is truthy; its value is returned. Fails with `what` on timeout."""
+    """Poll until `predicate()` is truthy; its value is returned. Fails with `what` on timeout. The
+    default bound covers an operator pass on a loaded machine (20 s was missed in a fresh clone's
+    `make test`); a condition that holds sooner returns sooner."""
     deadline = time.monotonic() + timeout
     last: Any = None
     while time.monotonic() < deadline:
