@@ -180,12 +180,17 @@ class StepBoundary:
         # A loop that never steps an engine has no boundary to agree on: stop when asked.
         return not self.stepped and self._pending_kind is BoundaryRequest.STOP
 
+    def _live_engine(self) -> Any:
+        """The engine that stepped last, while it is open; else None."""
+        engine = self._engine() if self._engine is not None else None
+        return None if engine is None or engine.closed else engine
+
     def placement(self) -> dict[str, int] | None:
         """Where the engine's model state lives now (device/host/nvme bytes) and what it is made of
         (engine.memory_stats), for the progress line and the run's closing memory line; None before an
         engine stepped."""
-        engine = self._engine() if self._engine is not None else None
-        if engine is None or engine.closed:
+        engine = self._live_engine()
+        if engine is None:
             return None
         stats = engine.memory_stats()
         return {key: int(stats[key]) for key in PLACEMENT_KEYS if key in stats}
@@ -193,8 +198,8 @@ class StepBoundary:
     def link_bytes(self) -> tuple[int | None, int | None]:
         """Bytes this rank sent in the engine's last step inside its node and to other nodes
         ([Note: bytes per link class] in rayzero/engine/comm.py); (None, None) before an engine stepped."""
-        engine = self._engine() if self._engine is not None else None
-        if engine is None or engine.closed:
+        engine = self._live_engine()
+        if engine is None:
             return None, None
         total = engine.comm_stats().get("total", {})
         return int(total.get("intra_node_bytes", 0)), int(total.get("inter_node_bytes", 0))
@@ -202,16 +207,16 @@ class StepBoundary:
     def new_layout(self) -> dict[str, Any] | None:
         """The engine's node layout and groups (`engine.layout()`) the first time it is asked for
         each engine, else None: it changes only with a new engine, and travels once."""
-        engine = self._engine() if self._engine is not None else None
-        if engine is None or engine.closed or (self._layout_told is not None and self._layout_told() is engine):
+        engine = self._live_engine()
+        if engine is None or (self._layout_told is not None and self._layout_told() is engine):
             return None
         self._layout_told = weakref.ref(engine)
         return engine.layout()
 
     def learning_rate(self) -> float | None:
         """The learning rate of the engine that stepped last, for the metrics (None before one did)."""
-        engine = self._engine() if self._engine is not None else None
-        if engine is None or engine.closed:
+        engine = self._live_engine()
+        if engine is None:
             return None
         try:
             rates = engine.get_lr()
