@@ -10,12 +10,11 @@ import time
 import pytest
 
 import rayzero
-from rayzero.driver.fit import controller_actor_name
 
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster
 from testkit import elastic_loop
-from testkit.local_ray import add_node, own_ports
+from testkit.local_ray import add_node, controller_at_step, own_ports
 
 
 @pytest.fixture
@@ -51,15 +50,7 @@ def test_a_node_joining_grows_the_run_from_2_to_3_workers_without_losing_a_step(
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 120
-    controller = None
-    while controller is None or ray.get(controller.status.remote()).step < 3:
-        assert time.monotonic() < deadline and thread.is_alive(), box
-        try:
-            controller = controller or ray.get_actor(controller_actor_name("grow"))
-        except ValueError:
-            pass
-        time.sleep(0.2)
+    controller, _ = controller_at_step("grow", 3, thread, box, 120)
     assert ray.get(controller.status.remote()).world_size == 2
     add_node(room_for_two, num_cpus=1)
     joined = time.monotonic()

@@ -10,12 +10,11 @@ import time
 import pytest
 
 import rayzero
-from rayzero.driver.fit import controller_actor_name
 
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster
 from testkit import elastic_loop
-from testkit.local_ray import add_node, own_ports
+from testkit.local_ray import add_node, controller_at_step, own_ports
 
 STEPS, BATCH = 40, 16
 
@@ -62,15 +61,7 @@ def test_hpz_run_shrinks_to_one_node_and_grows_back_to_two(two_nodes, tmp_path, 
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 180
-    controller = None
-    while controller is None or ray.get(controller.status.remote()).step < 4:
-        assert time.monotonic() < deadline and thread.is_alive(), box
-        try:
-            controller = controller or ray.get_actor(controller_actor_name("hpz"))
-        except ValueError:
-            pass
-        time.sleep(0.2)
+    controller, deadline = controller_at_step("hpz", 4, thread, box, 180)
     assert _world(controller) == 4
     # `rayzero status` shows the node layout and rank 0's groups, and what it sent on each link class
     wide = ray.get(controller.status.remote())

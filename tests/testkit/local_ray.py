@@ -83,3 +83,24 @@ def _log_monitor_problem(cluster) -> str:
     code = started[0].process.poll()
     return "" if code is None else f"it exited with status {code}"
 
+
+
+def controller_at_step(run_name: str, step: int, thread, box: dict, timeout_s: float):
+    """The controller actor of `run_name` once its status reaches `step`, while the thread running
+    `rayzero.fit` is alive (its error, if any, is in `box`)."""
+    import time
+
+    import ray
+
+    from rayzero.driver.fit import controller_actor_name
+
+    deadline = time.monotonic() + timeout_s
+    controller = None
+    while controller is None or ray.get(controller.status.remote()).step < step:
+        assert time.monotonic() < deadline and thread.is_alive(), box
+        try:
+            controller = controller or ray.get_actor(controller_actor_name(run_name))
+        except ValueError:
+            pass
+        time.sleep(0.2)
+    return controller, deadline
