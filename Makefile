@@ -21,7 +21,7 @@ PYTEST_ARGS ?=
 PYTEST_WORKERS ?= 3
 XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
-.PHONY: venv s3-venv deepspeed-ops demo test test-unit test-dist test-ray test-k8s fuzz lint docs-check crd-check k8s-envtest bench clean
+.PHONY: venv s3-venv deepspeed-ops demo test test-long test-all test-unit test-dist test-ray test-k8s fuzz lint docs-check crd-check k8s-envtest bench clean
 
 venv: $(STAMP)
 
@@ -72,7 +72,17 @@ k8s-envtest:
 deepspeed-ops: $(STAMP)
 	$(BIN)/python scripts/build_deepspeed_ops.py
 
+# `make test` leaves out the long tier's end-to-end scenarios ([Note: the long tier], tests/long_tier.py:
+# each listed with the test here that covers its capability); `make test-long` runs them, `make test-all`
+# runs everything.
 test: $(STAMP) k8s-envtest s3-venv deepspeed-ops
+	$(MAKE) lint docs-check crd-check
+	$(BIN)/python -m pytest $(XDIST) -m "not long" $(PYTEST_ARGS)
+
+test-long: $(STAMP) s3-venv deepspeed-ops
+	$(BIN)/python -m pytest $(XDIST) -m long $(PYTEST_ARGS)
+
+test-all: $(STAMP) k8s-envtest s3-venv deepspeed-ops
 	$(MAKE) lint docs-check crd-check
 	$(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS)
 

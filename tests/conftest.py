@@ -66,17 +66,22 @@ _TIERS = ("unit", "dist", "ray", "k8s", "gpu")
 _LONGEST_FIRST = ("ray", "dist", "k8s")
 # Within the Ray tier, the files that ran longest (tests/ray, 2026-11-27: each 45-130 s beside two other
 # files), so that the last files handed out are short ones and the lanes end together.
-_SLOW_RAY_FILES = ("test_chaos", "test_hf_trainer", "test_faults", "test_first_hour", "test_script_run",
-                   "test_elastic_layouts", "test_node_loss", "test_multinode_emulated", "test_job_submit",
-                   "test_planned_stop", "test_path_shipping", "test_local_start")
+# (2026-11-29: `make test`'s share of each, beside the CPU lane, 70-240 s; [Note: the long tier] for the rest).
+_SLOW_RAY_FILES = ("test_first_hour", "test_job_submit", "test_hf_trainer", "test_fit", "test_faults",
+                   "test_elastic_grow", "test_planned_stop", "test_lightning_run", "test_multinode_emulated",
+                   "test_cli", "test_path_shipping", "test_scale_group")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    from tests.long_tier import LONG
+
     for item in items:
         parts = pathlib.Path(str(item.fspath)).parts
         for tier in _TIERS:
             if tier in parts:
                 item.add_marker(getattr(pytest.mark, tier))
+        if any(item.nodeid.startswith(prefix) for prefix in LONG):  # [Note: the long tier]
+            item.add_marker(pytest.mark.long)
     if hasattr(config, "workerinput"):  # an xdist worker: every worker sorts alike, so collections match
         rank = {f"tests/{tier}/": index for index, tier in enumerate(_LONGEST_FIRST)}
         slow = {f"tests/ray/{name}.py": index for index, name in enumerate(_SLOW_RAY_FILES)}

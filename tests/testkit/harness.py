@@ -16,7 +16,9 @@ import datetime
 import math
 import multiprocessing
 import os
+import signal
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -87,6 +89,12 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, payload: Any, ou
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       RAYZERO_COLLECTIVE_TIMEOUT_S="120")  # a hung peer fails the test, not the suite
+    import faulthandler
+    import signal
+
+    # the parent asks for every thread's stack with SIGUSR1 when the group runs past its time
+    stacks = open(os.path.join(out_dir, f"rank{rank}.stacks"), "w")  # noqa: SIM115 - open for the process's life
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     result: Any
     try:
         init(rank, world_size)
@@ -119,8 +127,13 @@ def spawn(world_size: int, fn: Callable, payload: Any = None, timeout_s: float =
                  for r in range(world_size)]
         for proc in procs:
             proc.start()
+        deadline = time.monotonic() + timeout_s  # for the whole group, not per rank
         for proc in procs:
-            proc.join(timeout_s)
+            proc.join(max(0.0, deadline - time.monotonic()))
+        late = [rank for rank, proc in enumerate(procs) if proc.is_alive()]
+        for rank in late:  # where each late rank is: its threads' stacks (faulthandler, in _entry)
+            os.kill(procs[rank].pid, signal.SIGUSR1)
+        time.sleep(1.0 if late else 0.0)
         for proc in procs:
             if proc.is_alive():
                 proc.kill()
@@ -128,8 +141,12 @@ def spawn(world_size: int, fn: Callable, payload: Any = None, timeout_s: float =
         results = []
         for rank in range(world_size):
             path = os.path.join(out_dir, f"rank{rank}.pt")
+            if rank in late:
+                with open(os.path.join(out_dir, f"rank{rank}.stacks")) as stacks:
+                    raise RuntimeError(f"rank {rank} of {world_size} was still running after {timeout_s:.0f} s; "
+                                       f"its threads' stacks then:\n{stacks.read()[-6000:]}")
             if not os.path.exists(path):
-                raise RuntimeError(f"rank {rank} of {world_size} produced no result (timeout or crash)")
+                raise RuntimeError(f"rank {rank} of {world_size} produced no result (it crashed)")
             status, value = torch.load(path, weights_only=False)
             if status != "ok":
                 raise RuntimeError(f"rank {rank} of {world_size} failed:\n{value}")
