@@ -77,7 +77,7 @@ deepspeed-ops: $(STAMP)
 # runs everything.
 test: $(STAMP) k8s-envtest s3-venv deepspeed-ops
 	$(MAKE) lint docs-check crd-check
-	$(BIN)/python -m pytest $(XDIST) -m "not long" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(XDIST) -m "not long" --durations=40 $(PYTEST_ARGS)
 
 test-long: $(STAMP) s3-venv deepspeed-ops
 	$(BIN)/python -m pytest $(XDIST) -m long $(PYTEST_ARGS)

@@ -34,6 +34,10 @@ cluster, and a node the soak brought back missed Ray's 30 s start-up bound (one 
 bench/chaos_world.py now tries such a node up to three times: add_node_retrying). Its apiserver
 restart gives a port up for a moment, so that port comes from outside the ranges anything else
 picks from (rayzero.ports.server_port).
+
+The figures above are from 2026-11-27 (1,337 tests). By 2026-11-29 the suite had 1,652, and a full run
+here took 47 min of pytest: `make test` now leaves out the long tier ([Note: the long tier],
+tests/long_tier.py), whose tests carry the `long` mark.
 """
 from __future__ import annotations
 
@@ -61,15 +65,24 @@ os.environ.setdefault("RAY_DASHBOARD_STARTUP_TIMEOUT_S", "180")
 # shared cores the pool's start cost more than it saved (tests/dist/test_compile.py's one-rank case
 # 6 s alone, 90 s in a fresh clone's `make test`); the tests' graphs are small, compiled in-process.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+# [Note: one OpenMP thread per test process]
+# Every process a test starts runs one OpenMP thread, as torchrun and Ray give their workers
+# (OMP_NUM_THREADS=1; Ray: the actor's CPUs). With OpenMP's default, one thread per core, a team's
+# threads spin at each barrier waiting for a thread the scheduler has parked behind another process:
+# tests/dist/test_fidelity_bias_correction.py (DeepSpeed's CPU Adam and FusedAdam in its ranks) took
+# 328 s beside two busy loops, 51 s with this set (2026-11-29), and sat past its 900 s limit once in a
+# full run. `harness.gloo_init`'s torch.set_num_threads(1) did not reach DeepSpeed's kernels' team.
+# Read by each process's OpenMP runtime at start: set before anything here imports torch.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 _TIERS = ("unit", "dist", "ray", "k8s", "gpu")
 _LONGEST_FIRST = ("ray", "dist", "k8s")
 # Within the Ray tier, the files that ran longest (tests/ray, 2026-11-27: each 45-130 s beside two other
 # files), so that the last files handed out are short ones and the lanes end together.
 # (2026-11-29: `make test`'s share of each, beside the CPU lane, 70-240 s; [Note: the long tier] for the rest).
-_SLOW_RAY_FILES = ("test_first_hour", "test_job_submit", "test_hf_trainer", "test_fit", "test_faults",
-                   "test_elastic_grow", "test_planned_stop", "test_lightning_run", "test_multinode_emulated",
-                   "test_cli", "test_path_shipping", "test_scale_group")
+_SLOW_RAY_FILES = ("test_job_submit", "test_first_hour", "test_hf_trainer", "test_fit", "test_faults",
+                   "test_multinode_emulated", "test_planned_stop", "test_node_loss", "test_stages", "test_cli",
+                   "test_path_new_user", "test_scale_group")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -46,7 +46,21 @@ LONG: dict[str, str] = {
                                                                                        "test_stages' stage-3 resume",
     "tests/ray/test_control_e2e.py": "test_planned_stop's control target, test_control_fit, tests/k8s/test_control_real_run",
     "tests/ray/test_job_submit.py::test_ray_job_submit_runs_a_script_target": "test_job_submit's rayzero run, test_cli's file target",
+    "tests/ray/test_elastic_grow.py": "test_planned_stop's control target (a resize to another world size), test_node_loss "
+                                      "(a shrink), tests/unit/test_elastic_plan",
+    "tests/ray/test_lightning_run.py": "tests/dist/test_lightning_strategy (RayZeroStrategy: a planned stop resumed by itself), "
+                                       "test_script_run's as-main case (rayzero run of a script)",
+    "tests/ray/test_path_shipping.py::test_torch_ops": "test_path_shipping's HF model case, test_fit (a loop shipped by value)",
+    "tests/ray/test_path_cluster.py::test_re_run_steps": "the restarts of test_fit and test_faults, tests/unit/test_goodput_accounting",
+    "tests/ray/test_script_run.py::test_fit_a_script_that_never_builds_an_engine": "test_script_run's as-main case",
+    "tests/ray/test_elastic_stragglers.py": "tests/unit/test_controller_stragglers",
+    "tests/ray/test_planned_stop.py::test_an_elasticity_block": "tests/unit/test_elastic_plan",
+    "tests/ray/test_job_submit.py::test_ray_job_submit_reports_a_bad_config": "test_first_hour's CLI errors, tests/unit's config errors",
     # dist tier: measurements and long trainings
+    "tests/dist/test_fidelity_memory.py": "bench/memory.py, tests/unit/test_estimate",
+    "tests/dist/test_lightning_torchrun.py": "test_lightning_strategy (the same strategy on spawned ranks)",
+    "tests/dist/test_compile.py::test_hf_trainer_accelerate_and_lightning_compile": "test_compile's one_rank engine case",
+    "tests/dist/test_zero_init_torchrun.py": "test_zero_init_hf (zero.Init on spawned ranks)",
     "tests/dist/test_census_memory.py": "bench/memory.py (the same census, GPT-2), test_fidelity_memory",
     "tests/dist/test_engine_exit.py": "tests/dist/test_zero_init_torchrun (a torchrun script)",
     "tests/dist/test_zeropp_gpt.py": "test_stage3_layouts (every layout and its quantized collectives, step by step)",

@@ -68,7 +68,8 @@ def install(admin: client.ApiClient) -> None:
         except ApiException as error:
             if error.status != 409:
                 raise
-    deadline = time.monotonic() + 30
+    # a wait on the condition: a loaded apiserver took over 30 s to establish these 2.3 MB CRDs (make test)
+    deadline = time.monotonic() + 120
     for name in ("rayjobs.ray.io", "rayclusters.ray.io"):
         while not established(extensions, name):
             if time.monotonic() > deadline:
