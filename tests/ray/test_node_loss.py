@@ -12,13 +12,12 @@ from pathlib import Path
 import pytest
 
 import rayzero
-from rayzero.driver.fit import controller_actor_name
 
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster
 from testkit import elastic_loop
 from testkit.actors import actors_made
-from testkit.local_ray import add_node, own_ports
+from testkit.local_ray import add_node, controller_at_step, own_ports
 
 
 @pytest.fixture(scope="module")
@@ -80,27 +79,13 @@ def _newest_on_the_nodes(node_root: Path, name: str) -> int | None:
     return max(steps, default=None)
 
 
-def _controller_a_few_steps_in(name: str, thread, box: dict):
-    """The run's controller actor, once it has seen 3 steps (the run still going)."""
-    deadline = time.monotonic() + 120
-    controller = None
-    while controller is None or ray.get(controller.status.remote()).step < 3:
-        assert time.monotonic() < deadline and thread.is_alive(), box
-        try:
-            controller = controller or ray.get_actor(controller_actor_name(name))
-        except ValueError:
-            pass
-        time.sleep(0.2)
-    return controller
-
-
 def test_a_planned_stop_of_a_node_local_run_knows_its_boundary_checkpoint(cluster, tmp_path):
     """The stop's checkpoint is written on the nodes' disks after the last heartbeat that could have
     seen it (found by bench/chaos.py: `rayzero stop` named an older checkpoint, or none): the reply,
     `Result.checkpoint_step` and goodput (nothing redone) must know it all the same."""
     _, _, node_root = cluster
     thread, box = _fit_in_thread(tmp_path, "nodestop", 2, 10_000, save_every=None)  # never saves itself
-    controller = _controller_a_few_steps_in("nodestop", thread, box)
+    controller = controller_at_step("nodestop", 3, thread, box, 120)[0]
     record = ray.get(controller.stop.remote(120.0))
     thread.join(240)
     assert "error" not in box, box.get("error")
@@ -129,7 +114,7 @@ def test_node_loss_resumes_from_peer_replicas_with_fewer_workers(cluster, tmp_pa
     lost_dir = node_root / lost.node_id / "checkpoints" / "nodeloss"
     # rank 0 may be on the node to be lost: its reports must have reached the controller first, or the
     # history starts at the restart (reports not yet collected from a node die with it; seen once)
-    _controller_a_few_steps_in("nodeloss", thread, box)
+    controller_at_step("nodeloss", 3, thread, box, 120)
     deadline = time.monotonic() + 120
     while not any((p / "manifest.json").exists() for p in lost_dir.glob("global_step*")):
         assert time.monotonic() < deadline and thread.is_alive(), box
@@ -155,7 +140,7 @@ def test_a_drain_notice_checkpoints_and_regroups_without_the_node(cluster, tmp_p
     thread, box = _fit_in_thread(tmp_path, "drain", (1, 2), 16, save_every=None)  # never saves itself
     draining = nodes[1]
     run_dir = node_root / draining.node_id / "checkpoints" / "drain"
-    controller = _controller_a_few_steps_in("drain", thread, box)
+    controller = controller_at_step("drain", 3, thread, box, 120)[0]
     assert {r.node_id for r in ray.get(controller.status.remote()).ranks} == {nodes[0].node_id, draining.node_id}
     accepted, why = GcsClient(address=made.address).drain_node(
         draining.node_id, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),

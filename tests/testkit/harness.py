@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import faulthandler
 import math
 import multiprocessing
 import os
@@ -89,9 +90,6 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, payload: Any, ou
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       RAYZERO_COLLECTIVE_TIMEOUT_S="120")  # a hung peer fails the test, not the suite
-    import faulthandler
-    import signal
-
     # the parent asks for every thread's stack with SIGUSR1 when the group runs past its time
     stacks = open(os.path.join(out_dir, f"rank{rank}.stacks"), "w")  # noqa: SIM115 - open for the process's life
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
