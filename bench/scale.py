@@ -55,131 +55,23 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench import scale_loader, scale_sim
-from bench.scale_sim import SimulatedGroup
-from rayzero.config.run_settings import FailureConfig
-from rayzero.controller.controller import Controller, ControllerSettings
-from rayzero.controller.elastic import BatchPlan
-from rayzero.controller.failures import FailurePolicy
-from rayzero.controller.health import HangPolicy
+from bench import scale_sim
+from bench.scale_checkpoint import checkpoint_section
+from bench.scale_ray import ray_section, small_nodes_section
+from bench.scale_report import HANG_LIMIT_S, exponents, plot, targets
+from bench.scale_sim import SimulatedGroup, controller_over, cpu, run_controller
+from rayzero.controller.controller import Controller
 from rayzero.controller.requests import ControlRequest, RequestKind
 from rayzero.controller.states import RunState
 
 SIZES = (64, 256, 1024, 4096)
 QUICK_SIZES = (16, 64)
 SECTIONS = ("checkpoint", "logic", "grpc", "metrics", "ray", "small_nodes")
-TARGETS_AT = 4096
-HANG_LIMIT_S = FailureConfig().hang_timeout_s  # the default a user gets (55 s)
-EXPONENT_TOLERANCE = 0.1  # a fitted exponent up to 1.1 counts as linear: see pickle_reference_cpu_s
-
-
-def cpu() -> float:
-    """CPU seconds of this whole process (every thread: the controller's, gRPC's, Ray's core worker)."""
-    return time.process_time()
 
 
 def percentile(values: list[float], share: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, math.ceil(share * len(ordered)) - 1))]
-
-
-# ---- checkpoint: the manifest of N shards, the commit, the registry scan ----------------------------
-
-TENSORS = ("master", "optim/exp_avg", "optim/exp_avg_sq", "module")
-LAYERS = 8
-PIECE = 256  # fp32 elements of each tensor per rank: 32 tensors x 1 KiB per rank file
-
-
-class SimulatedWorldComm:
-    """Rank 0 of an N-rank world for `CheckpointSaver`: each gather returns rank 0's value beside what
-    the other ranks prepared; barriers pass (only rank 0 runs). `group` is None, so the replica plan is
-    made but no bytes are sent."""
-
-    def __init__(self, world_size: int, others: list[list[Any]]) -> None:
-        self.rank, self.world_size, self.distributed, self.group = 0, world_size, True, None
-        self.node_ids = [scale_sim.node_of(rank) for rank in range(world_size)]
-        self._others = iter(others)  # per gather: the values of ranks 1..N-1
-
-    def all_gather_object(self, value: Any) -> list[Any]:
-        others = next(self._others, None)  # past the prepared gathers (the commit's): all agree with rank 0
-        return [value] * self.world_size if others is None else [value, *others]
-
-    def broadcast_object(self, value: Any, src: int = 0) -> Any:
-        return value
-
-    def barrier(self) -> None:
-        pass
-
-
-def _rank_state(world_size: int, rank: int) -> list[Any]:
-    import torch
-
-    from rayzero.checkpoint.types import ShardedTensor, ShardSpec
-
-    return [ShardedTensor(ShardSpec(f"{kind}/layer{layer}.weight", (world_size * PIECE,), torch.float32,
-                                    rank * PIECE, (rank + 1) * PIECE), torch.full((PIECE,), float(rank)))
-            for kind in TENSORS for layer in range(LAYERS)]
-
-
-def checkpoint_section(world_size: int, root: str) -> dict[str, Any]:
-    from rayzero.checkpoint import rng
-    from rayzero.checkpoint.manifest import MANIFEST, shard_file_name
-    from rayzero.checkpoint.options import CheckpointOptions
-    from rayzero.checkpoint.retention import claim_tag_dir, new_lineage
-    from rayzero.checkpoint.saver import CheckpointSaver
-    from rayzero.checkpoint.shard_file import write_shard_file
-    from rayzero.controller import committed_checkpoints
-    from rayzero.controller.committed_checkpoints import CheckpointTracker
-
-    options = CheckpointOptions(node_local=True, replicas=1, keep_last=3, async_save=False)
-    rng_state = rng.capture()
-    out: dict[str, Any] = {}
-    for step in (100, 200):  # two committed checkpoints for the registry to list
-        tag = f"global_step{step}"
-        # the leader claims the directory before any rank writes into it (as CheckpointSaver does)
-        claim_tag_dir(os.path.join(root, tag), new_lineage())
-        states = [_rank_state(world_size, rank) for rank in range(world_size)]
-        started = time.perf_counter()
-        written = [write_shard_file(os.path.join(root, tag, shard_file_name(rank)),
-                                    [(shard.spec.name, shard.local) for shard in states[rank]], fsync=False)
-                   for rank in range(1, world_size)]
-        out["shard_write_s_per_file"] = (time.perf_counter() - started) / max(1, world_size - 1)
-        # what the saver exchanges: each rank's payload beside its storage problems (none here)
-        gathers = [[([shard.spec for shard in state], []) for state in states[1:]],
-                   [((file, rng_state), []) for file in written]]
-        saver = CheckpointSaver(options, SimulatedWorldComm(world_size, gathers))
-        started, started_cpu = time.perf_counter(), cpu()
-        saver.save(root, tag, step, 3, "digest", states[0], {"global_steps": step}, {}, asynchronous=False)
-        wall, used = time.perf_counter() - started, cpu() - started_cpu
-        timings = saver.wait()
-        # rank 0's own shard write is not the commit's; of the two commits the least (as for CPU
-        # elsewhere: the work's own cost, least disturbed by the other jobs on this shared machine)
-        out.setdefault("commits_s", []).append(wall - timings.write)
-        out["commit_s"] = min(out["commits_s"])
-        out["save_cpu_s"] = min(used, out.get("save_cpu_s", used))  # all of rank 0's save (its 32 kB shard too)
-        out["manifest_bytes"] = os.path.getsize(os.path.join(root, tag, MANIFEST))
-    scans = []
-    for _ in range(3):  # cold listings (a fresh cache each): wall of the first, least CPU of the three
-        started, started_cpu = time.perf_counter(), cpu()
-        found = committed_checkpoints.committed_in(root)
-        scans.append((time.perf_counter() - started, cpu() - started_cpu))
-        assert [item.record.step for item in found] == [200, 100], found
-    out["registry_scan_s"] = scans[0][0]
-    out["registry_scan_cpu_s"] = min(used for _, used in scans)
-    tracker = CheckpointTracker((root,), node_local=False)
-    started = time.perf_counter()
-    tracker.refresh()  # the first listing parses each manifest once
-    out["tracker_first_scan_s"] = time.perf_counter() - started
-    started = time.perf_counter()
-    tracker.refresh()  # what a failure costs later: the newest, then where to resume
-    tracker.resume_location()
-    out["tracker_failure_scans_s"] = time.perf_counter() - started
-    # what a load's inventory exchange sends each rank ([Note: one inventory per location]): a model of
-    # the loader's payloads (bench/scale_loader.py), for this layout and for shared storage
-    out.update(scale_loader.inventory_bytes(world_size, scale_sim.RANKS_PER_NODE, options.node_local, options.replicas))
-    shared = scale_loader.inventory_bytes(world_size, scale_sim.RANKS_PER_NODE, node_local=False, replicas=0)
-    out.update({f"shared_{key}": value for key, value in shared.items()})
-    return out
 
 
 # ---- logic (a): the controller over a simulated group, on a simulated clock ------------------------
@@ -190,14 +82,6 @@ class SimClock:
 
     def __call__(self) -> float:
         return self.now
-
-
-def _controller(group_factory: Any, world_size: int, clock: Any, checkpoint_dir: str | None,
-                hang_timeout_s: float = HANG_LIMIT_S, poll_timeout_s: float = 1.0) -> Controller:
-    settings = ControllerSettings(hang=HangPolicy(hang_timeout_s=hang_timeout_s),
-                                  checkpoint_locations=(checkpoint_dir,) if checkpoint_dir else ())
-    return Controller(group_factory, lambda: None, None, FailurePolicy(-1), poll_timeout_s=poll_timeout_s,
-                      plan=BatchPlan(max(1, world_size // 2), world_size, None), settings=settings, clock=clock)
 
 
 def _timed_step(controller: Controller) -> float:
@@ -216,7 +100,7 @@ def logic_section(world_size: int, checkpoint_dir: str | None, rounds: int) -> d
         groups.append(SimulatedGroup(workers, checkpoint_dir or "/nonexistent"))
         return groups[-1]
 
-    controller = _controller(factory, world_size, clock, checkpoint_dir)
+    controller = controller_over(factory, world_size, clock, checkpoint_dir)
     while controller.state is not RunState.RUNNING:
         controller.step()
     group = groups[-1]
@@ -329,22 +213,6 @@ class _StatusTarget:
         return run_status(self._controller, "scale", 0.0, self._table)
 
 
-def _run_controller(controller: Controller, stop: threading.Event,
-                    transitions: list[tuple[float, RunState]] | None = None) -> threading.Thread:
-    """Step in a thread until the run ends or `stop` is set (as `ControllerActor._loop` does),
-    recording (time, new state) after each step that changed the state."""
-    def loop() -> None:
-        while not controller.state.is_terminal and not stop.is_set():
-            before = controller.state
-            controller.step()
-            if transitions is not None and controller.state is not before:
-                transitions.append((time.monotonic(), controller.state))
-
-    thread = threading.Thread(target=loop, name="controller", daemon=True)
-    thread.start()
-    return thread
-
-
 def grpc_section(world_size: int, seconds: float) -> dict[str, Any]:
     import subprocess
 
@@ -356,9 +224,9 @@ def grpc_section(world_size: int, seconds: float) -> dict[str, Any]:
         groups.append(SimulatedGroup(workers, realtime=True))
         return groups[-1]
 
-    controller = _controller(factory, world_size, time.monotonic, None)
+    controller = controller_over(factory, world_size, time.monotonic, None)
     stop = threading.Event()
-    thread = _run_controller(controller, stop)
+    thread = run_controller(controller, stop)
     while controller.state is not RunState.RUNNING:
         time.sleep(0.01)
     groups[-1].advance(time.monotonic())  # every rank's report and heartbeat, built once
@@ -456,300 +324,6 @@ def metrics_section(world_size: int, steps: int) -> dict[str, Any]:
         "part_write_s": written["seconds"],
         "write_s_per_step": written["seconds"] / steps,  # one step of every rank's report
     }
-
-
-# ---- ray (b): the real RayWorkerGroup against hosted ranks -------------------------------------------
-
-def _wait(predicate: Any, timeout_s: float, what: str) -> float:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} did not happen within {timeout_s:g}s")
-        time.sleep(0.005)
-    return time.monotonic()
-
-
-def _controller_window(group: Any, reports: list[int], window_s: float) -> dict[str, Any]:
-    """The controller process's CPU over `window_s` of a running group (its step loop, the Ray calls
-    and their replies, the driver's polls), at the rate it achieved and scaled to the real rate."""
-    calls = scale_sim.CALLS
-    time.sleep(3.0)  # every rank's run and the first heartbeat rounds in flight
-    calls.clear()
-    started, started_cpu, reports[0] = time.monotonic(), cpu(), 0
-    time.sleep(window_s)
-    wall, used = time.monotonic() - started, cpu() - started_cpu
-    total_calls = sum(calls.values())
-    relays = len(group._rounds.relays)
-    out: dict[str, Any] = {
-        "window_s": wall, "relays": relays, "window_calls": dict(calls), "cpu_per_call_s": used / max(1, total_calls),
-        "nodes": len({scale_sim.node_of(rank, group.ranks_per_node) for rank in range(group.world_size)}),
-        "cpu_per_wall_s_measured": used / wall, "calls_per_s_achieved": total_calls / wall,
-        "reports_per_s_achieved": reports[0] / wall, "heartbeat_rounds_per_s": calls.get("collect", 0) / relays / wall}
-    # a real run makes one round a second (heartbeat_interval_s) with every rank reporting once a step
-    # (1 s here): scaled up when the loaded machine made fewer
-    out["cpu_per_wall_s_at_real_rate"] = out["cpu_per_wall_s_measured"] / min(1.0, max(1e-3, out["heartbeat_rounds_per_s"]))
-    return out
-
-
-def small_nodes_section(world_size: int, hosts: int, window_s: float) -> dict[str, Any]:
-    """One rank per node ([Note: relays for small nodes]): the controller process's CPU at the real rate
-    with a relay per node, as before (`per_node`), and with relays of `RANKS_PER_RELAY` nodes (`grouped`),
-    one after the other in the same run; otherwise as the `ray` section's window."""
-    from rayzero.controller.relay_rounds import RANKS_PER_RELAY
-
-    out: dict[str, Any] = {"hosts": hosts, "ranks_per_node": 1,
-                           "per_node": _single_rank_nodes(world_size, hosts, 1, window_s),
-                           "grouped": _single_rank_nodes(world_size, hosts, RANKS_PER_RELAY, window_s)}
-    out["cpu_per_wall_s_at_real_rate"] = out["grouped"]["cpu_per_wall_s_at_real_rate"]
-    out["per_node_cpu_per_wall_s_at_real_rate"] = out["per_node"]["cpu_per_wall_s_at_real_rate"]
-    return out
-
-
-def _poll_as_the_driver(controller: Controller, stop: threading.Event) -> list[int]:
-    """fit's _stream in a thread: one poll of the controller a second, the reply pickled as Ray does;
-    the reports it took counted in the returned one-item list (reset by `_controller_window`)."""
-    reports = [0]
-
-    def driver() -> None:
-        while not stop.wait(1.0):
-            update = controller.take_update()
-            reports[0] += len(update.reports)
-            pickle.dumps(update, protocol=5)
-
-    threading.Thread(target=driver, daemon=True).start()
-    return reports
-
-
-def _single_rank_nodes(world_size: int, hosts: int, per_relay: int, window_s: float) -> dict[str, Any]:
-    """The controller's window over `world_size` single-rank nodes, `per_relay` nodes to a relay."""
-    groups: list[Any] = []
-
-    def factory(attempt: int, resume: str | None, workers: int) -> Any:
-        groups.append(scale_sim.HostedRayWorkerGroup(workers, hosts, ranks_per_node=1, per_relay=per_relay))
-        return groups[-1]
-
-    controller = _controller(factory, world_size, time.monotonic, None)
-    stop = threading.Event()
-    thread = _run_controller(controller, stop)
-    reports = _poll_as_the_driver(controller, stop)
-    try:
-        _wait(lambda: controller.state is RunState.RUNNING, 300, "the group running")
-        return _controller_window(groups[-1], reports, window_s)
-    finally:
-        controller.submit(ControlRequest(RequestKind.KILL, reason="benchmark done"))
-        stop.set()
-        thread.join(30)
-        for group in groups:
-            group.shutdown()
-
-
-def ray_section(world_size: int, hosts: int, window_s: float, hang_timeout_s: float) -> dict[str, Any]:
-    import signal
-
-    groups: list[Any] = []
-    made_at: list[float] = []
-
-    def factory(attempt: int, resume: str | None, workers: int) -> Any:
-        made_at.append(time.monotonic())
-        group = (scale_sim.HostedRayWorkerGroup(workers, hosts) if attempt < 3
-                 else SimulatedGroup(workers, realtime=True))  # after the resize: nothing more to measure
-        groups.append(group)
-        return group
-
-    controller = _controller(factory, world_size, time.monotonic, None, hang_timeout_s=hang_timeout_s)
-    stop = threading.Event()
-    transitions: list[tuple[float, RunState]] = []
-    thread = _run_controller(controller, stop, transitions)
-
-    def left_running(since: float) -> float:
-        """When the controller first left RUNNING after `since` (the step that decided on the fault)."""
-        _wait(lambda: any(at >= since and state is not RunState.RUNNING for at, state in transitions), 600,
-              "the controller acting on the fault")
-        return next(at for at, state in transitions if at >= since and state is not RunState.RUNNING)
-
-    reports = _poll_as_the_driver(controller, stop)
-    out: dict[str, Any] = {"hosts": hosts, "hang_timeout_s": hang_timeout_s}
-    try:
-        running = lambda attempt: lambda: controller.state is RunState.RUNNING and controller.attempt == attempt
-        _wait(running(0), 300, "the first group running")
-        out.update(_controller_window(groups[-1], reports, window_s))
-
-        group = groups[-1]
-        os.kill(group.victim_pid, signal.SIGSTOP)  # a hang outside Python: no heartbeat answers at all
-        stopped_at = time.monotonic()
-        try:
-            acted = left_running(stopped_at)
-        finally:
-            os.kill(group.victim_pid, signal.SIGCONT)
-        # decided: find_hang fired and the controller asked for every rank's stacks; acted: the
-        # hang report (stacks, py-spy for the silent rank) is made and the failure handled
-        out["hang_detect_s"] = group.stacks_asked_at - stopped_at
-        out["hang_detect_overhead_s"] = out["hang_detect_s"] - hang_timeout_s
-        out["hang_report_s"] = acted - group.stacks_asked_at
-        _wait(lambda: len(made_at) >= 2, 300, "the restart after the hang")
-        out["hang_restart_plan_s"] = made_at[1] - acted
-
-        _wait(running(1), 300, "the second group running")
-        time.sleep(2.0)
-        group = groups[-1]
-        os.kill(group.victim_pid, signal.SIGKILL)  # a crashed worker process
-        killed_at = time.monotonic()
-        detected = left_running(killed_at)
-        out["dead_detect_s"] = detected - killed_at
-        _wait(lambda: len(made_at) >= 3, 300, "the restart after the death")
-        out["dead_restart_plan_s"] = made_at[2] - detected
-
-        _wait(running(2), 300, "the third group running")
-        time.sleep(2.0)
-        requested = time.monotonic()
-        controller.submit(ControlRequest(RequestKind.SCALE, workers=world_size - 1, reason="scale"))
-        _wait(lambda: len(made_at) >= 4, 300, "the resize")
-        out["resize_s"] = made_at[3] - requested  # includes waiting for the next step boundary (<= 1 s)
-        controller.submit(ControlRequest(RequestKind.KILL, reason="benchmark done"))
-    finally:
-        stop.set()
-        thread.join(30)
-        for group in groups:
-            if isinstance(group, scale_sim.HostedRayWorkerGroup):
-                group.shutdown()
-    return out
-
-
-# ---- growth exponents, targets, plot -----------------------------------------------------------------
-
-# (section, key) -> what the plot and the exponent table call it; every one should grow at most linearly
-GROWING = {
-    ("logic", "heartbeat_round_cpu_s"): "controller CPU per heartbeat round",
-    ("logic", "reports_poll_cpu_s"): "controller CPU per poll of N reports",
-    ("logic", "driver_update_cpu_s"): "controller CPU per driver poll (pickled)",
-    ("logic", "status_cpu_s"): "status, first call of a round",
-    ("logic", "status_again_cpu_s"): "status, later calls of the round",
-    ("logic", "dead_decide_cpu_s"): "decide on a dead rank",
-    ("logic", "restart_plan_cpu_s"): "plan the restart (registry scans)",
-    ("logic", "hang_decide_cpu_s"): "decide on a hang (stacks, message)",
-    ("logic", "resize_plan_cpu_s"): "resize through the planned stop",
-    ("logic", "pickle_reference_cpu_s"): "reference: pickling N reports (linear by construction)",
-    ("grpc", "status_p50_s"): "GetStatus p50 under load",
-    ("grpc", "status_p99_s"): "GetStatus p99 under load",
-    ("metrics", "write_s_per_step"): "metrics.parquet write per step of N rows",
-    ("checkpoint", "commit_s"): "commit of N shards (leader), wall",
-    ("checkpoint", "save_cpu_s"): "commit of N shards (leader), CPU",
-    ("checkpoint", "manifest_bytes"): "manifest bytes",
-    ("checkpoint", "registry_scan_cpu_s"): "registry scan, cold (2 checkpoints), CPU",
-    ("checkpoint", "tracker_failure_scans_s"): "registry scans per failure, warm",
-    ("checkpoint", "load_inventory_per_rank_bytes"): "a load's inventory, bytes each rank receives (node-local)",
-    ("checkpoint", "shared_load_inventory_per_rank_bytes"): "a load's inventory, bytes each rank receives (shared storage)",
-    ("ray", "cpu_per_wall_s_at_real_rate"): "controller process CPU/s, a round a second (b)",
-    ("ray", "dead_detect_s"): "dead rank detected, wall (b)",
-    ("ray", "hang_detect_s"): "hang detected (limit 30 s), wall (b)",
-    ("ray", "resize_s"): "resize, wall (b)",
-    ("small_nodes", "cpu_per_wall_s_at_real_rate"): "controller process CPU/s, single-rank nodes, relays of 8 nodes (b)",
-    ("small_nodes", "per_node_cpu_per_wall_s_at_real_rate"): "the same with a relay per node (before)",
-}
-
-
-def exponent(sizes: list[int], values: list[float]) -> float | None:
-    """Least-squares slope of log(value) on log(N); None with fewer than two positive points."""
-    points = [(math.log(n), math.log(v)) for n, v in zip(sizes, values) if v is not None and v > 0]
-    if len(points) < 2:
-        return None
-    mean_x = statistics.fmean(x for x, _ in points)
-    mean_y = statistics.fmean(y for _, y in points)
-    denominator = sum((x - mean_x) ** 2 for x, _ in points)
-    return sum((x - mean_x) * (y - mean_y) for x, y in points) / denominator if denominator else None
-
-
-def series(rows: list[dict[str, Any]], section: str, key: str) -> tuple[list[int], list[float]]:
-    found = [(row["n"], row[section][key]) for row in rows
-             if isinstance(row.get(section), dict) and isinstance(row[section].get(key), (int, float))]
-    return [n for n, _ in found], [value for _, value in found]
-
-
-def exponents(rows: list[dict[str, Any]]) -> dict[str, float | None]:
-    return {f"{section}.{key}": exponent(*series(rows, section, key)) for section, key in GROWING}
-
-
-def targets(rows: list[dict[str, Any]], slopes: dict[str, float | None]) -> list[dict[str, Any]]:
-    at = next((row for row in rows if row["n"] == TARGETS_AT), None)
-
-    def value(section: str, key: str) -> float | None:
-        return at.get(section, {}).get(key) if at is not None and isinstance(at.get(section), dict) else None
-
-    def check(name: str, figure: float | None, limit: float, note: str = "") -> dict[str, Any]:
-        return {"target": name, "value": figure, "limit": limit, "met": figure is not None and figure <= limit,
-                **({"note": note} if note else {})}
-
-    # a stopped process is counted silent from its last answer, up to one round before it stopped, so
-    # the overhead can be negative: counted as 0 here (the design bound is one heartbeat interval)
-    overhead = value("ray", "hang_detect_overhead_s")
-    overhead = None if overhead is None else max(0.0, overhead)
-    out = [
-        check(f"dead worker detected <= 10 s at {TARGETS_AT}", value("ray", "dead_detect_s"), 10.0),
-        check(f"hang detected <= 60 s at {TARGETS_AT} (default hang_timeout_s {HANG_LIMIT_S:g} + the measured "
-              "overhead past the limit)", None if overhead is None else HANG_LIMIT_S + overhead, 60.0,
-              "detection is hang_timeout_s plus the overhead; met at the default only if hang_timeout_s leaves room"),
-        check(f"hang reported (every rank's stacks read) and the restart begun <= 60 s at {TARGETS_AT} (the same, "
-              "+ the report)", None if overhead is None or value("ray", "hang_report_s") is None
-              else HANG_LIMIT_S + overhead + value("ray", "hang_report_s"), 60.0),
-        check(f"GetStatus p99 <= 100 ms at {TARGETS_AT}", value("grpc", "status_p99_s"), 0.100),
-        check(f"controller <= 1 core at {TARGETS_AT} (its process in (b) at one round a second, + two "
-              "status watchers from (a))",
-              None if value("ray", "cpu_per_wall_s_at_real_rate") is None
-              or value("logic", "status_cpu_per_wall_s") is None
-              else value("ray", "cpu_per_wall_s_at_real_rate") + value("logic", "status_cpu_per_wall_s"), 1.0),
-        check(f"checkpoint commit <= 2 s at {TARGETS_AT}", value("checkpoint", "commit_s"), 2.0),
-        check(f"controller <= 1 core at {TARGETS_AT} single-rank nodes (its process in (b) at one round a "
-              "second, relays of 8 nodes, + two status watchers from (a))",
-              None if value("small_nodes", "cpu_per_wall_s_at_real_rate") is None
-              or value("logic", "status_cpu_per_wall_s") is None
-              else value("small_nodes", "cpu_per_wall_s_at_real_rate") + value("logic", "status_cpu_per_wall_s"), 1.0),
-    ]
-    reference = slopes.get("logic.pickle_reference_cpu_s")
-    note = (f"linear within {EXPONENT_TOLERANCE}: pickling N reports, linear by construction, fits "
-            f"N^{reference:.2f} on this machine (the memory hierarchy)" if reference is not None else "")
-    out += [{**check(f"exponent of {name} <= 1", slopes.get(f"{section}.{key}"), 1.0 + EXPONENT_TOLERANCE, note),
-             "limit": 1.0, "tolerance": EXPONENT_TOLERANCE} for (section, key), name in GROWING.items()
-            if slopes.get(f"{section}.{key}") is not None and not key.startswith(("pickle_reference", "per_node"))]
-    return out
-
-
-def plot(document: dict[str, Any], path: str) -> None:
-    """Two log-log panels (the controller's CPU per operation; wall clock, Ray and checkpoints), each
-    series labelled with its fitted exponent, and a dashed line of slope 1 for comparison."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(1, 2, figsize=(15, 8))
-    panels = {0: "controller CPU per operation, (a) and the reference", 1: "wall clock, Ray calls (b), checkpoints"}
-    styles = ["-o", "-s", "-^", "-D", "-v", "-P", "-X", "-*", "-<", "->"]
-    drawn = [0, 0]
-    for (section, key), name in GROWING.items():
-        sizes, values = series(document["rows"], section, key)
-        if len([v for v in values if v > 0]) < 2:
-            continue
-        panel = 0 if section == "logic" else 1
-        slope = document["exponents"].get(f"{section}.{key}")
-        shown = [v / 1e6 for v in values] if key.endswith("bytes") else values
-        unit = "MB" if key.endswith("bytes") else "cores" if "per_wall" in key else "s"
-        color = plt.get_cmap("tab20")(drawn[panel] % 20)
-        axes[panel].plot(sizes, shown, styles[drawn[panel] % len(styles)], color=color, markersize=5,
-                         label=f"{name} ({unit}): N^{slope:.2f}")
-        drawn[panel] += 1
-    for panel, axis in enumerate(axes):
-        sizes = [row["n"] for row in document["rows"]]
-        axis.set_xscale("log", base=2)
-        axis.set_yscale("log")
-        low = axis.get_ylim()[0]
-        axis.plot(sizes, [low * 2 * n / sizes[0] for n in sizes], "k--", linewidth=0.8, label="slope 1 (linear)")
-        axis.set_xlabel("simulated workers N")
-        axis.set_title(panels[panel], fontsize=10)
-        axis.grid(True, which="both", alpha=0.3)
-        axis.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=1, frameon=False)
-    figure.suptitle("rayzero's control path against N (bench/scale.py); exponent = least-squares log-log slope")
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
 
 
 # ---- main -----------------------------------------------------------------------------------------------

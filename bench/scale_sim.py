@@ -26,9 +26,14 @@ from typing import Any
 
 import ray
 
+from bench.scale_report import HANG_LIMIT_S
 from rayzero.config.run_settings import ScalingConfig
-from rayzero.controller.failures import Failure, FailureKind
+from rayzero.controller.controller import Controller, ControllerSettings
+from rayzero.controller.elastic import BatchPlan
+from rayzero.controller.failures import Failure, FailureKind, FailurePolicy
+from rayzero.controller.health import HangPolicy
 from rayzero.controller.relay_rounds import RANKS_PER_RELAY, RelayRounds, relay_groups
+from rayzero.controller.states import RunState
 from rayzero.controller.worker_group import GroupPoll, RayWorkerGroup
 from rayzero.workers.actor import NodeInfo, WorkerOutcome
 from rayzero.workers.boundary import BoundaryRequest, HandledRequest, Heartbeat
@@ -324,3 +329,34 @@ class HostedRayWorkerGroup(RayWorkerGroup):
             ray.kill(handle)
         self.hosts, self.victim_relay = [], None
         self._workers, self._run_refs, self._rounds = [], {}, None
+
+
+# ---- the controller as bench/scale.py runs it ------------------------------------------------------
+
+def cpu() -> float:
+    """CPU seconds of this whole process (every thread: the controller's, gRPC's, Ray's core worker)."""
+    return time.process_time()
+
+
+def controller_over(group_factory: Any, world_size: int, clock: Any, checkpoint_dir: str | None,
+                    hang_timeout_s: float = HANG_LIMIT_S, poll_timeout_s: float = 1.0) -> Controller:
+    settings = ControllerSettings(hang=HangPolicy(hang_timeout_s=hang_timeout_s),
+                                  checkpoint_locations=(checkpoint_dir,) if checkpoint_dir else ())
+    return Controller(group_factory, lambda: None, None, FailurePolicy(-1), poll_timeout_s=poll_timeout_s,
+                      plan=BatchPlan(max(1, world_size // 2), world_size, None), settings=settings, clock=clock)
+
+
+def run_controller(controller: Controller, stop: threading.Event,
+                   transitions: list[tuple[float, RunState]] | None = None) -> threading.Thread:
+    """Step in a thread until the run ends or `stop` is set (as `ControllerActor._loop` does),
+    recording (time, new state) after each step that changed the state."""
+    def loop() -> None:
+        while not controller.state.is_terminal and not stop.is_set():
+            before = controller.state
+            controller.step()
+            if transitions is not None and controller.state is not before:
+                transitions.append((time.monotonic(), controller.state))
+
+    thread = threading.Thread(target=loop, name="controller", daemon=True)
+    thread.start()
+    return thread

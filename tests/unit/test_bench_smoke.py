@@ -100,10 +100,10 @@ def test_a_real_invocation_writes_one_row_per_system_and_survives_failures(tmp_p
 
 @pytest.mark.timeout(120)
 def test_the_scale_bench_runs_the_real_controller_over_simulated_ranks_and_fits_exponents(tmp_path: pathlib.Path) -> None:
-    from bench import scale
+    from bench import scale_report
 
-    assert scale.exponent([64, 256, 1024], [1.0, 4.0, 16.0]) == pytest.approx(1.0)
-    assert scale.exponent([64, 256], [1.0, 16.0]) == pytest.approx(2.0)
+    assert scale_report.exponent([64, 256, 1024], [1.0, 4.0, 16.0]) == pytest.approx(1.0)
+    assert scale_report.exponent([64, 256], [1.0, 16.0]) == pytest.approx(2.0)
     output = tmp_path / "scale.json"
     completed = subprocess.run(
         [sys.executable, str(REPOSITORY / "bench" / "scale.py"), "--quick", "--sizes", "8,16",
