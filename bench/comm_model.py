@@ -126,10 +126,12 @@ def _group(size: int, local: int) -> tuple[int, int]:
 
 
 def collectives(layout: Layout, nodes: int, local: int, element_bytes: float, quantized: tuple[float, float],
-                quantize: tuple[bool, bool] | None = None) -> list[Collective]:
+                quantize: tuple[bool, bool] | None = None, two_stage_reduce: bool = False) -> list[Collective]:
     """One micro-batch's collectives under `layout` on nodes x local ranks ([Note: stage-3 layouts]).
     `quantized`: bytes per element of a qwZ int8 and a qgZ int4 piece, scales included; `quantize`:
-    (weights, gradients) to override what the layout asks for (what the engine really did)."""
+    (weights, gradients) to override what the layout asks for (what the engine really did);
+    `two_stage_reduce`: a reduction spanning nodes runs inside the node, then across (the engine on
+    gloo: [Note: two-stage reduce-scatter on gloo]); the modelled GPUs keep NCCL's one reduce-scatter."""
     world = nodes * local
     weights, gradients = quantize if quantize is not None else (layout.quantized, layout.quantized)
     gather = quantized[0] if weights else element_bytes
@@ -148,6 +150,10 @@ def collectives(layout: Layout, nodes: int, local: int, element_bytes: float, qu
             out.append(Collective("all_to_all", "gradients, int4, inside the node", 1, min(local, shard), quantized[1], "buckets"))
         if nodes > 1:
             out.append(Collective("all_to_all", "gradients, int4, across nodes", nodes, 1, quantized[1] / local, "buckets"))
+    elif two_stage_reduce and primary[0] > 1:
+        if local > 1:
+            out.append(Collective("reduce_scatter", "gradients, inside the node", 1, local, element_bytes, "buckets"))
+        out.append(Collective("reduce_scatter", "gradients, across nodes", primary[0], 1, element_bytes / local, "buckets"))
     else:
         out.append(Collective("reduce_scatter", "gradient reduce-scatter", *primary, element_bytes, "buckets"))
     if layout.family == "mics" and shard < world:  # each gradient shard all-reduced across the replicas
@@ -216,7 +222,8 @@ def compare(measurement: dict[str, Any], quantized: tuple[float, float]) -> list
         layout = Layout(**row["layout"])
         nodes, local, gas = row["nodes"], row["local"], row["gas"]
         did = engine_quantizes(row["kinds"], element)
-        formula = per_rank(collectives(layout, nodes, local, element, quantized, quantize=did))
+        formula = per_rank(collectives(layout, nodes, local, element, quantized, quantize=did,
+                                       two_stage_reduce=bool(measurement.get("two_stage_reduce"))))
         for kind in sorted(set(formula) | set(row["kinds"])):
             for link in LINKS:
                 got = row["kinds"].get(kind, {}).get(link, 0.0) / psi
@@ -416,6 +423,7 @@ def measure(topologies: list[tuple[int, int]]) -> dict[str, Any]:
                 row["kinds"], row["spread"] = comm_measure.mean_and_spread(per_rank_stats)
             rows.append(row)
     return {"parameters": comm_measure.PARAMETERS, "element_bytes": comm_measure.ELEMENT_BYTES,
+            "two_stage_reduce": True,  # gloo: [Note: two-stage reduce-scatter on gloo]
             "steps": comm_measure.STEPS, "model": f"{comm_measure.DEPTH} x Linear({comm_measure.WIDTH}, "
             f"{comm_measure.WIDTH}, bias=False), bf16, gloo on CPU", "rows": rows}
 

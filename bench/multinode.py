@@ -247,7 +247,8 @@ def _summary(name: str, runs: list[dict[str, Any]], args: argparse.Namespace, ro
         out["loopback_bytes_per_step"] = {node: value / last["steps"] for node, value in last["loopback_bytes"].items()}
     if "comm_stats" in last:
         out["comm_stats"] = last["comm_stats"]
-        modelled = link_bytes_from_comm_stats(last["comm_stats"], [args.ranks_per_node] * args.nodes)
+        modelled = link_bytes_from_comm_stats(last["comm_stats"], [args.ranks_per_node] * args.nodes,
+                                              counted_in_two_stages="link_bytes" in last)
         out["link_bytes_modelled_from_comm_stats"] = modelled
     if "collectives_last_step" in last:
         out["collectives_last_step"] = last["collectives_last_step"]

@@ -18,7 +18,12 @@ the tensor's bytes, all_gather 1.57x, reduce_scatter 3.14x, broadcast from rank 
 1 or 3 3.14x, against 3, 1.5, 3, 2 and 3 from the rules above. rayzero on gloo turns an all-gather of
 >= 2^21 elements into one broadcast per rank and a reduce-scatter of a scratch input into an
 all_reduce ([Note: gloo's temporary copies] in rayzero/engine/comm.py): those cross at the
-broadcasts' mean (2.5x for 2 x 2) and at all_reduce's rate.
+broadcasts' mean (2.5x for 2 x 2) and at all_reduce's rate. A stage-3 gradient reduction across
+nodes does not use gloo's reduce-scatter: it is two all-to-alls ([Note: two-stage reduce-scatter on
+gloo] in rayzero/engine/two_stage_reduce.py), the second of which sends each rank's 1/N of the
+full tensor to each of the other nodes' ranks of its local index: (nodes - 1) x the full tensor
+crosses in all (1x for 2 x 2, a third of gloo's all-reduce), and the engine counts the full tensor
+(its stage inside the node) plus 1/local of it (its stage across).
 """
 from __future__ import annotations
 
@@ -57,7 +62,7 @@ def crossing_factors(ranks_per_node: list[int]) -> dict[str, float]:
     world = sum(ranks_per_node)
     if world < 2:
         return {"all_reduce": 0.0, "all_gather": 0.0, "reduce_scatter": 0.0, "broadcast": 0.0,
-                "all_gather_direct": 0.0, "reduce_scatter_direct": 0.0}
+                "all_gather_direct": 0.0, "reduce_scatter_direct": 0.0, "reduce_scatter_two_stage": 0.0}
     ring = ring_crossings(ranks_per_node)
     roots = [broadcast_crossings(ranks_per_node, root) for root in range(world)]
     all_reduce = ring * 2 * (world - 1) / world
@@ -68,17 +73,29 @@ def crossing_factors(ranks_per_node: list[int]) -> dict[str, float]:
         "broadcast": sum(roots) / world,  # mean over roots
         "all_gather_direct": sum(roots) / world,  # one broadcast of 1/N of the output per root
         "reduce_scatter_direct": all_reduce,
+        # the engine's stage-3 reduction across equal nodes; gloo's own where nodes differ in size
+        "reduce_scatter_two_stage": (len(ranks_per_node) - 1 if len(set(ranks_per_node)) == 1 else all_reduce),
     }
 
 
-def link_bytes_from_comm_stats(comm_stats: dict[str, dict[str, int]], ranks_per_node: list[int]) -> float:
+def link_bytes_from_comm_stats(comm_stats: dict[str, dict[str, int]], ranks_per_node: list[int],
+                               counted_in_two_stages: bool = False) -> float:
     """Inter-node bytes (tc's count) one step's collectives put on the links, from the engine's own
     per-kind counts (`engine.comm_stats()`): a model. A kind whose calls average >= 2^21 elements is
-    taken to run rayzero's gloo direct path; `control` (one-element syncs) is left out."""
+    taken to run rayzero's gloo direct path; `control` (one-element syncs) is left out. The gradient
+    reduction runs in two stages across equal nodes ([Note: gloo's traffic across nodes]);
+    `counted_in_two_stages`: the counts are of an engine that ran it so (across emulated nodes),
+    not of one whose ranks all shared a node (the fallback's)."""
     factors = crossing_factors(ranks_per_node)
+    local = ranks_per_node[0]
+    two_stage = len(ranks_per_node) > 1 and len(set(ranks_per_node)) == 1
     total = 0.0
     for kind, stats in comm_stats.items():
         if kind in ("total", "control") or not stats.get("calls"):
+            continue
+        if kind == "reduce_scatter" and two_stage:  # counted: the full tensor + 1/local of it
+            full = stats["bytes"] * local / (local + 1) if counted_in_two_stages and local > 1 else stats["bytes"]
+            total += full * factors["reduce_scatter_two_stage"]
             continue
         direct = stats["elements"] / stats["calls"] >= GLOO_DIRECT_MIN_ELEMENTS
         key = f"{kind}_direct" if direct and f"{kind}_direct" in factors else kind

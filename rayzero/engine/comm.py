@@ -41,7 +41,8 @@ gloo, for tensors of at least GLOO_DIRECT_MIN_ELEMENTS:
 Same sums (gloo reduces the same elements across the same ranks), same bytes. They were also no
 slower there: 32 MiB on 2 ranks, reduce-scatter 38 ms -> 20 ms, all-gather 22 ms -> 11 ms (min of
 15). Below the threshold gloo's per-call latency dominates and its own collectives are faster.
-NCCL allocates nothing of the kind and keeps its own collectives.
+NCCL allocates nothing of the kind and keeps its own collectives. Across nodes, stage 3's gradient
+reductions on gloo do not come here: [Note: two-stage reduce-scatter on gloo] in two_stage_reduce.py.
 """
 from __future__ import annotations
 

@@ -23,7 +23,8 @@ def test_formulas_equal_a_fresh_measurement_on_two_nodes_of_two():
         kinds, spread = comm_measure.mean_and_spread(per_rank_stats)
         assert all(max(v.values(), default=0) == 0 for v in spread.values()), (layout.label, spread)
         did = M.engine_quantizes(kinds, comm_measure.ELEMENT_BYTES)
-        formula = M.per_rank(M.collectives(layout, 2, 2, comm_measure.ELEMENT_BYTES, QUANTIZED, quantize=did))
+        formula = M.per_rank(M.collectives(layout, 2, 2, comm_measure.ELEMENT_BYTES, QUANTIZED, quantize=did,
+                                               two_stage_reduce=True))  # gloo across nodes
         for kind in set(formula) | set(kinds):
             for link in M.LINKS:
                 want = formula.get(kind, {}).get(link, 0.0) * comm_measure.PARAMETERS

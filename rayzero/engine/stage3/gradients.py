@@ -53,6 +53,7 @@ from rayzero.engine.quantize import Layout, group_size_for
 from rayzero.engine.quantized_comm import quantized_reduce_scatter
 from rayzero.engine.stage3.layout import Reductions
 from rayzero.engine.stage3.parameters import PartitionedParam
+from rayzero.engine.two_stage_reduce import two_stage_reduce_scatter
 
 
 class _SeenThisBackward(set):
@@ -80,6 +81,7 @@ class GradientReducer:
         self.world = reductions.world
         self.replicas = reductions.replicas
         self.quantized = reductions.quantized
+        self.two_stage = reductions.two_stage
         # id(entry) -> the parameter's shape: qgZ's block size ([Note: qgZ block size])
         self.shapes = shapes or {}
         self.bucket_size = max(1, int(bucket_size))
@@ -262,6 +264,11 @@ class GradientReducer:
         block = qgz_block_size([self.shapes[key] for key in keys if key in self.shapes])
         if self.quantized is not None and block:  # qgZ: [Note: quantized collectives] in quantized_comm.py
             work = quantized_reduction(received, send, *self.quantized, block)
+            self._in_flight = (work, received, keys, send, direct)
+            self.wait()
+            return
+        if self.two_stage is not None:  # gloo across nodes: [Note: two-stage reduce-scatter on gloo]
+            work = two_stage_reduce_scatter(received, send, *self.two_stage)
             self._in_flight = (work, received, keys, send, direct)
             self.wait()
             return

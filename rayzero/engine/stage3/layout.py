@@ -26,6 +26,9 @@ DeepSpeed's answers are policies over process groups of the same ranks, chosen b
   - qgZ (`zero_quantized_gradients`): a bucket's reduce-scatter becomes DeepSpeed's two-stage int4
     all-to-all: inside each node, then across nodes between ranks of the same local index.
 Each group follows node boundaries (`Topology.groups_fit_nodes`) or is refused before training.
+Whatever the layout, on gloo a gradient reduction whose group spans nodes runs in two stages, inside
+the node and then across ([Note: two-stage reduce-scatter on gloo] in two_stage_reduce.py): gloo's own
+reduce-scatter is an all-reduce, twice the bytes on the slow link. NCCL keeps its reduce-scatter.
 """
 from __future__ import annotations
 
@@ -121,6 +124,9 @@ class Reductions:
     """MiCS: then all-reduce the shard across the ranks holding the same shard."""
     quantized: tuple[Communicator, Communicator] | None = None
     """qgZ: (inside the node, across nodes) groups of the two-stage int4 all-to-all."""
+    two_stage: tuple[Communicator, Communicator] | None = None
+    """gloo across nodes: the same groups, for an unquantized reduction in two stages ([Note:
+    two-stage reduce-scatter on gloo] in two_stage_reduce.py)."""
 
 
 class Stage3Layout:
@@ -145,6 +151,8 @@ class Stage3Layout:
         self.reduce_replicas: Communicator | None = None
         self.reduce_inside: Communicator | None = None
         self.reduce_across: Communicator | None = None
+        self.two_stage = False
+        """Reduce-scatters across nodes run in two stages ([Note: two-stage reduce-scatter on gloo])."""
         if not world.distributed:
             return
         if world.group is not dist.group.WORLD:
@@ -176,7 +184,8 @@ class Stage3Layout:
         self.reduce = self.reduce_world if shard_size == size else world.split(consecutive(size, shard_size), fresh=True)
         if self.replicas is not None:
             self.reduce_replicas = world.split(strided(size, shard_size), fresh=True)
-        if choice.quantize_gradients:
+        self.two_stage = world.gloo and local < shard_size and _equal_consecutive_nodes(world.topology)
+        if choice.quantize_gradients or self.two_stage:
             self.reduce_inside = world.split(consecutive(size, min(local, shard_size)), fresh=True)
             self.reduce_across = world.split(_local_index_groups(size, local, shard_size), fresh=True)
 
@@ -190,10 +199,11 @@ class Stage3Layout:
         return primary, secondary, self.secondary
 
     def reductions(self) -> Reductions:
-        quantized = None
+        groups = None
         if self.reduce_inside is not None and self.reduce_across is not None:
-            quantized = (self.reduce_inside, self.reduce_across)
-        return Reductions(self.reduce, self.reduce_world, self.reduce_replicas, quantized)
+            groups = (self.reduce_inside, self.reduce_across)
+        return Reductions(self.reduce, self.reduce_world, self.reduce_replicas,
+                          groups if self.choice.quantize_gradients else None, groups if self.two_stage else None)
 
     def describe(self) -> dict[str, Any]:
         """For status and logs: the node layout and the groups of this rank."""
@@ -204,6 +214,11 @@ class Stage3Layout:
                 "shard_group": ranks(self.shard), "replica_group": ranks(self.replicas),
                 "hpz_group": ranks(self.secondary), "quantized_weights": self.choice.quantize_weights,
                 "quantized_gradients": self.choice.quantize_gradients}
+
+
+def _equal_consecutive_nodes(topology: Topology) -> bool:
+    """Every node has as many ranks, each node's ranks consecutive (what the two stages assume)."""
+    return len(set(topology.node_sizes())) == 1 and topology.contiguous()
 
 
 def _ranks_per_node(topology: Topology, members: tuple[int, ...]) -> int:
