@@ -26,6 +26,8 @@ class] in comm.py), which is also what they put on the wire. NCCL keeps its own 
 """
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
+
 import torch
 import torch.distributed as dist
 
@@ -35,21 +37,48 @@ BLOCK_ELEMENTS = 1 << 21
 """Elements of the full tensor reduced per round: temporaries of 8 MiB of fp32 per buffer at most."""
 
 
-@torch.no_grad()
+class ThreadWork:
+    """A Work for a reduction running on the reducer's own thread: its collectives are on process
+    groups of their own ([Note: stage 3 bucket plan] in stage3/gradients.py), so the backward's
+    gathers on the main thread go on meanwhile, as with `overlap_comm` they do beside an async
+    reduce-scatter. No torch future: the stall watch waits on a thread of its own instead."""
+
+    def __init__(self, future: Future) -> None:
+        self._future = future
+
+    def wait(self) -> bool:
+        self._future.result()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+    def get_future(self):
+        raise RuntimeError("a reduction on the reducer's thread has no torch future")
+
+
 def two_stage_reduce_scatter(output: torch.Tensor, input: torch.Tensor, inside: Communicator,
-                             across: Communicator) -> _Done:
+                             across: Communicator, executor: ThreadPoolExecutor | None = None):
     """output = this rank's chunk of the rank-major `input` (global rank node * local + local index),
     summed over every rank of `inside` x `across` ([Note: two-stage reduce-scatter on gloo]).
-    Synchronous; returns a completed Work."""
+    Counted now; run now (a completed Work) or, given `executor`, on its thread (a ThreadWork)."""
     local, nodes, chunk = inside.world_size, across.world_size, output.numel()
     if input.numel() != nodes * local * chunk or not input.is_contiguous():
         raise ValueError(f"input must be contiguous with (nodes x local ranks) x output elements = "
                          f"{nodes} x {local} x {chunk}, got {input.numel()}")
-    element = input.element_size()
     if local > 1:
         inside.count("reduce_scatter", input)
     if nodes > 1:
-        across.count("reduce_scatter", input, elements=nodes * chunk, wire_bytes=nodes * chunk * element)
+        across.count("reduce_scatter", input, elements=nodes * chunk, wire_bytes=nodes * chunk * input.element_size())
+    if executor is None:
+        _reduce(output, input, inside, across)
+        return _Done()
+    return ThreadWork(executor.submit(_reduce, output, input, inside, across))
+
+
+@torch.no_grad()
+def _reduce(output: torch.Tensor, input: torch.Tensor, inside: Communicator, across: Communicator) -> None:
+    local, nodes, chunk = inside.world_size, across.world_size, output.numel()
     chunks = input.view(nodes, local, chunk)
     flat_out = output.view(-1)
     width = max(1, min(chunk, BLOCK_ELEMENTS // (nodes * local)))
@@ -60,7 +89,6 @@ def two_stage_reduce_scatter(output: torch.Tensor, input: torch.Tensor, inside: 
         if nodes > 1:
             partial = _exchange_and_sum(partial.to(input.dtype).unsqueeze(1), across)
         flat_out[start:end].copy_(partial.view(-1))
-    return _Done()
 
 
 def _exchange_and_sum(rows: torch.Tensor, comm: Communicator) -> torch.Tensor:

@@ -45,6 +45,8 @@ per step are those of one micro-step, whatever the accumulation.
 """
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import torch
 import torch.distributed as dist
 
@@ -82,6 +84,7 @@ class GradientReducer:
         self.replicas = reductions.replicas
         self.quantized = reductions.quantized
         self.two_stage = reductions.two_stage
+        self._thread: ThreadPoolExecutor | None = None  # runs two-stage reductions under `overlap`
         # id(entry) -> the parameter's shape: qgZ's block size ([Note: qgZ block size])
         self.shapes = shapes or {}
         self.bucket_size = max(1, int(bucket_size))
@@ -268,9 +271,10 @@ class GradientReducer:
             self.wait()
             return
         if self.two_stage is not None:  # gloo across nodes: [Note: two-stage reduce-scatter on gloo]
-            work = two_stage_reduce_scatter(received, send, *self.two_stage)
+            if self.overlap and self._thread is None:
+                self._thread = ThreadPoolExecutor(1, thread_name_prefix="rayzero-stage3-reduce")
+            work = two_stage_reduce_scatter(received, send, *self.two_stage, self._thread if self.overlap else None)
             self._in_flight = (work, received, keys, send, direct)
-            self.wait()
             return
         # `send` is this bucket's own: a zeroed copy, or a gradient autograd handed over (p.grad is None).
         work = self.comm.reduce_scatter(received, send, async_op=True, scratch=True)
@@ -335,6 +339,13 @@ class GradientReducer:
         self.flush()
         self.wait()
         self.backward_done()
+
+    def close(self) -> None:
+        """The engine is done: end the reduction thread, if one was started (nothing is in flight
+        after `finish`); an engine dropped without `close` leaves it to the interpreter's exit."""
+        if self._thread is not None:
+            self._thread.shutdown(wait=False)
+            self._thread = None
 
 
 GRADIENT_BITS = 4

@@ -384,6 +384,7 @@ class Stage3Strategy(ZeroStrategy):
 
     def close(self) -> None:
         self.reducer.finish()
+        self.reducer.close()
         if self._stepper is not None:
             self._wait_steps()
             self._stepper.close()
