@@ -111,6 +111,9 @@ class GradientReducer:
         self.on_added = None
         # Waits on a bucket's Work ([Note: stalled stage-3 collectives]; set by the strategy).
         self.waiter = lambda work: work.wait()
+        # Called before the first write into the master gradients of a backward ([Note: master
+        # gradients between steps] in strategy.py; set by the strategy).
+        self.before_write = lambda: None
         # [Note: MiCS replicas sync once a step]: this backward ends the accumulation window; earlier
         # micro-steps of the window added shards not yet summed across the replicas.
         self.boundary = True
@@ -184,6 +187,7 @@ class GradientReducer:
         if self._arrival is not None:
             self._arrival.append(key)
         if self._local:  # [Note: gradients copied on arrival]: nothing to reduce across ranks
+            self.before_write()
             target = self.master_grads[key]
             flat = grad.reshape(-1).to(self._dtype(key))  # the rounding a reduction in that dtype has
             target[: flat.numel()].add_(flat.to(target.device))
@@ -197,6 +201,12 @@ class GradientReducer:
         while self._next < len(self.plan) and len(self._arrived[self._next]) == len(self.plan[self._next]):
             self._send(self._next, grad.device)
             self._next += 1
+
+    def _large_gradient_next(self, index: int) -> bool:
+        following = index + 1
+        if following >= len(self.plan) or len(self.plan[following]) != 1:
+            return False
+        return self.master_grads[self.plan[following][0]].numel() * self.comm.world_size >= self.bucket_size
 
     def _place(self, index: int, key: int, grad: torch.Tensor) -> None:
         """Copy `grad` into its columns of bucket `index`'s send buffer (allocated at the bucket's first
@@ -255,9 +265,17 @@ class GradientReducer:
         if send is None:  # no parameter of this bucket was used on this rank: its rows are zero
             send = torch.zeros(self.comm.world_size * total, dtype=self._dtype(keys[0]), device=device)
         self._issue(send, total, keys, device)
+        if self._large_gradient_next(index):
+            # The next gradient is at least a bucket by itself (a tied embedding): autograd creates
+            # it, and adds a tied weight's two uses, before any hook of ours runs, so this bucket's
+            # buffers would be alive beside the backward's largest tensors (GPT-2 at 2 ranks: its
+            # fp32 bucket was the 3% of the peak above FSDP2's, which reduces each block at once on
+            # CPU). Finished now; only this bucket's reduction loses its overlap.
+            self.wait()
 
     def _issue(self, send: torch.Tensor, shard_total: int, keys: list[int], device: torch.device) -> None:
         """Reduce-scatter the rank-major `send` into this rank's shards (kept in flight until `wait`)."""
+        self.before_write()
         target = self.master_grads[keys[0]] if len(keys) == 1 else None
         direct = (target is not None and keys[0] in self._zero and target.dtype == send.dtype
                   and target.device == device and target.numel() == shard_total and target.is_contiguous())

@@ -209,11 +209,15 @@ class Stage3Coordinator:
     def _gradient_ready(self, entry: PartitionedParam, param: torch.nn.Parameter) -> None:
         grad = param.grad
         param.grad = None
-        if grad is not None:
-            self._on_gradient(entry, grad)
         if entry.users == 0:
+            # Released before its gradient goes to the reducer, which may allocate the bucket's send
+            # buffer now (in the reduce dtype: twice the gradient's bytes for bf16 with fp32 reduction):
+            # the gathered values and that buffer are never alive together, as FSDP2 reshards a
+            # group before its reduce-scatter's input exists (bench/memory.py: GPT-2's tied embedding)
             self._kept.pop(id(entry), None)
             self.partitions.release(entry)
+        if grad is not None:
+            self._on_gradient(entry, grad)
 
     # ---- policy -----------------------------------------------------------------------------
     def _name(self, key: tuple[int, str]) -> str:

@@ -83,6 +83,7 @@ class Stage3Strategy(ZeroStrategy):
                 pieces[id(param)] = (ctx.param_names.get(id(param), name), param, piece, shape, persistent)
             masters: dict[int, torch.Tensor] = {}
             master_grads: dict[int, torch.Tensor] = {}
+            self._released_grads: list[torch.Tensor] = []  # device-resident ones: freed between steps
             self.groups: list[tuple[list[torch.nn.Parameter], torch.Tensor, torch.Tensor]] = []
             optimizer_groups = []
             split = [_sub_groups(group["params"], pieces, int(ctx.zero_config.sub_group_size))
@@ -104,6 +105,8 @@ class Stage3Strategy(ZeroStrategy):
                         masters[id(param)].copy_(pieces[id(param)][2])  # from fp32 values, before any downcast
                         offset += width
                     self.groups.append((sub_group, master, master_grad))
+                    if not off:  # [Note: master gradients between steps]
+                        self._released_grads.append(master_grad)
                     group_masters.append(master)
                 hyper = {k: v for k, v in group.items() if k != "params"}
                 optimizer_groups.append({**hyper, "params": group_masters})
@@ -142,6 +145,8 @@ class Stage3Strategy(ZeroStrategy):
         self.coordinator = Stage3Coordinator(ctx.module, self.partitions, self.knobs, self._reduce_gradient,
                                              external_parameters(ctx.module))
         self.reducer.waiter = self.coordinator.stall.wait
+        self.reducer.before_write = self._hold_gradients
+        self._grads_held = True
         self._trainable_entries = [e for entries, _, _ in self.groups for e in entries]
         # [Note: step overlapped with backward]: a sub-group steps once its last shard arrived
         self._stepper = self.offload.background_stepper()
@@ -237,11 +242,33 @@ class Stage3Strategy(ZeroStrategy):
     def finish_gradients(self) -> None:
         self.reducer.finish()
         self._wait_steps()
+        self._hold_gradients()
         for _, master, master_grad in self.groups:
             master.grad = master_grad
 
     def master_gradients(self) -> list[torch.Tensor]:
+        self._hold_gradients()
         return [master_grad for _, _, master_grad in self.groups]
+
+    # [Note: master gradients between steps]
+    # A stage-3 rank's fp32 master gradients are 4 bytes per parameter of its shard, needed from the
+    # first reduction of a step's backward to its optimizer step. Kept between steps they sat under
+    # the start of the next backward, where the head's gradient and the loss's buffers make one of
+    # the step's two peaks (GPT-2 at 2 ranks: 2 B/param over FSDP2's there, which allocates its
+    # sharded gradients at each group's reduce-scatter and frees them at zero_grad). So the
+    # device-resident ones (not those an offloaded optimizer keeps on the host, in pinned memory)
+    # give their storage back at zero_grad and get it back, zeroed, before the reducer's first
+    # write (`reducer.before_write`) or any read (`master_gradients`, `finish_gradients`). The
+    # tensors and their per-parameter views stay the same objects: only the storage is resized.
+    def _hold_gradients(self) -> None:
+        """Give the master gradients their storage back, zeroed ([Note: master gradients between
+        steps])."""
+        if self._grads_held:
+            return
+        for grad in self._released_grads:
+            grad.untyped_storage().resize_(grad.numel() * grad.element_size())
+            grad.zero_()
+        self._grads_held = True
 
     def optimizer_step(self) -> None:
         run_step(self._stepper, self.offload, self.optimizer, self._backward_end, len(self.groups), "sub-groups")
@@ -258,8 +285,13 @@ class Stage3Strategy(ZeroStrategy):
             self.partitions.refresh_persistent([e for e in self._trainable_entries if e.persistent])
 
     def zero_grad(self) -> None:
+        released = {id(grad) for grad in self._released_grads}
         for _, _, master_grad in self.groups:
-            master_grad.zero_()
+            if id(master_grad) in released:  # [Note: master gradients between steps]
+                master_grad.untyped_storage().resize_(0)
+            else:
+                master_grad.zero_()
+        self._grads_held = not self._released_grads
         self.reducer.grads_zeroed()
 
     # ---- checkpoint ([Note: flat-range partitioning]) ---------------------------------------
