@@ -4,8 +4,8 @@ Hooks (all torch's own per-module / per-tensor hook APIs; nothing global is patc
   - forward pre-hook of a module with parameters: fetch them (gather, prefetch the next ones);
   - forward post-hook: release them unless a knob keeps them, and hook the outputs' gradients;
   - a multi-grad hook on those outputs fires before the module's backward: fetch again;
-  - each trainable parameter's post-accumulate-grad hook: hand the full gradient to the reducer
-    (gradients.py) and release the parameter — its last use in this backward is over;
+  - each trainable parameter's post-accumulate-grad hook: release the parameter — its last use in
+    this backward is over — and hand the full gradient to the reducer (gradients.py);
   - frozen parameters gathered for backward stay until `end_backward`.
 See [Note: stage-3 prefetch order] (trace.py) for how the recorded order drives prefetch
 and reuse, and [Note: stage-3 parameter storage] (parameters.py) for what gather/release do.
