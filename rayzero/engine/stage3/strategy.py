@@ -84,6 +84,7 @@ class Stage3Strategy(ZeroStrategy):
             masters: dict[int, torch.Tensor] = {}
             master_grads: dict[int, torch.Tensor] = {}
             self._released_grads: list[torch.Tensor] = []  # device-resident ones: freed between steps
+            self._kept_grads: list[torch.Tensor] = []  # an offloaded optimizer's, in pinned host memory
             self.groups: list[tuple[list[torch.nn.Parameter], torch.Tensor, torch.Tensor]] = []
             optimizer_groups = []
             split = [_sub_groups(group["params"], pieces, int(ctx.zero_config.sub_group_size))
@@ -105,8 +106,8 @@ class Stage3Strategy(ZeroStrategy):
                         masters[id(param)].copy_(pieces[id(param)][2])  # from fp32 values, before any downcast
                         offset += width
                     self.groups.append((sub_group, master, master_grad))
-                    if not off:  # [Note: master gradients between steps]
-                        self._released_grads.append(master_grad)
+                    # [Note: master gradients between steps]
+                    (self._kept_grads if off else self._released_grads).append(master_grad)
                     group_masters.append(master)
                 hyper = {k: v for k, v in group.items() if k != "params"}
                 optimizer_groups.append({**hyper, "params": group_masters})
@@ -285,12 +286,10 @@ class Stage3Strategy(ZeroStrategy):
             self.partitions.refresh_persistent([e for e in self._trainable_entries if e.persistent])
 
     def zero_grad(self) -> None:
-        released = {id(grad) for grad in self._released_grads}
-        for _, _, master_grad in self.groups:
-            if id(master_grad) in released:  # [Note: master gradients between steps]
-                master_grad.untyped_storage().resize_(0)
-            else:
-                master_grad.zero_()
+        for grad in self._kept_grads:
+            grad.zero_()
+        for grad in self._released_grads:  # [Note: master gradients between steps]
+            grad.untyped_storage().resize_(0)
         self._grads_held = not self._released_grads
         self.reducer.grads_zeroed()
 
