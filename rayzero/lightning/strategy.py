@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Generator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -48,6 +48,7 @@ from rayzero.config.lightning import LIGHTNING_DEFAULTS, lightning_to_dict
 from rayzero.engine.api import initialize
 from rayzero.engine.distributed import compute_device, init_distributed
 from rayzero.engine.stage3.zero_init import Init
+from rayzero.integrations.random_streams import streams_kept
 from rayzero.lightning.callback import RayZeroCallback
 from rayzero.lightning.checkpoints import (
     TAG,
@@ -148,6 +149,7 @@ class RayZeroStrategy(DDPStrategy):
         self._engine: Any = None  # the ZeroEngine; also `self.model` once set up
         self._config: dict[str, Any] | None = None  # the engine's DeepSpeed config, built at setup
         self._resumed: dict[str, Any] | None = None  # trainer state a restart resumed from (this fit)
+        self._restarting = False  # loading the checkpoint a restart resumes from (its random state too)
 
     # ---- precision ------------------------------------------------------------------------------
     @property
@@ -348,9 +350,13 @@ class RayZeroStrategy(DDPStrategy):
                 f"{path} is not a rayzero checkpoint (a directory written by trainer.save_checkpoint under "
                 "RayZeroStrategy); for a single-file checkpoint set RayZeroStrategy(load_full_weights=True)")
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
-        _, client_state = self._require_engine("loading a checkpoint").load_checkpoint(
-            path, load_optimizer_states=fitting, load_lr_scheduler_states=False,
-            load_module_strict=self.lightning_module.strict_loading)
+        # the engine's checkpoint holds each rank's random state, restored on a restart of a rayzero run
+        # (the run goes on as if never stopped); `fit(ckpt_path=...)` leaves the streams where they are,
+        # as Lightning does under DDP ([Note: the user's random streams])
+        with nullcontext() if self._restarting else streams_kept():
+            _, client_state = self._require_engine("loading a checkpoint").load_checkpoint(
+                path, load_optimizer_states=fitting, load_lr_scheduler_states=False,
+                load_module_strict=self.lightning_module.strict_loading)
         if not client_state or "loops" not in client_state:
             raise LightningSetupError(
                 f"{path} holds no trainer state: it was written by engine.save_checkpoint (e.g. a planned stop of a "
@@ -388,7 +394,11 @@ class RayZeroStrategy(DDPStrategy):
                            "training starts over")
             return
         rank_zero_info(f"RayZeroStrategy: attempt {context.attempt} resumes from {path}")
-        trainer._checkpoint_connector.resume_start(path)  # loads it through load_checkpoint above
+        self._restarting = True
+        try:
+            trainer._checkpoint_connector.resume_start(path)  # loads it through load_checkpoint above
+        finally:
+            self._restarting = False
         self._resumed = trainer._checkpoint_connector._loaded_checkpoint
 
     def _require_engine(self, what: str) -> Any:

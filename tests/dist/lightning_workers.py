@@ -134,8 +134,9 @@ def boring(rank: int, spec: dict[str, Any]) -> dict[str, Any]:
 
 def streams(rank: int, spec: dict[str, Any]) -> dict[str, Any]:
     """The issue's program: `seed_everything(0)`, Lightning's BoringModel with its own dataloaders
-    (its dataset drawn when `train_dataloader` runs), 10 steps; the random streams at `on_train_start`
-    and, once trained, at the end; saves the weights to spec['save']."""
+    (its dataset drawn when `train_dataloader` runs), 10 steps (or on from spec['ckpt_path'] to
+    spec['max_steps']); the random streams at `on_train_start` and, once trained, at the end; saves the
+    weights to spec['save']."""
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import Callback
     from lightning.pytorch.demos.boring_classes import BoringModel
@@ -147,8 +148,9 @@ def streams(rank: int, spec: dict[str, Any]) -> dict[str, Any]:
 
     pl.seed_everything(0, verbose=False)
     model, at_start = BoringModel(), AtTrainStart()
-    trainer = _quiet_trainer(strategy=_strategy(spec), max_steps=10, limit_train_batches=1.0, callbacks=[at_start])
-    trainer.fit(model)
+    trainer = _quiet_trainer(strategy=_strategy(spec), max_steps=spec.get("max_steps", 10), limit_train_batches=1.0,
+                             callbacks=[at_start])
+    trainer.fit(model, ckpt_path=spec.get("ckpt_path"))
     trainer.save_checkpoint(spec["save"])
     return {"at_train_start": at_start.states, "at_end": random_states(), "global_step": trainer.global_step}
 

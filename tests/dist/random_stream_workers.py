@@ -171,6 +171,36 @@ STAGE3_OFFLOAD = {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_p
 ZEROS = {"z0": {"stage": 0}, "z1": {"stage": 1}, "z2": {"stage": 2}, "z3": {"stage": 3}, "z3_offload": STAGE3_OFFLOAD}
 
 
+def zero3_build_case(rank: int, directory: str) -> dict[str, Any]:
+    """`from_config` after `TrainingArguments(deepspeed=<stage 3>)`: transformers builds under
+    `deepspeed.zero.Init` and initialises on rank 0 only (`initialize_weights_zero3`), so the streams
+    leave where a plain build leaves them; the deepspeed imported decides whose Init and gather run.
+    The streams after the build and the weights (gathered, by name)."""
+    import deepspeed
+    from transformers import TrainingArguments
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    TrainingArguments(output_dir=os.path.join(directory, "zero3_build"), report_to="none", deepspeed={
+        "train_micro_batch_size_per_gpu": "auto", "zero_optimization": {"stage": 3}})
+    _seed_everything()
+    model = _gpt2()
+    states = random_states()
+    weights = {}
+    for name, param in model.named_parameters():
+        with deepspeed.zero.GatheredParameters([param]):
+            weights[name] = param.detach().clone()
+    unset_hf_deepspeed_config()
+    return {"after_build": states, "weights": weights, "deepspeed": deepspeed.__file__}
+
+
+def deepspeed_zero3_build(rank: int, world_size: int, directory: str) -> dict[str, Any]:
+    """zero3_build_case with DeepSpeed's own package (the oracle for run_cases' "zero3_build")."""
+    import deepspeed
+
+    deepspeed.init_distributed("gloo")
+    return zero3_build_case(rank, directory)
+
+
 def run_cases(rank: int, world_size: int, directory: str) -> dict[str, Any]:
     """Every program, in the spawn's group (Accelerate and the Trainer take it as they find it); the
     environment is restored between the library cases."""
@@ -180,6 +210,7 @@ def run_cases(rank: int, world_size: int, directory: str) -> dict[str, Any]:
     out: dict[str, Any] = {"initialize": {name: initialize_case(rank, zero)
                                           for name, zero in {"ddp": None, **ZEROS}.items()}}
     out["from_pretrained"] = from_pretrained_case(rank, directory)
+    out["zero3_build"] = zero3_build_case(rank, directory)
     environment = dict(os.environ)
     for kind, case, zeros in (("accelerate", accelerate_case, ("z2", "z3")),
                               ("trainer", trainer_case, ("z2", "z3_offload"))):

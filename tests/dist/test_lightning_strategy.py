@@ -53,6 +53,8 @@ def _cases(directory: str) -> list[tuple[str, str, dict]]:
         *[(f"streams_z{stage}", "streams", {"keywords": {"stage": stage}, "save": save(f"streams_z{stage}")})
           for stage in (0, 1, 2)],
         ("streams_z3", "streams", {"keywords": STAGE3_OFFLOAD, "save": save("streams_z3")}),
+        *[(f"{name}_resumed", "streams", {**spec, "max_steps": 20, "ckpt_path": save(name), "save": save(f"{name}_resumed")})
+          for name, spec in (("streams_ddp", {"kind": "ddp"}), ("streams_z3", {"keywords": STAGE3_OFFLOAD}))],
         ("stop", "planned_stop", {"keywords": STAGE3_OFFLOAD, "ask_at": BATCHES - 1,
                                   "dirpath": os.path.join(directory, "stop_ckpts"),
                                   "run_dir": os.path.join(directory, "run"), "save": save("stop_{attempt}")}),
@@ -214,6 +216,19 @@ def test_setup_leaves_the_random_streams_where_ddp_leaves_them(trained):
     expected = _weights(directory, "streams_ddp")
     for stage in range(4):
         _assert_close(_weights(directory, f"streams_z{stage}"), expected)
+
+
+def test_a_resumed_fit_leaves_the_random_streams_where_ddp_leaves_them(trained):
+    """Issue 35: `fit(ckpt_path=...)` of the issue's program, on to step 20 from the step-10 checkpoint.
+    Lightning restores no random state on resume, under DDP or a strategy; loading rayzero's checkpoint
+    (a stage-3 one with its offloaded optimizer) draws nothing, so the streams and the weights are DDP's."""
+    ranks, directory = trained
+    for result in ranks:
+        ours, ddp = result["streams_z3_resumed"], result["streams_ddp_resumed"]
+        assert ddp["global_step"] == ours["global_step"] == 20
+        assert moved_streams(ours["at_train_start"], ddp["at_train_start"]) == []
+        assert moved_streams(ours["at_end"], ddp["at_end"]) == []
+    _assert_close(_weights(directory, "streams_z3_resumed"), _weights(directory, "streams_ddp_resumed"))
 
 
 def test_a_planned_stop_saves_at_the_agreed_step_and_a_restart_resumes_by_itself(trained):

@@ -3,8 +3,9 @@ under DDP leaves them ([Note: the user's random streams]), on 2 gloo ranks: `ray
 stages 0-3 (and stage 3 with CPU offload) against DistributedDataParallel, rayzero's `from_pretrained`
 against transformers', an Accelerate loop with a DeepSpeed config and HF's Trainer with `deepspeed=`
 (both through rayzero's `deepspeed`) against their own DDP. The states are compared after setup and
-after training (dropout draws in every forward). RayZeroStrategy's cases are in
-test_lightning_strategy.py. One spawn runs every case."""
+after training (dropout draws in every forward). A model transformers builds under ZeRO-3 is
+compared with DeepSpeed's own build (its path draws on rank 0 only, DeepSpeed's as rayzero's).
+RayZeroStrategy's cases are in test_lightning_strategy.py. One spawn runs every rayzero case."""
 from __future__ import annotations
 
 import pytest
@@ -12,7 +13,8 @@ import pytest
 pytestmark = pytest.mark.dist
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
-from random_stream_workers import ZEROS, run_cases
+import torch
+from random_stream_workers import ZEROS, deepspeed_zero3_build, run_cases
 from random_streams import moved_streams
 from testkit.harness import spawn
 
@@ -39,6 +41,20 @@ def test_from_pretrained_draws_nothing_as_transformers_does(ranks):
         loaded = result["from_pretrained"]
         for stage in ("stage_2", "stage_3"):
             assert moved_streams(loaded[stage], loaded["transformers"]) == [], stage
+
+
+def test_a_hugging_face_model_built_under_zero3_draws_as_under_deepspeed(ranks, tmp_path):
+    """transformers' ZeRO-3 build initialises on rank 0 only, after a construction that draws nothing:
+    the streams are not a plain build's (nor rank 1's rank 0's), under DeepSpeed 0.19.8 as here. The
+    oracle is DeepSpeed itself: the same program's streams and initial weights, rank by rank."""
+    pytest.importorskip("deepspeed")
+    deepspeed_ranks = spawn(2, deepspeed_zero3_build, str(tmp_path))
+    for ours, theirs in zip((result["zero3_build"] for result in ranks), deepspeed_ranks):
+        assert "rayzero" in ours["deepspeed"] and "rayzero" not in theirs["deepspeed"], (ours["deepspeed"], theirs["deepspeed"])
+        assert moved_streams(ours["after_build"], theirs["after_build"]) == []
+        assert sorted(ours["weights"]) == sorted(theirs["weights"])
+        for name, weight in theirs["weights"].items():
+            assert torch.equal(ours["weights"][name], weight), name
 
 
 def test_an_accelerate_loop_with_a_deepspeed_config_leaves_the_streams_where_its_ddp_does(ranks):
