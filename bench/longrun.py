@@ -144,7 +144,10 @@ def run_real(steps: int, workers: int, storage: str | None, sample_s: float, loo
                 record.update(ray.get(actor.__ray_call__.remote(longrun_memory.controller_side), timeout=30))
             except Exception as error:  # noqa: BLE001 - not started yet, or ending: the next sample asks again
                 record["controller_error"] = f"{type(error).__name__}: {error}"[:200]
-            samples.append(record)
+            # kept as JSON text (a malloc'd string), not dicts: objects kept for the run, made among the
+            # driver's reports, pin arenas of Python's allocator and would be measured as the driver's
+            # growth ([Note: the driver's long-lived objects])
+            samples.append(json.dumps(record))
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
@@ -172,7 +175,7 @@ def run_real(steps: int, workers: int, storage: str | None, sample_s: float, loo
         return (report_steps[last] - report_steps[first]) / (report_times[last] - report_times[first])
 
     window = max(2, len(report_steps) // 20)
-    placed = [dict(sample_, step=step_at(sample_["time"])) for sample_ in samples
+    placed = [dict(sample_, step=step_at(sample_["time"])) for sample_ in map(json.loads, samples)
               if report_times and sample_["time"] >= report_times[0]]
     warm_up = _warm_up(steps)
     memory: dict[str, Any] = {}
@@ -253,7 +256,7 @@ def simulate(rows: int, ranks: int) -> dict[str, Any]:
         steps = rows // ranks
         # per mark: rows added, feeding seconds, the driver's memory (before and after writing what
         # is queued: after, the bounded buffer is empty, so what is left is what the driver keeps)
-        marks: list[tuple[int, float, dict[str, Any], dict[str, Any]]] = []
+        marks: list[str] = []
         fed_s = 0.0
         started = time.perf_counter()
         every = max(1, steps // 50)
@@ -269,10 +272,12 @@ def simulate(rows: int, ranks: int) -> dict[str, Any]:
                 fed_s += time.perf_counter() - started
                 before = longrun_memory.probe()
                 log.flush(timeout_s=600)
-                marks.append(((step + 1) * ranks, fed_s, before, longrun_memory.probe()))
+                # as JSON text, as run_real's samples ([Note: the driver's long-lived objects])
+                marks.append(json.dumps(((step + 1) * ranks, fed_s, before, longrun_memory.probe())))
                 started = time.perf_counter()
         log.close(timeout_s=600)
         flushes = list(log.flush_log)
+    marks = [json.loads(mark) for mark in marks]
     tenth = max(1, len(marks) // 10)
 
     def rate(first: int, last: int) -> float:

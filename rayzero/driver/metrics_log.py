@@ -17,6 +17,20 @@ its live blocks did not). So the writer turns the queued rows into an Arrow tabl
 worth of reports only; the part is written from those tables, as before at the interval or at
 `rows_per_part` rows. A waiting row costs ~100 bytes instead of ~1 kB.
 
+[Note: the driver's long-lived objects]
+Python's small-object allocator (objects up to 512 bytes) takes memory in 1 MiB arenas and gives an
+arena back only once every block in it is free. The driver makes and frees thousands of small objects
+a second (each report, its row), so an object kept for the run and made among them lands in an arena
+that burst opened and holds all of it once the burst is freed: memory grows by arenas, not by the
+kept objects' size. bench/longrun.py simulate measured it over 10^7 rows from 64 ranks: the flush log
+as a dict of three floats per written part (497 of them) took Python's arenas 33 -> 35 MiB while its
+live blocks grew by ~4,000 (the benchmark's own samples, kept as dicts, among them). So what the driver
+keeps for the run is kept outside that allocator: the flush log in one buffer of doubles
+(`FlushLog`), bench/longrun.py's samples as JSON text (a string past 512 bytes is malloc's). The
+arenas then stay at 33 MiB over the 10^7 rows (live blocks +47). After each part the writer also hands
+back the free pages of malloc ([Note: the allocator's free pages]) and of pyarrow's pool (mimalloc
+keeps freed pages: the driver's RSS swung by ~5 MiB from one sample to the next with it).
+
 A slow or dead sink (storage down, s3 throttling) costs metrics, never steps: the writer keeps
 retrying with a growing pause while rows wait; once `max_pending_rows` wait, further rows are
 dropped and counted, and the driver says so once per trouble (the error, the rows dropped so far)
@@ -35,8 +49,8 @@ import dataclasses
 import json
 import threading
 import time
-from collections import deque
-from collections.abc import Callable
+from array import array
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pyarrow as pa
@@ -113,8 +127,8 @@ class MetricsLog:
         self.parts_written = 0
         self.dropped = 0
         """Rows lost because the sink fell behind by more than `max_pending_rows`."""
-        # per written batch, the newest 10,000: rows written before it, its rows, seconds (bench/longrun.py)
-        self.flush_log: deque[dict[str, float]] = deque(maxlen=10_000)
+        self.flush_log = FlushLog()
+        """Per written batch, the newest 10,000: rows written before it, its rows, seconds (bench/longrun.py)."""
         self._trouble: str | None = None  # the sink's current error, said once per streak
         # started at once: its first conversion's imports are done before the first reports come
         self._writer = threading.Thread(target=self._write_loop, name="rayzero-metrics", daemon=True)
@@ -252,6 +266,7 @@ class MetricsLog:
                 if self._tables:
                     self._write()
                     release_free_heap()  # [Note: the allocator's free pages]
+                    pa.default_memory_pool().release_unused()  # pyarrow's pool (mimalloc) keeps freed pages
                 pause = 0.0
                 if self._trouble is not None:
                     self._emit(f"[rayzero] metrics: writing to {self.uri} works again")
@@ -317,7 +332,38 @@ class MetricsLog:
                 del self._tables[:end - start]
                 self._table_rows -= written
             start = end
-        self.flush_log.append({"rows_before": rows_before, "rows": batch_rows, "seconds": time.monotonic() - started})
+        self.flush_log.append(rows_before, batch_rows, time.monotonic() - started)
+
+
+class FlushLog:
+    """The newest `capacity` flushes (rows before, rows, seconds) in packed doubles: a record a flush
+    kept as Python objects, made among a burst of rows, pins an arena of Python's allocator for the
+    run ([Note: the driver's long-lived objects]). Read as dicts: `log[-1]["seconds"]`, `list(log)`."""
+
+    FIELDS = ("rows_before", "rows", "seconds")
+
+    def __init__(self, capacity: int = 10_000) -> None:
+        self._capacity = capacity
+        self._values = array("d", bytes(8 * len(self.FIELDS) * capacity))  # one malloc'd buffer, never grown
+        self._count = 0  # flushes appended in all
+
+    def append(self, rows_before: float, rows: float, seconds: float) -> None:
+        at = (self._count % self._capacity) * len(self.FIELDS)
+        self._values[at], self._values[at + 1], self._values[at + 2] = rows_before, rows, seconds
+        self._count += 1
+
+    def __len__(self) -> int:
+        return min(self._count, self._capacity)
+
+    def __getitem__(self, index: int) -> dict[str, float]:
+        kept = len(self)
+        if not -kept <= index < kept:
+            raise IndexError(f"flush {index} of {kept}")
+        at = ((self._count - kept + index % kept) % self._capacity) * len(self.FIELDS)
+        return dict(zip(self.FIELDS, self._values[at:at + len(self.FIELDS)]))
+
+    def __iter__(self) -> Iterator[dict[str, float]]:
+        return (self[index] for index in range(len(self)))
 
 
 def _tables_of(rows: list[dict[str, Any]]) -> list[tuple[int, pa.Table]]:

@@ -205,3 +205,28 @@ def test_queued_rows_wait_as_arrow_tables_not_python_objects(tmp_path):
     assert log.flush(timeout_s=120) and log.rows_written == 40_001
     log.close()
     assert read_metrics(str(tmp_path), columns=["step"]).column("step").to_pylist() == list(range(40_001))
+
+
+def test_the_flush_log_keeps_the_newest_flushes_outside_pythons_small_object_allocator():
+    """[Note: the driver's long-lived objects]: a flush record kept as Python objects, made among a
+    burst of rows, pins an arena of Python's allocator for the run; the log keeps doubles in one buffer."""
+    from rayzero.driver.metrics_log import FlushLog
+
+    log = FlushLog(capacity=100)
+    assert len(log) == 0 and list(log) == []
+    for flush in range(10):
+        log.append(1000 * flush, 1000, 0.5 + flush)
+    assert len(log) == 10 and log[0] == {"rows_before": 0, "rows": 1000, "seconds": 0.5}
+    assert log[-1] == {"rows_before": 9000, "rows": 1000, "seconds": 9.5}
+    for flush in range(10, 250):  # past the capacity: the newest 100 are kept, oldest first
+        log.append(1000 * flush, 1000, 0.5 + flush)
+    assert len(log) == 100
+    assert [record["rows_before"] for record in log] == [1000.0 * flush for flush in range(150, 250)]
+    assert log[0]["seconds"] == 150.5 and log[-100] == log[0] and log[99] == log[-1]
+    with pytest.raises(IndexError):
+        log[100]
+    blocks = sys.getallocatedblocks()
+    for flush in range(250, 5250):
+        log.append(1000 * flush, 1000, 0.5 + flush)
+    # a dict of three floats per flush (the log before) kept ~5 blocks each: +25,000 here
+    assert sys.getallocatedblocks() - blocks < 100
