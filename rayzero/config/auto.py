@@ -55,8 +55,9 @@ class TrainerFacts(ConfigModel):
     """`apex` makes `amp.enabled: auto` follow `fp16` (and then refused); anything else means fp16."""
 
 
-DECIDED_AT_RUN_TIME = frozenset({"checkpoint.interval"})
-"""rayzero's own "auto" values: chosen while the run goes (from what it measures), never from facts."""
+DECIDED_AT_RUN_TIME = frozenset({"checkpoint.interval", "data_types.keep_in_fp32_modules"})
+""""auto" values chosen from what the run sees, never from facts: rayzero's checkpoint interval (from
+what it measures) and DeepSpeed's keep_in_fp32_modules (from the model the engine is given)."""
 
 # key path -> what would resolve it (for the error when nothing does)
 _PROVIDERS = {

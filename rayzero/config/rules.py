@@ -49,6 +49,7 @@ def check_rules(config: RayZeroConfig, notes: list[str], problems: list[Problem]
 def check_resolved(config: RayZeroConfig, problems: list[Problem], notes: list[str] | None = None) -> None:
     """Rules that need "auto" values resolved first."""
     _precision(config, problems)
+    _param_dtype(config, problems)
     if notes is not None:
         _grad_accum_dtype(config, notes)
 
@@ -66,6 +67,18 @@ def _grad_accum_dtype(config: RayZeroConfig, notes: list[str]) -> None:
                      f"{config.compute_dtype} compute rayzero accumulates gradients in {done} "
                      + ("(each micro step is reduced into the fp32 master gradients)" if stage >= 2 else
                         "(stages 0-1 accumulate in the compute dtype, or in fp32 when asked)"))
+
+
+def _param_dtype(config: RayZeroConfig, problems: list[Problem]) -> None:
+    asked = config.data_types.param_dtype
+    if asked is None or isinstance(config.fp16.enabled, str) or isinstance(config.bf16.enabled, str):
+        return
+    if asked != config.compute_dtype:
+        problems.append(Problem(
+            "data_types.param_dtype", asked, f"the model computes in {config.compute_dtype} "
+            "(the fp16 / bf16 sections decide it; DeepSpeed refuses a different param_dtype too)",
+            f'leave data_types.param_dtype out, or enable the matching precision: "{asked}": {{"enabled": true}}'
+            if asked != "fp32" else "leave data_types.param_dtype out, or disable fp16 and bf16"))
 
 
 def _precision(config: RayZeroConfig, problems: list[Problem]) -> None:

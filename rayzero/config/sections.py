@@ -186,6 +186,24 @@ class ActivationCheckpointingConfig(ConfigModel):
     """Log the forward time of each checkpointed region."""
 
 
+_DTYPE_ALIASES = {"fp16": ("fp16", "float16", "half", "torch.float16"),
+                  "bf16": ("bf16", "bfloat16", "torch.bfloat16"),
+                  "fp32": ("fp32", "float32", "float", "torch.float32")}
+
+
+def _dtype_name(value: Any) -> Any:
+    """DeepSpeed's spellings of a dtype (its DtypeEnum) -> "fp16" / "bf16" / "fp32"."""
+    for name, aliases in _DTYPE_ALIASES.items():
+        if value in aliases:
+            return name
+    accepted = ", ".join(repr(alias) for aliases in _DTYPE_ALIASES.values() for alias in aliases)
+    raise ValueError(f"{value!r} is not a dtype rayzero knows; use one of {accepted}")
+
+
+DtypeName = Annotated[str, BeforeValidator(_dtype_name)]
+"""A dtype as DeepSpeed's config spells it, kept as "fp16", "bf16" or "fp32"."""
+
+
 class DataTypesConfig(ConfigModel):
     """DeepSpeed's `data_types` section."""
 
@@ -194,12 +212,17 @@ class DataTypesConfig(ConfigModel):
     2-3 (each micro step is reduced into the fp32 master gradients); at stages 0-1 in the compute
     dtype, or in fp32 when this says "fp32" (DeepSpeed's BF16_Optimizer); a different request is
     warned about."""
-    param_dtype: Optional[str] = Field(None, json_schema_extra=_TODO)
-    """dtype parameters are loaded in; recognised, not implemented."""
-    buffer_dtype: Optional[str] = Field(None, json_schema_extra=_TODO)
-    """dtype buffers are kept in; recognised, not implemented."""
-    keep_in_fp32_modules: Optional[Any] = Field(None, json_schema_extra=_TODO)
-    """Module name patterns whose buffers stay fp32; recognised, not implemented."""
+    param_dtype: Optional[DtypeName] = None
+    """dtype the model's parameters compute in: the fp16/bf16 mode's; another value is an error
+    (DeepSpeed asserts the same)."""
+    buffer_dtype: Optional[DtypeName] = None
+    """dtype floating buffers are cast to. None (DeepSpeed 0.19.8's default): each keeps the dtype it
+    was built or loaded in (a rotary `inv_freq` stays fp32 under bf16) ([Note: buffers keep their dtype])."""
+    keep_in_fp32_modules: Union[Literal["auto"], list[str], None] = None
+    """Buffers kept in (or put back to) fp32 under fp16/bf16: "auto" (or unset) takes the names a transformers
+    model lists (`_keep_in_fp32_modules_strict`, and `_keep_in_fp32_modules` under fp16), a list
+    gives name patterns (`*` for any characters, matched anywhere in the buffer's full name), []
+    keeps none. As DeepSpeed 0.19.8's `data_types.keep_in_fp32_modules`."""
 
 
 class TagValidation(str, Enum):

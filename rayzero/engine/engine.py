@@ -32,6 +32,7 @@ from rayzero.checkpoint.types import ShardedTensor, ShardSpec
 from rayzero.config.errors import RayZeroRuntimeError, RayZeroValueError
 from rayzero.engine import activation_checkpointing, optim_state
 from rayzero.engine.autocast import forward_region
+from rayzero.engine.buffers import mixed_dtype_note
 from rayzero.engine.comm import Communicator
 from rayzero.engine.distributed import compute_device
 from rayzero.engine.engine_accessors import DeepSpeedAccessors
@@ -181,7 +182,13 @@ class ZeroEngine(DeepSpeedAccessors):
             inputs = _cast_floats(inputs, torch.float16)
         self.phase = Phase.FORWARD
         with self.timers.time("forward"), forward_region(self.precision.autocast, compute_device().type):
-            return self.module(*inputs, **kwargs)
+            try:
+                return self.module(*inputs, **kwargs)
+            except RuntimeError as error:
+                note = mixed_dtype_note(self.module, self.precision.param_dtype, self.precision.buffer_dtype, error)
+                if note is not None:
+                    error.add_note(note)
+                raise
 
     @property
     def _auto_cast(self) -> bool:

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from rayzero.config.errors import RayZeroValueError
+from rayzero.engine.buffers import place_buffers
 
 if TYPE_CHECKING:
     from rayzero.config.model import RayZeroConfig
@@ -31,7 +32,7 @@ class MixedPrecisionPolicy:
 
     precision: Precision
     param_dtype: torch.dtype
-    """dtype of the module's parameters and buffers during forward/backward."""
+    """dtype of the module's parameters during forward/backward (buffers: `buffer_dtype`)."""
     reduce_dtype: torch.dtype
     """dtype gradients travel in (`communication_data_type`; default: param_dtype)."""
     master_dtype: torch.dtype = torch.float32
@@ -42,6 +43,14 @@ class MixedPrecisionPolicy:
     autocast: AutocastPolicy | None = None
     """`torch_autocast`: the forward's autocast dtype and which parameters communicate in it
     ([Note: torch_autocast] in autocast.py); None without it."""
+    buffer_dtype: torch.dtype | None = None
+    """`data_types.buffer_dtype`: None, floating buffers keep their dtype ([Note: buffers keep their dtype])."""
+    keep_in_fp32: str | tuple[str, ...] = "auto"
+    """`data_types.keep_in_fp32_modules`: buffers kept in fp32 ("auto": the model's transformers lists)."""
+
+    def place_buffers(self, module: torch.nn.Module, device: torch.device | None = None) -> None:
+        """The module's floating buffers in their dtypes ([Note: buffers keep their dtype])."""
+        place_buffers(module, self.param_dtype, self.buffer_dtype, self.keep_in_fp32, device)
 
     def wire_dtype(self, param: torch.Tensor) -> torch.dtype:
         """The dtype ZeRO stages 1-3 reduce `param`'s gradient in (stage 3 also gathers it in that
@@ -75,8 +84,11 @@ class MixedPrecisionPolicy:
             raise RayZeroValueError(f"communication_data_type={comm!r} is not supported: use fp32, fp16 or bf16")
         # Only fp32 accumulation of 16-bit gradients is honoured (the config warns about other asks).
         fp32_accumulation = cfg.data_types.grad_accum_dtype == "fp32" and param_dtype != torch.float32
+        keep = cfg.data_types.keep_in_fp32_modules
         return cls(precision, param_dtype, reduce_dtype,
-                   accumulate_dtype=torch.float32 if fp32_accumulation else None, autocast=autocast)
+                   accumulate_dtype=torch.float32 if fp32_accumulation else None, autocast=autocast,
+                   buffer_dtype=_DTYPES[cfg.data_types.buffer_dtype] if cfg.data_types.buffer_dtype else None,
+                   keep_in_fp32="auto" if keep is None or isinstance(keep, str) else tuple(keep))
 
 
 @dataclass(frozen=True)

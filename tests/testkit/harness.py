@@ -171,7 +171,7 @@ class ParityModel(torch.nn.Module):
         self.register_buffer("scale", torch.linspace(0.5, 1.5, HIDDEN))
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        h = (self.embed(tokens) + self.pos) * self.scale
+        h = (self.embed(tokens) + self.pos) * self.scale.to(self.pos.dtype)  # fp32 under bf16 too: [Note: buffers keep their dtype]
         h = h + torch.tanh(self.frozen(h))
         h = h + self.down(F.gelu(self.up(self.norm(h))))
         logits = self.head(h).float()

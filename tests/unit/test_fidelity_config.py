@@ -196,3 +196,19 @@ def test_keys_that_do_nothing_here_say_so():
         assert any(f"zero_optimization.{key}" in note for note in config.notes), key
     quiet = load_config({**BATCH, "zero_optimization": {"stage": 2, "overlap_comm": False}})
     assert not any("overlap_comm" in note for note in quiet.notes)  # honoured at stages 1-3
+
+
+def test_data_types_dtypes_take_deepspeeds_spellings_and_param_dtype_must_be_the_compute_dtype():
+    """[Note: buffers keep their dtype]: DeepSpeed 0.19.8 spells dtypes as its DtypeEnum does, and
+    refuses a param_dtype other than the fp16/bf16 mode's."""
+    config = load_config({**BATCH, "bf16": {"enabled": True},
+                          "data_types": {"param_dtype": "torch.bfloat16", "buffer_dtype": "float32",
+                                         "keep_in_fp32_modules": ["rotary*"]}})
+    assert (config.data_types.param_dtype, config.data_types.buffer_dtype) == ("bf16", "fp32")
+    assert config.data_types.keep_in_fp32_modules == ["rotary*"]
+    assert load_config(BATCH).data_types.keep_in_fp32_modules is None  # "auto": the model's own lists
+    problem = _problems({"bf16": {"enabled": True}, "data_types": {"param_dtype": "fp16"}})["data_types.param_dtype"]
+    assert "computes in bf16" in problem and '"fp16": {"enabled": true}' in problem, problem
+    assert "data_types.param_dtype" in _problems({"data_types": {"param_dtype": "bf16"}})
+    problem = _problems({"data_types": {"buffer_dtype": "int8"}})["data_types.buffer_dtype"]
+    assert "'int8'" in problem and "'bfloat16'" in problem, problem

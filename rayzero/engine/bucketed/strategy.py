@@ -182,16 +182,14 @@ class BucketedStrategy(ZeroStrategy):
                       fired=[False] * len(params), master_range=(start, end), reduce_dtype=reduce_dtype)
 
     def _cast_untracked_state(self, ctx: StrategyContext) -> None:
-        """Frozen parameters and floating buffers compute in the compute dtype too."""
+        """Frozen parameters compute in the compute dtype too; buffers keep theirs unless the config
+        says otherwise ([Note: buffers keep their dtype])."""
         dtype = self.precision.param_dtype
         tracked = {id(p) for bucket in self.buckets for p in bucket.params}
         for param in self.module.parameters():
             if id(param) not in tracked and param.is_floating_point():
                 param.data = param.data.to(dtype)
-        for buf_module in self.module.modules():
-            for name, buf in buf_module.named_buffers(recurse=False):
-                if buf is not None and buf.is_floating_point():
-                    setattr(buf_module, name, buf.to(dtype))
+        self.precision.place_buffers(self.module)
 
     @abc.abstractmethod
     def _init_gradient_storage(self, bucket: Bucket) -> None:

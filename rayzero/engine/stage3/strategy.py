@@ -184,10 +184,7 @@ class Stage3Strategy(ZeroStrategy):
         return self.partitions.local_piece(param.detach().reshape(-1).float()), param.shape
 
     def _cast_buffers(self) -> None:
-        for submodule in self.module.modules():
-            for name, buf in submodule.named_buffers(recurse=False):
-                if buf is not None and buf.is_floating_point():
-                    setattr(submodule, name, buf.to(self.partitions.device, self.precision.param_dtype))
+        self.precision.place_buffers(self.module, self.partitions.device)  # [Note: buffers keep their dtype]
 
     # ---- step protocol ----------------------------------------------------------------------
     def before_forward(self) -> None:
