@@ -52,6 +52,18 @@ class Normed(torch.nn.Module):
         return self.head(self.norm(self.up(inputs))).float().square().mean()
 
 
+class Scaled(torch.nn.Module):
+    """Mixes an fp32 buffer into the activations before a Linear: fails under bf16 unless the buffer is cast."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, WIDTH))
+        self.up = torch.nn.Linear(WIDTH, 1)
+
+    def forward(self, positions: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
+        return self.up(inputs * self.scale).float().square().mean()
+
+
 def _config(case: dict) -> dict:
     config = {"train_micro_batch_size_per_gpu": 8, "steps_per_print": 10**6, "bf16": {"enabled": True},
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
@@ -72,9 +84,11 @@ def _side(rank: int, world: int, which: str) -> dict:
 
         initialize = rayzero.initialize
     out: dict = {}
-    for name, case in {**CASES, "batch_norm": {"stage": 2}}.items():
+    extra = {"batch_norm": {"stage": 2}, "mixed": {"stage": 2},
+             "mixed_cast": {"stage": 2, "data_types": {"buffer_dtype": "bf16"}}}
+    for name, case in {**CASES, **extra}.items():
         torch.manual_seed(0)
-        model = Normed() if name == "batch_norm" else Rotary()
+        model = Normed() if name == "batch_norm" else Scaled() if name.startswith("mixed") else Rotary()
         with torch.no_grad():  # weights bf16 holds exactly: DeepSpeed's masters start from the bf16 cast
             for param in model.parameters():
                 param.copy_(param.bfloat16().float())
@@ -90,7 +104,7 @@ def _side(rank: int, world: int, which: str) -> dict:
                 engine.step()
                 losses.append(loss.item())
         except Exception as error:  # noqa: BLE001 - DeepSpeed's batch norm case fails; the result says so
-            out[name] = {"error": f"{type(error).__name__}: {error}"}
+            out[name] = {"error": f"{type(error).__name__}: {error}", "notes": getattr(error, "__notes__", [])}
             continue
         out[name] = {"buffers": {key: str(value.dtype) for key, value in engine.module.named_buffers()},
                      "losses": losses}
@@ -120,3 +134,13 @@ def test_a_batch_norms_running_statistics_follow_its_parameters_where_deepspeed_
     assert "expected scalar type" in theirs.get("error", ""), theirs  # DeepSpeed 0.19.8 keeps them fp32
     assert ours["buffers"]["norm.running_mean"] == ours["buffers"]["norm.running_var"] == "torch.bfloat16", ours
     assert all(math.isfinite(loss) for loss in ours["losses"]), ours
+
+
+def test_a_forward_mixing_an_fp32_buffer_into_bf16_fails_with_a_note_naming_the_buffer_and_the_key(sides):
+    ours, theirs = sides["rayzero"]["mixed"], sides["deepspeed"]["mixed"]
+    assert "dtype" in theirs.get("error", ""), theirs  # DeepSpeed 0.19.8 fails the same way, with no note
+    assert "dtype" in ours.get("error", ""), ours
+    note = " ".join(ours["notes"])
+    assert "scale" in note and '"buffer_dtype": "bf16"' in note, ours
+    cast = sides["rayzero"]["mixed_cast"]
+    assert cast["buffers"]["scale"] == "torch.bfloat16" and all(math.isfinite(loss) for loss in cast["losses"]), cast
