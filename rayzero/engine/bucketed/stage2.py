@@ -37,9 +37,8 @@ class Stage2Strategy(BucketedStrategy):
         if not self.policy.contiguous_gradients:
             return torch.zeros(numel, dtype=dtype, device=self.device)
         if not self._staging:
-            largest = max(bucket.layout.padded_numel for bucket in self.buckets)
             widest = max(bucket.reduce_dtype.itemsize for bucket in self.buckets)
-            self._staging = [torch.empty(largest * widest, dtype=torch.uint8, device=self.device)
+            self._staging = [torch.empty(self._ring_numel() * widest, dtype=torch.uint8, device=self.device)
                              for _ in range(self._STAGING_RING)]
         # Reusing a buffer requires the collective that last read it to be done.
         while len(self._inflight) >= self._STAGING_RING:
@@ -47,12 +46,24 @@ class Stage2Strategy(BucketedStrategy):
             if work is not None:
                 work.wait()
             self._timed_finish(finish)
+        if numel * dtype.itemsize > self._staging[0].numel():  # a parameter past the bucket size, alone
+            return torch.zeros(numel, dtype=dtype, device=self.device)
         # Raw bytes viewed as the bucket's reduce dtype: buckets of two dtypes (torch_autocast)
         # share the ring ([Note: torch_autocast] in autocast.py).
         buffer = self._staging[self._staging_turn][:numel * dtype.itemsize].view(dtype)
         self._staging_turn = (self._staging_turn + 1) % self._STAGING_RING
         buffer.zero_()
         return buffer
+
+    def _ring_numel(self) -> int:
+        """Elements of each staging buffer: the largest bucket that `reduce_bucket_size` shaped. A
+        parameter larger than the bucket size is a bucket by itself (a model's embedding or head:
+        39% of a 125M Llama's parameters in two); two ring buffers of its size stayed allocated for
+        the run (1.58 B/param at 2 ranks), so it gets a buffer of its own for its reduction only."""
+        sizes = [bucket.layout.padded_numel for bucket in self.buckets]
+        shaped = [size for size, bucket in zip(sizes, self.buckets)
+                  if len(bucket.params) > 1 or bucket.params[0].numel() <= self.policy.reduce_bucket_size]
+        return max(shaped or sizes)
 
     def _reduce_bucket(self, bucket: Bucket, async_op: bool) -> tuple[object, Finish]:
         layout = bucket.layout
