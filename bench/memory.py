@@ -2,11 +2,12 @@
 
     python bench/memory.py --json bench/results/memory.json       # GPT-2 (124M), 2 rounds
     python bench/memory.py --model small --rounds 1                # the same at ~5M parameters
+    python bench/memory.py --model llama --json bench/results/memory-llama.json   # Llama-shaped, 125M
 
 Every row is one system at one world size (1, or 2 gloo ranks), in processes of its own: each rank
 settles to a baseline every system pays alike (imports, a warm-up step, mapped files: see
-`settle` in bench/memory_rank.py), builds transformers' GPT2LMHeadModel (fp32, random init, the
-same seed), hands it with the same torch AdamW (fused) to the system and trains on the same
+`settle` in bench/memory_rank.py), builds transformers' GPT2LMHeadModel (or LlamaForCausalLM; fp32,
+random init, the same seed), hands it with the same torch AdamW (fused) to the system and trains on the same
 batches. A row's figure is the peak resident memory above that baseline (VmHWM, the larger rank),
 per trainable parameter; `phases` says which phase raised the peak, `census` what tensors were
 alive between the probe step's backward and its optimizer step (bench/census.py), and `losses`
@@ -44,6 +45,7 @@ SYSTEMS = ([f"rayzero-stage{s}-bf16" for s in (1, 2, 3)] + [f"rayzero-stage{s}-f
 # Loaded once by the fork server: each rank is a fresh process with its own process group, spared
 # ~10 s of imports (its baseline is taken after it has imported everything itself anyway).
 PRELOAD = ["torch", "torch._dynamo", "torch.distributed.fsdp", "transformers.models.gpt2.modeling_gpt2",
+           "transformers.models.llama.modeling_llama",
            "deepspeed", "rayzero.engine.api", "bench.memory_rank"]
 LOSS_TOLERANCE = 1e-3
 """The issue's target: stage-3 bf16 losses within 1e-3 of FSDP2's (absolute)."""
@@ -227,8 +229,9 @@ def table(merged: list[dict[str, Any]], found: list[dict[str, Any]]) -> str:
 
 def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", choices=["gpt2", "small"], default="gpt2",
-                        help="gpt2: GPT-2 small as released (124M); small: the same shape at ~5M")
+    parser.add_argument("--model", choices=["gpt2", "small", "llama"], default="gpt2",
+                        help="gpt2: GPT-2 small as released (124M); small: the same shape at ~5M; llama: "
+                             "a Llama of GPT-2 small's width and depth (125M, untied head)")
     parser.add_argument("--systems", type=lambda s: s.split(","), default=SYSTEMS, help=",".join(SYSTEMS))
     parser.add_argument("--world-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2])
     parser.add_argument("--rounds", type=int, default=2)

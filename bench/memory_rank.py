@@ -42,20 +42,40 @@ MODELS: dict[str, dict[str, int]] = {
     "tiny": {"n_layer": 1, "n_embd": 64, "n_head": 2, "vocab_size": 256, "n_positions": 32},
 }
 """`tiny`: the warm-up's model (`settle`)."""
+LLAMA_MODELS: dict[str, dict[str, Any]] = {
+    "llama": {"hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 12, "num_attention_heads": 12,
+              "num_key_value_heads": 4, "vocab_size": 32000, "max_position_embeddings": 1024,
+              "tie_word_embeddings": False},
+}
+"""A Llama-shaped model of GPT-2 small's width and depth (125M): RMSNorm, SwiGLU MLP, grouped-query
+attention, rotary positions and an untied head, none of which GPT-2 has."""
+
+
+def vocabulary(size: str) -> int:
+    return (LLAMA_MODELS.get(size) or MODELS[size])["vocab_size"]
 
 
 class CausalLM(torch.nn.Module):
-    """GPT2LMHeadModel returning its loss, so every system calls `loss = model(tokens, labels)`.
-    Dropout is off, so the systems' losses differ only by their numerics."""
+    """transformers' GPT2LMHeadModel (or LlamaForCausalLM) returning its loss, so every system calls
+    `loss = model(tokens, labels)`. Dropout is off, so the systems' losses differ only by their numerics."""
 
     def __init__(self, size: str) -> None:
         super().__init__()
+        if size in LLAMA_MODELS:
+            from transformers import LlamaConfig, LlamaForCausalLM
+
+            self.lm = LlamaForCausalLM(LlamaConfig(**LLAMA_MODELS[size], attention_dropout=0.0))
+            return
         from transformers import GPT2Config, GPT2LMHeadModel
 
         last = MODELS[size]["vocab_size"] - 1  # GPT-2's <|endoftext|> is its last token
         config = GPT2Config(**MODELS[size], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                             bos_token_id=last, eos_token_id=last)
         self.lm = GPT2LMHeadModel(config)
+
+    def blocks(self) -> list[torch.nn.Module]:
+        """The transformer blocks (FSDP2's units)."""
+        return list(self.lm.model.layers if hasattr(self.lm, "model") else self.lm.transformer.h)
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return self.lm(input_ids=tokens, labels=labels).loss  # labels are shifted inside
@@ -70,6 +90,10 @@ def small() -> CausalLM:
     return CausalLM("small")
 
 
+def llama() -> CausalLM:
+    return CausalLM("llama")
+
+
 def build_model(size: str) -> CausalLM:
     with torch.random.fork_rng():
         torch.manual_seed(SEED)
@@ -79,7 +103,7 @@ def build_model(size: str) -> CausalLM:
 def batch(size: str, step: int, rank: int, batch_size: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Rank `rank`'s tokens for `step` (inputs and labels are the same tokens: GPT-2 shifts)."""
     generator = torch.Generator().manual_seed(SEED * 1_000_003 + step * 1009 + rank)
-    tokens = torch.randint(0, MODELS[size]["vocab_size"], (batch_size, length), generator=generator)
+    tokens = torch.randint(0, vocabulary(size), (batch_size, length), generator=generator)
     return tokens, tokens
 
 
@@ -142,7 +166,7 @@ def _fsdp2(model, stage: int, precision: str, micro_batch: int, extra: dict[str,
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if precision == "bf16" else MixedPrecisionPolicy()
-    for block in model.lm.transformer.h:
+    for block in model.blocks():
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     optimizer = adamw(model.parameters())

@@ -167,6 +167,7 @@ def longrun_speed_table(result: dict[str, Any]) -> str:
 TABLES: dict[str, tuple[str, str, Callable[[dict[str, Any]], str]]] = {
     "recovery": ("docs/controller.md", "bench/results/recovery.json", recovery_table),
     "memory": ("bench/README.md", "bench/results/memory.json", memory_table),
+    "memory-llama": ("bench/README.md", "bench/results/memory-llama.json", memory_table),
     "longrun-train": ("bench/README.md", "bench/results/longrun-real.json", longrun_table),
     "longrun-report": ("bench/README.md", "bench/results/longrun-report.json", longrun_table),
     "longrun-relay": ("bench/README.md", "bench/results/longrun-relay.json", longrun_table),

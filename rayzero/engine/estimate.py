@@ -88,9 +88,11 @@ def _one(stage, opt_off, param_off, psi, largest, world, per_node, p, s, bucket,
     where["nvme" if opt_off == "nvme" else home] += state
     working = 0
     if stage == 2:
-        # the staging pair is two of the largest bucket, and a parameter larger than
-        # reduce_bucket_size is a bucket of its own (partition.plan_buckets)
-        working = 2 * min(max(bucket, largest), psi) * p
+        # the staging pair is two buckets in the reduce dtype; a parameter larger than
+        # reduce_bucket_size is a bucket of its own (partition.plan_buckets) with a staging buffer of
+        # its own while it reduces, beside its full gradient in the compute dtype (bucketed/stage2.py)
+        ring = min(bucket, psi)
+        working = 2 * ring * r + (largest * (p + r) if largest > ring else 0)
     elif stage == 3:
         # the largest layer gathered and its full gradient (compute dtype); that gradient copied into
         # a send buffer when reduced in another dtype ([Note: gradients copied on arrival]); the

@@ -49,9 +49,9 @@ def test_rows_follow_the_layout_table() -> None:
 
 
 def test_stage2_staging_holds_a_parameter_larger_than_the_bucket() -> None:
-    """Stage 2 stages gradients in two buffers of its largest bucket, and partition.plan_buckets gives
-    a parameter larger than reduce_bucket_size a bucket of its own: with a small bucket the staging
-    pair is two of the largest layer (once wrongly two of the bucket)."""
+    """Stage 2 stages gradients in two buffers of the bucket size, and partition.plan_buckets gives
+    a parameter larger than reduce_bucket_size a bucket of its own, staged in a buffer of its own
+    beside its gradient while it reduces (bucketed/stage2.py: the pair was once two of that layer)."""
     from rayzero.engine.partition import plan_buckets
 
     psi, largest, bucket = 10_000_000, 2_000_000, 500_000
@@ -59,7 +59,10 @@ def test_stage2_staging_holds_a_parameter_larger_than_the_bucket() -> None:
     assert max(b.padded_numel for b in layout.buckets) == largest
     rows = {(r.stage, r.offload_optimizer): r for r in estimate(psi, largest, precision="bf16",
                                                                 reduce_bucket_size=bucket)}
-    assert rows[(2, "none")].working_bytes == 2 * largest * 2
+    assert rows[(2, "none")].working_bytes == 2 * bucket * 2 + largest * (2 + 2)
+    rows = {(r.stage, r.offload_optimizer): r for r in estimate(psi, largest, precision="bf16",
+                                                                reduce_bucket_size=bucket, communication_data_type="fp32")}
+    assert rows[(2, "none")].working_bytes == 2 * bucket * 4 + largest * (2 + 4)  # staged in the reduce dtype
     rows = {(r.stage, r.offload_optimizer): r for r in estimate(psi, largest, precision="bf16")}
     assert rows[(2, "none")].working_bytes == 2 * psi * 2  # DeepSpeed's 5e8 bucket: the whole model
 
