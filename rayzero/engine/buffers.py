@@ -60,16 +60,14 @@ def _running_statistics(module: torch.nn.Module) -> set[int]:
 def place_buffers(module: torch.nn.Module, compute_dtype: torch.dtype, buffer_dtype: torch.dtype | None,
                   keep_in_fp32: Any, device: torch.device | None = None) -> None:
     """Each floating buffer of `module` in the dtype [Note: buffers keep their dtype] gives it (and on
-    `device`, when given): `buffer_dtype`, fp32 for the names kept in fp32, else as it is (a batch
-    norm's running statistics: `compute_dtype`)."""
+    `device`, when given; other buffers stay as they are): `buffer_dtype`, fp32 for the names kept in
+    fp32, else as it is (a batch norm's running statistics: `compute_dtype`)."""
     keep = keep_in_fp32_pattern(module, keep_in_fp32, compute_dtype)
     statistics = _running_statistics(module) if buffer_dtype is None else set()
     for module_name, owner in module.named_modules():
         prefix = f"{module_name}." if module_name else ""
         for name, buffer in list(owner.named_buffers(recurse=False)):
             if buffer is None or not buffer.is_floating_point():
-                if buffer is not None and device is not None:
-                    setattr(owner, name, buffer.to(device))
                 continue
             if keep is not None and keep.search(prefix + name):
                 dtype = torch.float32
