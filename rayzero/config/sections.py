@@ -186,18 +186,13 @@ class ActivationCheckpointingConfig(ConfigModel):
     """Log the forward time of each checkpointed region."""
 
 
-_DTYPE_ALIASES = {"fp16": ("fp16", "float16", "half", "torch.float16"),
-                  "bf16": ("bf16", "bfloat16", "torch.bfloat16"),
-                  "fp32": ("fp32", "float32", "float", "torch.float32")}
-
-
 def _dtype_name(value: Any) -> Any:
-    """DeepSpeed's spellings of a dtype (its DtypeEnum) -> "fp16" / "bf16" / "fp32"."""
-    for name, aliases in _DTYPE_ALIASES.items():
-        if value in aliases:
-            return name
-    accepted = ", ".join(repr(alias) for aliases in _DTYPE_ALIASES.values() for alias in aliases)
-    raise ValueError(f"{value!r} is not a dtype rayzero knows; use one of {accepted}")
+    """A floating dtype as DeepSpeed's DtypeEnum spells it (`AUTOCAST_DTYPES`) -> "fp16" / "bf16" / "fp32"."""
+    name = AUTOCAST_DTYPES.get(value) if isinstance(value, str) else None
+    if name in (None, "int8"):
+        accepted = ", ".join(repr(alias) for alias, short in AUTOCAST_DTYPES.items() if short != "int8")
+        raise ValueError(f"{value!r} is not a dtype rayzero knows; use one of {accepted}")
+    return name
 
 
 DtypeName = Annotated[str, BeforeValidator(_dtype_name)]

@@ -132,7 +132,7 @@ class Stage3Strategy(ZeroStrategy):
                     entry.wire_dtype = wire if wire != entry.full.dtype else None
             del pieces
             self.partitions.refresh_persistent([e for e in self.partitions.entries if e.persistent])
-            self._cast_buffers()
+            self.precision.place_buffers(self.module, self.partitions.device)  # [Note: buffers keep their dtype]
         by_param = {id(e.param): e for e in self.partitions.entries}
         by_id = {id(e): e for e in self.partitions.entries}
         self.groups = [([by_param[id(p)] for p in params], master, master_grad)
@@ -182,9 +182,6 @@ class Stage3Strategy(ZeroStrategy):
             owner.forget(entry)
             return entry.shard.to(self.partitions.device, torch.float32), entry.shape
         return self.partitions.local_piece(param.detach().reshape(-1).float()), param.shape
-
-    def _cast_buffers(self) -> None:
-        self.precision.place_buffers(self.module, self.partitions.device)  # [Note: buffers keep their dtype]
 
     # ---- step protocol ----------------------------------------------------------------------
     def before_forward(self) -> None:
